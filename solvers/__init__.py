@@ -1,0 +1,1 @@
+"""solvers: torch-free rematerialization / offload planners over DAGs."""
