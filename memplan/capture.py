@@ -1,0 +1,432 @@
+"""Trace a model's forward and backward into one ATen-level joint ``torch.fx`` graph.
+
+Why AOTAutograd's ``partition_fn`` seam (and not ``make_fx`` over a step that
+calls ``torch.autograd.grad``): ``make_fx`` sees in-place ops (``relu_``,
+BatchNorm's running-stat ``add_``) as mutations in the graph, and
+``torch.func.functionalize`` refuses to run autograd inside it. AOTAutograd
+functionalizes the joint graph for us, turns buffer mutations into extra
+forward outputs (applied once, outside the graph), handles tied parameters and
+aliased outputs, and hands the joint graph to the partitioner with
+``primals_*`` / ``tangents_*`` placeholders on every torch release since 2.0.
+We capture it there and abort the rest of the compile.
+
+Everything runs under a ``FakeTensorMode``: no activation (and, for a model
+built on the meta device, no parameter) is ever allocated.
+
+The one job of this module: produce a :class:`Capture`, the joint graph plus
+the map from its placeholders and outputs to the model's parameters, buffers,
+inputs and outputs.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced into a joint graph; the message says where and why."""
+
+
+# --------------------------------------------------------------------------- #
+# Plain data describing the joint graph's calling convention
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class PrimalInfo:
+    """One ``primals_*`` placeholder: where its tensor comes from at run time."""
+
+    kind: str  # "param" | "buffer" | "input"
+    name: str  # parameter / buffer name, or "input[i]" for the i-th flat input tensor
+    index: int  # position within its kind
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    """One entry of the joint graph's output list."""
+
+    kind: str  # "buffer_update" | "user" | "extra_fw" | "grad"
+    index: int  # buffer index / user tensor-leaf index / primal index
+
+
+@dataclass
+class OutputTree:
+    """How to rebuild the model's (possibly nested) output from its tensor leaves.
+
+    Non-tensor leaves (ints, strings, objects of the model's own classes that
+    hold no tensors) are kept verbatim from the trace and passed through.
+    Objects of the model's own classes that hold tensors are shallow-copied
+    with their tensor attributes replaced.
+    """
+
+    spec: Any  # pytree spec over the "opened" output
+    leaves: list[Any]  # constants, with None where a tensor leaf goes
+    tensor_positions: list[int]  # leaf positions that are tensors
+    objects: list[tuple[Any, list[str]]]  # opened custom objects: (template, attribute names)
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for pos, t in zip(self.tensor_positions, tensors):
+            leaves[pos] = t
+        return _close_objects(pytree.tree_unflatten(leaves, self.spec), self.objects)
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What a plan depends on: shapes, dtypes, devices of the inputs, plus mode flags."""
+
+    key: tuple
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict, training: bool) -> "InputSignature":
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        parts = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                parts.append(("T", tuple(leaf.shape), str(leaf.dtype), leaf.device.type, leaf.requires_grad))
+            elif isinstance(leaf, (int, float, bool, str, type(None))):
+                parts.append(("C", leaf))
+            else:
+                parts.append(("O", type(leaf).__qualname__))
+        autocast = (
+            torch.is_autocast_enabled("cpu"),
+            torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
+            torch.is_autocast_enabled("cuda") if torch.cuda.is_available() else False,
+        )
+        return InputSignature((str(spec), tuple(parts), training, torch.is_grad_enabled(), str(autocast)))
+
+
+@dataclass
+class Capture:
+    """The joint forward+backward graph of one model at one input signature."""
+
+    graph_module: fx.GraphModule
+    primals: list[PrimalInfo]
+    num_tangents: int
+    tangent_outputs: list[int]  # for each tangent placeholder: the joint output index it is the gradient of
+    outputs: list[OutputInfo]
+    output_tree: OutputTree
+    input_spec: Any  # pytree spec of (args, kwargs)
+    input_constants: list[Any]  # non-tensor input leaves (None where a tensor goes)
+    param_names: list[str]
+    buffer_names: list[str]
+    mutated_buffers: list[int]  # buffer indices whose new values are "buffer_update" outputs
+    user_requires_grad: list[bool]  # per user tensor leaf
+    signature: InputSignature
+    fake_mode: FakeTensorMode = field(repr=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_nodes(self) -> list[fx.Node | None]:
+        (out,) = [n for n in self.graph.nodes if n.op == "output"]
+        return list(pytree.tree_leaves(out.args[0], is_leaf=lambda x: x is None))
+
+
+# --------------------------------------------------------------------------- #
+# Output flattening that also opens the model's own objects
+# --------------------------------------------------------------------------- #
+
+
+def _holds_tensors(obj: Any) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in vars(obj).values())
+
+
+def _open_objects(tree: Any, objects: list[tuple[Any, list[str]]]) -> Any:
+    """Replace objects pytree cannot see into (dataclasses, caches) by tagged dicts of their tensors."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) or x is None:
+            return x
+        if isinstance(x, (list, tuple, dict)) and type(x) in (list, tuple, dict):
+            return pytree.tree_map(visit, x, is_leaf=lambda y: y is not x)
+        if pytree._get_node_type(x) in pytree.SUPPORTED_NODES:
+            children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
+            return pytree.tree_unflatten([visit(c) for c in children], spec)
+        if hasattr(x, "__dict__") and not isinstance(x, type) and _holds_tensors(x):
+            names = [k for k, v in vars(x).items() if isinstance(v, torch.Tensor)]
+            objects.append((x, names))
+            return {"__memplan_object__": len(objects) - 1, **{k: getattr(x, k) for k in names}}
+        return x
+
+    return visit(tree)
+
+
+def _close_objects(tree: Any, objects: list[tuple[Any, list[str]]]) -> Any:
+    """Inverse of :func:`_open_objects`: shallow-copy each template with new tensors."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, dict) and "__memplan_object__" in x:
+            template, names = objects[x["__memplan_object__"]]
+            obj = copy.copy(template)
+            for k in names:
+                object.__setattr__(obj, k, visit(x[k]))
+            return obj
+        if type(x) in (list, tuple):
+            return type(x)(visit(v) for v in x)
+        if type(x) is dict:
+            return {k: visit(v) for k, v in x.items()}
+        if pytree._get_node_type(x) in pytree.SUPPORTED_NODES and not isinstance(x, torch.Tensor):
+            children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
+            return pytree.tree_unflatten([visit(c) for c in children], spec)
+        return x
+
+    return visit(tree)
+
+
+def flatten_output(out: Any) -> tuple[list[Any], OutputTree]:
+    """Flatten a model output into its tensor leaves and a tree that rebuilds it."""
+    objects: list[tuple[Any, list[str]]] = []
+    opened = _open_objects(out, objects)
+    leaves, spec = pytree.tree_flatten(opened)
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    tensors = [leaves[i] for i in positions]
+    return tensors, OutputTree(spec, constants, positions, objects)
+
+
+# --------------------------------------------------------------------------- #
+# The capture itself
+# --------------------------------------------------------------------------- #
+
+
+def _primal_label(i: int, param_names: list[str], n_b: int) -> str:
+    return param_names[i] if i < len(param_names) else f"input tensor {i - len(param_names) - n_b}"
+
+
+def _mutated_inputs(call: Callable[[tuple], Any], flat: tuple[torch.Tensor, ...], fake_mode: FakeTensorMode) -> list[int]:
+    """Indices of the flat inputs whose data one forward writes to.
+
+    Runs the forward once under functionalization, as AOTAutograd does to
+    collect its own metadata: neither version counters nor op schemas catch
+    every write (``native_batch_norm`` updates running statistics without
+    declaring it), functionalization does.
+    """
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    with fake_mode:
+        mode = FunctionalTensorMode()
+        with mode:
+            wrapped = tuple(FunctionalTensor.to_functional(t) for t in flat)
+        with mode, torch.enable_grad():
+            call(wrapped)
+        return [i for i, w in enumerate(wrapped) if torch._functionalize_has_data_mutation(w.elem)]
+
+
+class _Captured(Exception):
+    """Raised from the partitioner to stop AOTAutograd once the joint graph is in hand."""
+
+
+def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    fake = fake_mode.from_tensor(t, static_shapes=True)
+    return fake
+
+
+def _aliases_to_clone(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> set[int]:
+    """Output leaves that alias an input, another output, or an intermediate.
+
+    AOTAutograd regenerates such outputs outside the graph and gives them no
+    tangent of their own; our runtime returns graph values directly, so we make
+    each such output its own storage (a copy) to keep the calling convention
+    one tensor = one value = one tangent.
+    """
+    seen = {id(t.untyped_storage()) for t in inputs}
+    clone = set()
+    for i, t in enumerate(tensors):
+        key = id(t.untyped_storage())
+        if t._base is not None or key in seen:
+            clone.add(i)
+        seen.add(key)
+    return clone
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> Capture:
+    """Trace ``model(*args, **kwargs)`` and its backward into one joint ATen graph.
+
+    Real tensors are swapped for fake ones first, so nothing is allocated.
+    Parameters are the module's ``named_parameters()`` (tied weights appear once);
+    buffers its ``named_buffers()``; inputs every tensor leaf of ``(args, kwargs)``.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    kwargs = dict(kwargs or {})
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    param_names, buffer_names = list(params), list(buffers)
+    in_leaves, in_spec = pytree.tree_flatten((tuple(args), kwargs))
+    in_tensor_pos = [i for i, x in enumerate(in_leaves) if isinstance(x, torch.Tensor)]
+    in_constants = [None if isinstance(x, torch.Tensor) else x for x in in_leaves]
+    signature = InputSignature.of(tuple(args), kwargs, model.training)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_params = [_fakeify(fake_mode, p) for p in params.values()]
+    fake_buffers = [_fakeify(fake_mode, b) for b in buffers.values()]
+    fake_inputs = [_fakeify(fake_mode, in_leaves[i]) for i in in_tensor_pos]
+    for fp, p in zip(fake_params, params.values()):
+        fp.requires_grad_(p.requires_grad)
+
+    n_p, n_b = len(fake_params), len(fake_buffers)
+
+    def call_model(flat: tuple[torch.Tensor, ...]) -> Any:
+        state = dict(zip(param_names, flat[:n_p]))
+        state.update(zip(buffer_names, flat[n_p : n_p + n_b]))
+        leaves = list(in_constants)
+        for pos, t in zip(in_tensor_pos, flat[n_p + n_b :]):
+            leaves[pos] = t
+        call_args, call_kwargs = pytree.tree_unflatten(leaves, in_spec)
+        return torch.func.functional_call(model, state, tuple(call_args), call_kwargs, tie_weights=True, strict=False)
+
+    # Pre-pass: one fake forward to learn the output structure, which buffers
+    # are mutated, and which outputs alias something.
+    flat_fake = tuple(fake_params + fake_buffers + fake_inputs)
+    try:
+        with fake_mode, torch.enable_grad():
+            probe = call_model(flat_fake)
+        written = _mutated_inputs(call_model, flat_fake, fake_mode)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError
+        raise _capture_error(model, exc) from exc
+    mutated_buffers = [i - n_p for i in written if n_p <= i < n_p + n_b]
+    mutated_other = [i for i in written if not n_p <= i < n_p + n_b]
+    if mutated_other:
+        raise CaptureError(
+            f"the model mutates {len(mutated_other)} of its parameters or inputs in place "
+            f"({', '.join(_primal_label(i, param_names, n_b) for i in mutated_other[:3])}); "
+            "memplan plans steps that only mutate buffers"
+        )
+    probe_tensors, out_tree = flatten_output(probe)
+    to_clone = _aliases_to_clone(probe_tensors, list(flat_fake))
+    user_requires_grad = [t.requires_grad for t in probe_tensors]
+    del probe, probe_tensors
+
+
+    def flat_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = call_model(flat)
+        tensors, _ = flatten_output(out)
+        return tuple(t.clone() if i in to_clone else t for i, t in enumerate(tensors))
+
+    box: dict[str, Any] = {}
+
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kw: Any):
+        box["joint"] = joint
+        box["num_fwd_outputs"] = num_fwd_outputs
+        raise _Captured()
+
+    compiled = aot_function(flat_fn, fw_compiler=lambda gm, _: gm, partition_fn=partition_fn)
+    try:
+        with fake_mode:
+            compiled(*flat_fake)
+    except _Captured:
+        pass
+    except Exception as exc:  # noqa: BLE001
+        if isinstance(exc.__cause__, _Captured) or "_Captured" in repr(exc):
+            pass
+        else:
+            raise _capture_error(model, exc) from exc
+    if "joint" not in box:
+        if not any(t.requires_grad for t in flat_fake) or not any(user_requires_grad):
+            raise CaptureError("nothing to differentiate: no output requires grad (is the model frozen or in no_grad?)")
+        raise CaptureError("AOTAutograd did not produce a joint graph for this model")
+
+    gm: fx.GraphModule = box["joint"]
+    n_user = len(user_requires_grad)
+    n_mut = len(mutated_buffers)
+    n_fw = box["num_fwd_outputs"]
+    n_extra = n_fw - n_mut - n_user
+    if n_extra < 0:
+        raise CaptureError(f"unexpected joint graph layout: {n_fw} forward outputs for {n_mut} mutations + {n_user} outputs")
+    outputs = (
+        [OutputInfo("buffer_update", b) for b in mutated_buffers]
+        + [OutputInfo("user", i) for i in range(n_user)]
+        + [OutputInfo("extra_fw", i) for i in range(n_extra)]
+        + [OutputInfo("grad", i) for i in range(len(flat_fake))]
+    )
+    primals = (
+        [PrimalInfo("param", name, i, p.requires_grad) for i, (name, p) in enumerate(params.items())]
+        + [PrimalInfo("buffer", name, i, False) for i, name in enumerate(buffer_names)]
+        + [PrimalInfo("input", f"input[{j}]", j, in_leaves[pos].requires_grad) for j, pos in enumerate(in_tensor_pos)]
+    )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangents = [n for n in placeholders if n.name.startswith("tangents")]
+    n_primals = len(placeholders) - len(tangents)
+    if n_primals != len(primals):
+        raise CaptureError(
+            f"joint graph has {n_primals} primal inputs for {len(primals)} parameters/buffers/inputs "
+            "(inputs that alias each other are not supported yet)"
+        )
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    if len(pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: x is None)) != len(outputs):
+        raise CaptureError("unexpected joint graph layout: output count does not match the model's outputs and grads")
+    # Tangents are the gradients of the forward outputs that require grad, in order.
+    fw_vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in _out_list(gm)[:n_fw]]
+    tangent_outputs = [i for i, v in enumerate(fw_vals) if isinstance(v, torch.Tensor) and _requires_grad_out(i, outputs, user_requires_grad, mutated_buffers)]
+    if len(tangent_outputs) != len(tangents):
+        raise CaptureError(
+            f"unexpected joint graph layout: {len(tangents)} tangents for {len(tangent_outputs)} differentiable outputs"
+        )
+    _check_supported(gm)
+    return Capture(
+        graph_module=gm,
+        primals=primals,
+        num_tangents=len(tangents),
+        tangent_outputs=tangent_outputs,
+        outputs=outputs,
+        output_tree=out_tree,
+        input_spec=in_spec,
+        input_constants=in_constants,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        mutated_buffers=mutated_buffers,
+        user_requires_grad=user_requires_grad,
+        signature=signature,
+        fake_mode=fake_mode,
+    )
+
+
+def _out_list(gm: fx.GraphModule) -> list[Any]:
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return list(pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: x is None))
+
+
+def _requires_grad_out(i: int, outputs: list[OutputInfo], user_rg: list[bool], mutated: list[int]) -> bool:
+    info = outputs[i]
+    if info.kind == "user":
+        return user_rg[info.index]
+    return False  # buffer updates never require grad; extra forward outputs are not supported for grads
+
+
+def _check_supported(gm: fx.GraphModule) -> None:
+    """Reject graph constructs the planner cannot execute, naming the op."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+            raise CaptureError(f"unsupported higher-order op {node.target} at node {node.name}")
+        if node.op not in ("placeholder", "call_function", "output", "get_attr"):
+            raise CaptureError(f"unsupported node kind {node.op} ({node.name})")
+
+
+def _capture_error(model: torch.nn.Module, exc: BaseException) -> CaptureError:
+    """Turn a tracing failure into one message naming the module and op where it happened."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = ""
+    for fr in reversed(frames):
+        if "site-packages/torch" not in fr.filename and "memplan/capture.py" not in fr.filename:
+            where = f" at {fr.filename}:{fr.lineno} ({fr.name}: {fr.line})"
+            break
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CaptureError(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}")

@@ -1,0 +1,177 @@
+"""Put bytes, FLOPs and a runtime estimate on every value of a joint graph.
+
+This is the one place where a value's bytes are computed. Bytes are storage
+bytes: a view, a ``detach``, or a ``getitem`` of a multi-output op shares the
+storage of the value it came from (read off the fake tensors' storage
+identity, so every aliasing op is covered, not just a list of known views),
+and a storage is counted once and lives while any alias of it lives.
+
+Runtime is a roofline over a :class:`DeviceProfile`: the larger of FLOPs over
+peak FLOP/s and bytes moved over memory bandwidth, plus a per-op launch
+overhead. ``profile=True`` in the higher layers replaces it by measurements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import flop_registry
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a device can do: peak compute, memory bandwidth, link to host memory."""
+
+    name: str
+    peak_flops: float  # FLOP/s for float32 matmul-like work
+    peak_flops_low_precision: float  # FLOP/s for bf16 / fp16 matmuls
+    memory_bandwidth: float  # bytes/s, device memory
+    host_bandwidth: float  # bytes/s each way, device <-> host
+    op_overhead: float  # seconds of fixed cost per launched op
+    allocation_granularity: int = 1  # allocator rounding of each storage, bytes
+
+    def op_time(self, flops: float, bytes_moved: float, low_precision: bool = False) -> float:
+        peak = self.peak_flops_low_precision if low_precision else self.peak_flops
+        return self.op_overhead + max(flops / peak, bytes_moved / self.memory_bandwidth)
+
+    def transfer_time(self, nbytes: int) -> float:
+        return nbytes / self.host_bandwidth
+
+
+# Published peak figures (dense, no sparsity). The CPU profile describes a
+# small 2-core x86 VM; `profile=True` measures the real machine instead.
+PROFILES: dict[str, DeviceProfile] = {
+    "cpu": DeviceProfile("cpu", 60e9, 30e9, 12e9, 12e9, 4e-6),
+    "a100": DeviceProfile("a100", 19.5e12, 312e12, 2.0e12, 25e9, 6e-6, 512),
+    "h100": DeviceProfile("h100", 67e12, 989e12, 3.35e12, 50e9, 5e-6, 512),
+    "h200": DeviceProfile("h200", 67e12, 989e12, 4.8e12, 50e9, 5e-6, 512),
+}
+
+
+def get_profile(profile: str | DeviceProfile | None, device: torch.device | str | None = None) -> DeviceProfile:
+    """Resolve a profile by name, default from the device (CUDA: the card's name)."""
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if profile is not None:
+        try:
+            return PROFILES[profile.lower()]
+        except KeyError:
+            raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}") from None
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(dev).lower()
+        for key in ("h200", "h100", "a100"):
+            if key in name:
+                return PROFILES[key]
+        return PROFILES["a100"]
+    return PROFILES["cpu"]
+
+
+@dataclass
+class ValueCost:
+    """Costs of one fx node's value."""
+
+    storages: tuple[int, ...]  # storage keys its value keeps alive
+    nbytes: int  # bytes of those storages (what this value alone keeps alive)
+    new_bytes: int  # bytes of storages this node allocates (0 for views)
+    alias_of: str | None  # the input node whose storage this value lives in
+    flops: float
+    time: float
+    is_random: bool
+
+
+@dataclass
+class GraphCosts:
+    """Per-node costs plus per-storage sizes for one joint graph."""
+
+    values: dict[str, ValueCost]
+    storage_bytes: dict[int, int] = field(default_factory=dict)
+    profile: DeviceProfile | None = None
+
+    def total_flops(self) -> float:
+        return sum(v.flops for v in self.values.values())
+
+    def total_time(self) -> float:
+        return sum(v.time for v in self.values.values())
+
+
+def _tensors(val: object) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def storage_nbytes(t: torch.Tensor, granularity: int = 1) -> int:
+    """Bytes of a tensor's whole storage, rounded up as the allocator would."""
+    n = t.untyped_storage().nbytes()
+    return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
+
+
+def _is_random(node: fx.Node) -> bool:
+    target = node.target
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def node_flops(node: fx.Node) -> float:
+    """FLOPs of one ATen node, from torch's own flop formulas on its fake values."""
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet not in flop_registry:
+        return 0.0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+
+
+def annotate(gm: fx.GraphModule, profile: DeviceProfile | None = None) -> GraphCosts:
+    """Costs of every node in ``gm``, whose ``meta['val']`` hold fake tensors."""
+    profile = profile or PROFILES["cpu"]
+    gran = profile.allocation_granularity
+    values: dict[str, ValueCost] = {}
+    storage_bytes: dict[int, int] = {}
+    owner_of: dict[int, str] = {}  # storage key -> node whose value first held it
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        tensors = _tensors(node.meta.get("val"))
+        keys: list[int] = []
+        new_bytes = 0
+        for t in tensors:
+            key = _storage_key(t)
+            if key in keys:
+                continue
+            keys.append(key)
+            if key not in storage_bytes:
+                storage_bytes[key] = storage_nbytes(t, gran)
+                owner_of[key] = node.name
+                new_bytes += storage_bytes[key]
+        alias_of = None
+        if keys and new_bytes == 0 and node.op != "placeholder":
+            # Every storage already existed: a view / getitem / detach. It lives
+            # inside the input that holds the first of its storages.
+            for inp in node.all_input_nodes:
+                if keys[0] in values[inp.name].storages:
+                    alias_of = inp.name
+                    break
+        low_precision = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)
+        if node.op == "call_function":
+            flops = node_flops(node)
+            moved = new_bytes + sum(values[i.name].nbytes for i in node.all_input_nodes if alias_of is None)
+            time = profile.op_time(flops, moved, low_precision) if new_bytes or flops else 0.0
+        else:
+            flops, time = 0.0, 0.0
+        values[node.name] = ValueCost(
+            storages=tuple(keys),
+            nbytes=sum(storage_bytes[k] for k in keys),
+            new_bytes=new_bytes,
+            alias_of=alias_of,
+            flops=flops,
+            time=time,
+            is_random=node.op == "call_function" and _is_random(node),
+        )
+    return GraphCosts(values, storage_bytes, profile)
