@@ -1,0 +1,469 @@
+"""Measure the peak device memory of a training step.
+
+This module has one job: run a callable (usually one training step) and report
+the most device memory that was in use at any moment while it ran.  Every
+memory claim memplan makes (a plan fits its budget, the cost model predicts the
+peak) is checked against this number.
+
+Two back ends answer the same question:
+
+* **CUDA** asks the caching allocator: ``reset_peak_memory_stats`` before the
+  step, ``max_memory_allocated`` after it.  That counts every live allocation
+  on the device, whoever made it (rounded up to the allocator's 512-byte
+  blocks).
+* **CPU** (or any device without allocator statistics) uses
+  :class:`MemoryTracker`, a ``TorchDispatchMode`` that watches every ATen op,
+  the ones autograd runs during ``backward()`` included, and counts the bytes
+  of every live *storage* on the measured device.  A storage is counted once
+  however many views share it, and it stops counting when it is freed (a weakref
+  callback on the storage's Python object, which torch keeps unique per storage
+  and alive exactly as long as the storage).
+
+The CPU resident set
+--------------------
+A dispatch mode cannot see allocations that happened before it was entered,
+and the process holds plenty of host memory that has nothing to do with the
+step.  So on CPU the step's memory is defined as:
+
+* **resident** storages: every storage that existed before ``fn`` started and
+  that the step touches, i.e. that appears as an input or output of any op
+  dispatched while ``fn`` runs (parameters, buffers, inputs, an existing
+  ``.grad``).  A resident storage counts from the *start* of ``fn`` until it is
+  freed or ``fn`` ends, even if the step first touches it late (a parameter
+  used only by the last layer still occupies memory during the first layer);
+* **allocated** storages: every storage an op dispatched during ``fn``
+  returns, from the op that creates it until it is freed: activations, saved
+  tensors, gradients (``.grad`` included: AccumulateGrad keeps the tensor the
+  backward op produced) and temporaries.
+
+Tensors the step never touches (say, optimizer state of a step without an
+optimizer) are not counted; pass them as ``resident=`` to count them anyway.
+Memory that a kernel allocates and frees inside one op (workspaces) is
+invisible to a dispatch mode, and so is ``UntypedStorage.resize_`` called
+directly (it bypasses the dispatcher; call :meth:`MemoryTracker.refresh`
+after it).  Byte counts are exact ``nbytes``, with no allocator rounding.
+
+Host memory
+-----------
+Offloading moves activations to host memory.  On a CPU-only machine host and
+"device" are the same RAM, so storages that play the role of host memory must
+be told apart.  They are *marked* as host storages, and no tracker counts a
+marked storage:
+
+* ``with host_storage(): buf = x.to("cpu", copy=True)``: every storage that
+  an op creates inside the block is marked (storages an op merely aliases, such
+  as ``x.to("cpu")`` returning ``x`` itself, are not);
+* ``mark_host(t)`` marks the storage of an existing tensor, e.g. a pinned
+  buffer pool allocated before the step.
+
+A mark lives as long as the storage.  On CUDA, host storages are on another
+device and are not counted anyway; the marks are harmless there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode_stack,
+    is_traceable_wrapper_subclass,
+)
+
+__all__ = [
+    "MemoryTracker",
+    "OpEvent",
+    "host_storage",
+    "is_host",
+    "mark_host",
+    "measure_peak",
+]
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_LIFT_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+
+
+# --------------------------------------------------------------------------
+# Storages of a tensor
+# --------------------------------------------------------------------------
+
+
+def _fake_tensor_types() -> tuple[type, ...]:
+    # Imported lazily: fake_tensor pulls in a lot of torch._subclasses.
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    return FakeTensor, FakeTensorMode
+
+
+def _storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """Yield the untyped storages backing ``t``; nothing for storage-less tensors."""
+    if type(t) not in _PLAIN_TENSOR_TYPES:
+        fake_tensor, _ = _fake_tensor_types()
+        if isinstance(t, fake_tensor):
+            raise RuntimeError(
+                "memplan.measure: a FakeTensor reached the memory tracker; fake "
+                "tensors have no memory to measure (plan with memplan.costs, "
+                "measure with real tensors)"
+            )
+        if is_traceable_wrapper_subclass(t):
+            # A wrapper subclass (DTensor, ...) owns no memory itself: its inner
+            # tensors do.
+            attrs, _ = t.__tensor_flatten__()
+            for attr in attrs:
+                inner = getattr(t, attr)
+                if isinstance(inner, torch.Tensor):
+                    yield from _storages_of(inner)
+            return
+    try:
+        yield t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        # Sparse, nested and other layouts without a single storage: skip.
+        return
+
+
+def _tensors_in(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Collect the tensors in an op's (nested) args or results."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _tensors_in(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _tensors_in(item, out)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Host storages
+# --------------------------------------------------------------------------
+
+# id(storage) -> weakref to it.  The weakref callback drops the entry when the
+# storage dies, so an id reused by a later storage is never mistaken for host.
+_HOST: dict[int, weakref.ref] = {}
+_TLS = threading.local()
+
+
+def _mark_storage_host(st: torch.UntypedStorage) -> None:
+    key = id(st)
+    if key not in _HOST:
+        _HOST[key] = weakref.ref(st, lambda _ref, key=key: _HOST.pop(key, None))
+
+
+def _host_depth() -> int:
+    return getattr(_TLS, "host_depth", 0)
+
+
+def mark_host(*tensors: torch.Tensor) -> None:
+    """Mark the storages of ``tensors`` as host memory: no tracker counts them."""
+    for t in tensors:
+        for st in _storages_of(t):
+            _mark_storage_host(st)
+
+
+def is_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is marked as host memory."""
+    return any(id(st) in _HOST for st in _storages_of(t))
+
+
+def _fresh_outputs(args: Any, kwargs: dict, out: Any) -> Iterator[torch.UntypedStorage]:
+    """Output storages of an op that none of its inputs already had."""
+    inputs = {id(st) for t in _tensors_in((args, kwargs), []) for st in _storages_of(t)}
+    for t in _tensors_in(out, []):
+        for st in _storages_of(t):
+            if id(st) not in inputs:
+                yield st
+
+
+class _HostMarker(TorchDispatchMode):
+    """Marks every storage created while it is active as host memory."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for st in _fresh_outputs(args, kwargs, out):
+            _mark_storage_host(st)
+        return out
+
+
+@contextlib.contextmanager
+def host_storage() -> Iterator[None]:
+    """Storages created inside this block are host memory, not device memory.
+
+    The offload runtime allocates its host copies inside this block so that a
+    CPU measurement counts only what stays on the "device".  A tracker that is
+    active around the block also consults the flag directly, so the marks are
+    in place before it would count the new storage.
+    """
+    _TLS.host_depth = _host_depth() + 1
+    try:
+        with _HostMarker():
+            yield
+    finally:
+        _TLS.host_depth -= 1
+
+
+# --------------------------------------------------------------------------
+# The tracker
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One dispatched op and the bytes live on the device right after it."""
+
+    op: str
+    live: int
+
+
+class _Record:
+    """What the tracker knows about one storage it has seen."""
+
+    __slots__ = ("ref", "nbytes", "counted")
+
+    def __init__(self, ref: weakref.ref, nbytes: int, counted: bool) -> None:
+        self.ref = ref
+        self.nbytes = nbytes
+        # False for storages seen but not counted: other devices, host marks.
+        self.counted = counted
+
+
+def _normalize_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def _check_not_fake() -> None:
+    _, fake_mode = _fake_tensor_types()
+    modes = list(_get_current_dispatch_mode_stack())
+    key = getattr(torch._C, "_TorchDispatchModeKey", None)
+    if key is not None:
+        modes.append(torch._C._get_dispatch_mode(key.FAKE))
+    if any(isinstance(m, fake_mode) for m in modes):
+        raise RuntimeError(
+            "memplan.measure: cannot measure memory under FakeTensorMode; fake "
+            "tensors allocate nothing. Measure with real tensors."
+        )
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Count live device storages op by op while the ``with`` block runs.
+
+    ``peak`` is the most bytes live at any moment, ``timeline`` the bytes live
+    after each dispatched op.  See the module docstring for what is counted.
+
+    Example::
+
+        with MemoryTracker("cpu") as mt:
+            model(x).sum().backward()
+        print(mt.peak, mt.timeline[-1])
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = "cpu",
+        *,
+        record_timeline: bool = True,
+        resident: Iterable[torch.Tensor] = (),
+    ) -> None:
+        super().__init__()
+        self.device = _normalize_device(device)
+        self.record_timeline = record_timeline
+        self._resident_tensors = list(resident)
+        self._reset()
+
+    # -- public results -----------------------------------------------------
+
+    @property
+    def live(self) -> int:
+        """Bytes live now (while active) or at the end of the block (after it)."""
+        return self._live
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pre-existing storages the step touched."""
+        return self._resident
+
+    @property
+    def num_ops(self) -> int:
+        return self._num_ops
+
+    @property
+    def timeline(self) -> list[OpEvent]:
+        """(op, bytes live after it) per dispatched op.
+
+        A resident storage found at op k was live from the start, so the
+        events before k are raised by its size here, after the fact.
+        """
+        late = [0] * (len(self._ops) + 1)
+        for index, nbytes in self._late_resident:
+            late[index] += nbytes
+        # Suffix sums: event i gains every resident storage discovered after it.
+        for i in range(len(late) - 2, -1, -1):
+            late[i] += late[i + 1]
+        return [
+            OpEvent(str(op), live + late[i + 1])
+            for i, (op, live) in enumerate(zip(self._ops, self._lives))
+        ]
+
+    # -- context management -------------------------------------------------
+
+    def __enter__(self) -> "MemoryTracker":
+        _check_not_fake()
+        self._reset()
+        self._active = True
+        for t in self._resident_tensors:
+            self._see(t, resident=True)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._active = False
+            # Drop the weakrefs so their callbacks never fire into a finished
+            # measurement, and so the tracker keeps nothing alive.
+            self._records.clear()
+
+    def refresh(self) -> None:
+        """Re-read the size of every tracked storage.
+
+        Needed only after ``UntypedStorage.resize_`` (which is not dispatched),
+        e.g. a runtime that frees a buffer in place with ``resize_(0)``.
+        """
+        for rec in list(self._records.values()):
+            st = rec.ref()
+            if st is not None and rec.counted:
+                self._resize(rec, st.nbytes())
+
+    # -- dispatch -----------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Inputs first: a storage first seen as an input predates the step,
+        # except the argument of lift_fresh, which is how ``torch.tensor(...)``
+        # hands the dispatcher a constant it has just built.
+        resident = func not in _LIFT_OPS
+        for t in _tensors_in((args, kwargs), []):
+            self._see(t, resident=resident)
+        out = func(*args, **kwargs)
+        for t in _tensors_in(out, []):
+            self._see(t, resident=False)
+        self._num_ops += 1
+        if self.record_timeline:
+            self._ops.append(func)
+            self._lives.append(self._live)
+        return out
+
+    # -- bookkeeping ----------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._records: dict[int, _Record] = {}
+        self._live = 0
+        self.peak = 0
+        self._resident = 0
+        self._num_ops = 0
+        self._ops: list[Any] = []
+        self._lives: list[int] = []
+        self._late_resident: list[tuple[int, int]] = []
+        self._active = False
+
+    def _see(self, t: torch.Tensor, *, resident: bool) -> None:
+        for st in _storages_of(t):
+            rec = self._records.get(id(st))
+            if rec is None:
+                self._add(st, resident)
+            elif rec.counted and not resident:
+                # An op's output may have been resized (``out=`` variants,
+                # ``resize_``); inputs are not re-read to keep ops cheap.
+                self._resize(rec, st.nbytes())
+
+    def _add(self, st: torch.UntypedStorage, resident: bool) -> None:
+        key = id(st)
+        dev = st.device
+        counted = (
+            dev.type == self.device.type
+            and (self.device.index is None or dev.index == self.device.index)
+            and key not in _HOST
+        )
+        if counted and not resident and _host_depth() > 0:
+            # Created inside host_storage(): host memory, whatever the order
+            # of the dispatch modes.
+            _mark_storage_host(st)
+            counted = False
+        nbytes = st.nbytes() if counted else 0
+        ref = weakref.ref(st, lambda _ref, key=key: self._on_free(key))
+        self._records[key] = _Record(ref, nbytes, counted)
+        if not nbytes:
+            return
+        self._live += nbytes
+        if resident:
+            # Live since the start of the step: every earlier moment, the
+            # peak among them, had it too.
+            self._resident += nbytes
+            self.peak += nbytes
+            if self.record_timeline and self._ops:
+                self._late_resident.append((len(self._ops), nbytes))
+        self.peak = max(self.peak, self._live)
+
+    def _resize(self, rec: _Record, nbytes: int) -> None:
+        if nbytes != rec.nbytes:
+            self._live += nbytes - rec.nbytes
+            rec.nbytes = nbytes
+            self.peak = max(self.peak, self._live)
+
+    def _on_free(self, key: int) -> None:
+        rec = self._records.pop(key, None)
+        if rec is not None and self._active:
+            self._live -= rec.nbytes
+
+
+# --------------------------------------------------------------------------
+# One number
+# --------------------------------------------------------------------------
+
+
+def _default_device() -> torch.device:
+    # A step can only have CUDA-resident memory if something initialized CUDA;
+    # a CPU model on a GPU machine is measured on CPU.  Pass device= to be sure.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def measure_peak(
+    fn: Callable[[], Any],
+    device: torch.device | str | None = None,
+    *,
+    resident: Iterable[torch.Tensor] = (),
+) -> int:
+    """Peak bytes of ``device`` memory in use while ``fn()`` runs.
+
+    On CUDA: the allocator's ``max_memory_allocated`` over the call, which
+    counts everything allocated on the device (resident or not).  Elsewhere:
+    :class:`MemoryTracker`'s peak, i.e. the touched resident storages plus
+    everything the step allocates (see the module docstring); ``resident``
+    adds tensors to count even if the step does not touch them.
+
+    ``device=None`` means the current CUDA device if CUDA is initialized, else
+    CPU.
+    """
+    dev = _default_device() if device is None else torch.device(device)
+    if dev.type == "cuda":
+        _check_not_fake()
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev))
+    with MemoryTracker(dev, record_timeline=False, resident=resident) as tracker:
+        fn()
+    return tracker.peak
