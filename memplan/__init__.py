@@ -1,1 +1,25 @@
-"""memplan: plan a training step's memory under a byte budget (torch side)."""
+"""memplan: plan a training step's memory under a byte budget (torch side).
+
+``memplan.optimize(model, budget="16GB")`` returns a module that trains to the
+same gradients with a peak device memory under the budget. See DESIGN.md.
+"""
+from memplan.analysis import Analysis, analyze
+from memplan.api import OptimizedModule, optimize, parse_budget
+from memplan.capture import CaptureError
+from memplan.costs import PROFILES, DeviceProfile
+from memplan.measure import measure_peak
+from memplan.plan import InfeasibleBudgetError, Plan
+
+__all__ = [
+    "Analysis",
+    "CaptureError",
+    "DeviceProfile",
+    "InfeasibleBudgetError",
+    "OptimizedModule",
+    "PROFILES",
+    "Plan",
+    "analyze",
+    "measure_peak",
+    "optimize",
+    "parse_budget",
+]

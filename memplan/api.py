@@ -1,0 +1,178 @@
+"""The public entry point: ``memplan.optimize(model, budget)`` -> :class:`OptimizedModule`.
+
+Like ``torch.compile`` it plans lazily, on the first call (or at once when
+``example_inputs`` is given), and caches one plan per input signature.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from memplan.capture import InputSignature
+from memplan.costs import DeviceProfile, get_profile
+from memplan.plan import Plan, make_plan
+from memplan.runtime import Program, run_program
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+
+
+def parse_budget(budget: int | str) -> int:
+    """Bytes from ``16GB``, ``16GiB``, ``800MB``, ``1.5 TB`` or an int."""
+    if isinstance(budget, bool):
+        raise ValueError(_budget_help(budget))
+    if isinstance(budget, int):
+        if budget <= 0:
+            raise ValueError(_budget_help(budget))
+        return budget
+    if isinstance(budget, str):
+        m = _BUDGET_RE.match(budget)
+        if m:
+            value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+            if value >= 1:
+                return int(value)
+    raise ValueError(_budget_help(budget))
+
+
+def _budget_help(budget: Any) -> str:
+    return (
+        f"cannot read budget {budget!r}: give a positive int of bytes or a string like "
+        "'16GB', '16GiB', '800MB', '512 kB', '1.5 TB' (units B, kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)"
+    )
+
+
+class OptimizedModule(nn.Module):
+    """An ``nn.Module`` that trains like ``model`` under a device-memory budget.
+
+    It shares the original module's parameters, buffers and submodules (same
+    names, same ``state_dict``), so optimizers, ``.to()``, ``.train()`` and
+    checkpoints work as they do on the original.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: int | str,
+        *,
+        solver: str = "auto",
+        time_limit: float | None = None,
+        device_profile: str | DeviceProfile | None = None,
+        **options: Any,
+    ):
+        super().__init__()
+        unknown = set(options) - {"offload"}
+        if unknown:
+            raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
+        object.__setattr__(self, "_orig_mod", model)
+        # Share the original's state so names and state_dict are unchanged.
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.budget = parse_budget(budget)
+        self.solver = solver
+        self.time_limit = time_limit
+        self.device_profile = device_profile
+        self.options = options
+        self._plans: dict[InputSignature, tuple[Plan, Program, list[str], list[str]]] = {}
+        self._last_signature: InputSignature | None = None
+        self.training = model.training
+
+    # -- state shared with the original module -------------------------------
+    def train(self, mode: bool = True) -> "OptimizedModule":
+        self._orig_mod.train(mode)
+        self.training = mode
+        return self
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent input signature."""
+        if self._last_signature is None:
+            raise RuntimeError("no plan yet: call the module once, or pass example_inputs to memplan.optimize")
+        return self._plans[self._last_signature][0]
+
+    @property
+    def plans(self) -> dict[InputSignature, Plan]:
+        return {sig: entry[0] for sig, entry in self._plans.items()}
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Plan:
+        """Plan for these inputs now (without running a step)."""
+        sig = InputSignature.of(args, kwargs, self._orig_mod.training)
+        self._entry(sig, args, kwargs)
+        self._last_signature = sig
+        return self.plan
+
+    def _entry(self, sig: InputSignature, args: tuple, kwargs: dict):
+        if sig not in self._plans:
+            model = self._orig_mod
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            plan, program = make_plan(
+                model,
+                args,
+                kwargs,
+                self.budget,
+                solver=self.solver,
+                time_limit=self.time_limit,
+                profile=get_profile(self.device_profile, device),
+            )
+            cap = plan.analysis.capture
+            self._plans[sig] = (plan, program, cap.param_names, cap.buffer_names)
+        return self._plans[sig]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self._orig_mod
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
+            # Inference: nothing is saved for backward, there is nothing to plan.
+            return model(*args, **kwargs)
+        sig = InputSignature.of(args, kwargs, model.training)
+        plan, program, param_names, buffer_names = self._entry(sig, args, kwargs)
+        self._last_signature = sig
+        params = dict(model.named_parameters())
+        buffers_by_name = dict(model.named_buffers())
+        buffers = [buffers_by_name[n] for n in buffer_names]
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        primals = [params[n] for n in param_names] + buffers + inputs
+        outputs = run_program(program, buffers, primals)
+        return plan.analysis.capture.output_tree.rebuild(list(outputs))
+
+
+def optimize(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: dict | None = None,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    device_profile: str | DeviceProfile | None = None,
+    **options: Any,
+) -> OptimizedModule:
+    """Wrap ``model`` so that its training step's peak memory stays within ``budget``.
+
+    ``budget`` is bytes (int) or a string such as ``"16GB"``; it bounds the
+    peak that :func:`memplan.measure_peak` reports for one forward+backward:
+    parameters, buffers, inputs, activations, gradients and temporaries.
+    Plans are made on the first call per input signature, or immediately
+    for ``example_inputs``. Raises :class:`memplan.InfeasibleBudgetError`
+    when no plan fits.
+    """
+    opt = OptimizedModule(model, budget, solver=solver, time_limit=time_limit, device_profile=device_profile, **options)
+    if example_inputs is not None:
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        opt.prepare(*example_inputs, **(example_kwargs or {}))
+    return opt

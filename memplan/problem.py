@@ -1,0 +1,152 @@
+"""Lower a captured, costed joint graph to the torch-free ``solvers.Problem``.
+
+One Problem node per fx value, named as the fx node, plus two kinds of
+bookkeeping nodes that make the Problem's memory match what really happens
+in a training step:
+
+* ``BACKWARD`` stands for the moment autograd calls our backward: it reads
+  every forward output (so it comes after all of them) and holds the incoming
+  output gradients, which appear as ``tangents_*`` nodes aliasing it. Every
+  step scheduled before ``BACKWARD`` runs in ``forward()``, the rest in
+  ``backward()``.
+* ``<output>@user`` is the reference the caller keeps to each forward output
+  until the step ends: an alias of the output that must be resident at the
+  end, so its bytes count even if the plan frees its own copy.
+
+Nothing else is special-cased: random ops are non-recomputable (a
+recomputation would draw a new mask), views and getitems alias their input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+
+import solvers
+from memplan.capture import Capture
+from memplan.costs import GraphCosts
+
+BACKWARD = "__backward__"
+USER_SUFFIX = "@user"
+
+
+@dataclass
+class Lowered:
+    """A Problem and the map back to the joint graph."""
+
+    problem: "solvers.Problem"
+    graph: nx.DiGraph
+    fx_nodes: dict[str, fx.Node]  # Problem node name -> fx node (bookkeeping nodes absent)
+    forward_outputs: list[str]  # fx node names that forward() must return or apply
+    tangents: list[str]  # tangent placeholder names, in order
+    sources: list[str]  # primal placeholder names, in order
+
+    def with_budget(self, budget: int) -> "solvers.Problem":
+        return solvers.Problem.from_networkx(self.graph, budget)
+
+
+def _live_nodes(gm: fx.GraphModule, keep: set[str]) -> set[str]:
+    """Nodes that reach an output, plus random ops (dropping one would shift the RNG stream)."""
+    live: set[str] = set()
+    stack = [n for n in gm.graph.nodes if n.name in keep]
+    while stack:
+        n = stack.pop()
+        if n.name in live:
+            continue
+        live.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return live
+
+
+def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered:
+    """Build the Problem for ``cap`` with the per-value costs in ``costs``."""
+    gm = cap.graph_module
+    out_nodes = cap.output_nodes()
+    placeholders = cap.placeholders()
+    primal_nodes = placeholders[: len(cap.primals)]
+    tangent_nodes = placeholders[len(cap.primals) :]
+
+    fw_outputs: list[str] = []
+    user_outputs: list[str] = []
+    sinks: list[str] = []
+    for info, node in zip(cap.outputs, out_nodes):
+        if not isinstance(node, fx.Node):
+            continue
+        if info.kind in ("buffer_update", "user", "extra_fw"):
+            fw_outputs.append(node.name)
+            if info.kind == "user":
+                user_outputs.append(node.name)
+        else:
+            sinks.append(node.name)
+    random_nodes = {n.name for n in gm.graph.nodes if n.op == "call_function" and costs.values[n.name].is_random}
+    live = _live_nodes(gm, set(fw_outputs) | set(sinks) | random_nodes)
+
+    tangent_names = {n.name for n in tangent_nodes}
+    depends_on_tangent: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.name in tangent_names or any(i.name in depends_on_tangent for i in n.all_input_nodes):
+            depends_on_tangent.add(n.name)
+
+    G = nx.DiGraph()
+    fx_map: dict[str, fx.Node] = {}
+
+    def add_value(name: str, *, mem: int, cost: float, recomputable: bool, preds: list[str], alias_of: str | None):
+        attrs = dict(mem=int(mem), cost=float(cost), recomputable=recomputable)
+        if alias_of is not None:
+            attrs["alias_of"] = alias_of
+        G.add_node(name, **attrs)
+        for p in preds:
+            G.add_edge(p, name)
+
+    def add_backward_barrier():
+        add_value(
+            BACKWARD,
+            mem=sum(costs.values[t.name].nbytes for t in tangent_nodes),
+            cost=0.0,
+            recomputable=False,
+            preds=list(dict.fromkeys(fw_outputs)),
+            alias_of=None,
+        )
+        for t in tangent_nodes:
+            add_value(t.name, mem=costs.values[t.name].nbytes, cost=0.0, recomputable=False, preds=[BACKWARD], alias_of=BACKWARD)
+
+    for node in primal_nodes:
+        add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
+        fx_map[node.name] = node
+    barrier_added = False
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in live:
+            continue
+        if not barrier_added and node.name in depends_on_tangent:
+            add_backward_barrier()
+            barrier_added = True
+        vc = costs.values[node.name]
+        add_value(
+            node.name,
+            mem=vc.nbytes,
+            cost=vc.time,
+            recomputable=not vc.is_random,
+            preds=list(dict.fromkeys(i.name for i in node.all_input_nodes)),
+            alias_of=vc.alias_of,
+        )
+        fx_map[node.name] = node
+        if node.name in user_outputs:
+            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name], alias_of=node.name)
+    if not barrier_added:
+        add_backward_barrier()
+    for t in tangent_nodes:
+        fx_map[t.name] = t
+    problem = solvers.Problem.from_networkx(G, budget if budget is not None else _unbounded(G))
+    return Lowered(
+        problem=problem,
+        graph=G,
+        fx_nodes=fx_map,
+        forward_outputs=list(dict.fromkeys(fw_outputs)),
+        tangents=[t.name for t in tangent_nodes],
+        sources=[n.name for n in primal_nodes],
+    )
+
+
+def _unbounded(G: nx.DiGraph) -> int:
+    return int(sum(d["mem"] for _, d in G.nodes(data=True))) + 1

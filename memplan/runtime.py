@@ -1,0 +1,199 @@
+"""Execute a ``solvers.Schedule`` over a joint graph as straight-line code.
+
+The schedule is cut at its ``BACKWARD`` step into two segments. Each segment
+becomes an ``fx.Graph`` holding one node per compute step, in schedule order
+(a recomputation is simply a second copy of the node), and torch.fx generates
+its Python code, which frees every value right after its last use. The
+forward segment returns the model's outputs, the buffer updates and the
+values the backward segment reads; the backward segment returns gradients.
+
+Both segments take their inputs "boxed" (one list, cleared on entry) so that
+a value carried from forward to backward dies at its last use in backward,
+not when the call returns.
+
+:class:`PlannedStep` is the ``autograd.Function`` that runs the two segments.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+import solvers
+from memplan.capture import Capture
+from memplan.problem import BACKWARD, USER_SUFFIX, Lowered
+
+
+@dataclass
+class Segment:
+    """One generated function and the names of what it reads and returns."""
+
+    module: fx.GraphModule
+    inputs: list[str]  # names, in the order of the boxed argument list
+    outputs: list[str]  # names, in the order of the returned tuple
+
+    def __call__(self, args: list[Any]) -> tuple[Any, ...]:
+        return self.module(args)
+
+
+@dataclass
+class Program:
+    """A schedule lowered to two runnable segments plus the calling convention."""
+
+    forward: Segment
+    backward: Segment
+    user_outputs: list[str]  # fx names of the model's tensor outputs, in leaf order
+    buffer_updates: list[tuple[int, str]]  # (buffer index, fx name of its new value)
+    carried: list[str]  # names forward returns for backward (after outputs and updates)
+    grad_outputs: list[str | None]  # per primal: fx name of its gradient, or None
+    tangents_for_user: list[int | None]  # per user output: its tangent index, or None
+
+
+def _split(schedule: solvers.Schedule) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    steps = [(op, str(node)) for op, node in schedule]
+    for i, (op, node) in enumerate(steps):
+        if op == "compute" and node == BACKWARD:
+            return steps[:i], steps[i + 1 :]
+    raise ValueError("schedule never computes the backward barrier")
+
+
+def _clear_box(box: list) -> None:
+    """Drop the caller's references to the inputs (the boxed calling convention)."""
+    box.clear()
+
+
+def _build_segment(
+    steps: list[tuple[str, str]],
+    fx_nodes: dict[str, fx.Node],
+    available: list[str],
+    outputs: list[str],
+    root: torch.nn.Module,
+) -> Segment:
+    """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
+
+    Only inputs that are read are unpacked. ``free`` steps need no code: fx's
+    codegen drops each value after its last use, which is never later than
+    the schedule's own free.
+    """
+    graph = fx.Graph()
+    box = graph.placeholder("args_list")
+    env: dict[str, fx.Node] = {}
+    needed = _reads(steps, fx_nodes) | set(outputs)
+    for i, name in enumerate(available):
+        if name in needed:
+            env[name] = graph.call_function(operator.getitem, (box, i))
+            env[name].name = name  # keep readable names in generated code
+    graph.call_function(_clear_box, (box,))
+    for op, name in steps:
+        if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
+            continue
+        node = fx_nodes[name]
+        env[name] = graph.node_copy(node, lambda n: env[n.name])
+    graph.output(tuple(env[name] for name in outputs))
+    graph.lint()
+    return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
+
+
+def _reads(steps: list[tuple[str, str]], fx_nodes: dict[str, fx.Node]) -> set[str]:
+    reads: set[str] = set()
+    for op, name in steps:
+        if op == "compute" and name in fx_nodes:
+            reads.update(i.name for i in fx_nodes[name].all_input_nodes)
+    return reads
+
+
+def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Program:
+    """Turn a validated schedule into a :class:`Program`."""
+    fw_steps, bw_steps = _split(schedule)
+    out_nodes = cap.output_nodes()
+    user_outputs: list[str] = []
+    buffer_updates: list[tuple[int, str]] = []
+    grad_outputs: list[str | None] = [None] * len(cap.primals)
+    for info, node in zip(cap.outputs, out_nodes):
+        name = node.name if isinstance(node, fx.Node) else None
+        if info.kind == "user":
+            user_outputs.append(name)
+        elif info.kind == "buffer_update":
+            buffer_updates.append((info.index, name))
+        elif info.kind == "grad":
+            grad_outputs[info.index] = name
+
+    # Resident at the cut: computed in forward and not freed there.
+    resident: dict[str, None] = dict.fromkeys(low.sources)
+    for op, name in fw_steps:
+        if op == "compute":
+            resident[name] = None
+        elif op == "free":
+            resident.pop(name, None)
+    bw_reads = _reads(bw_steps, low.fx_nodes) | {g for g in grad_outputs if g is not None}
+    carried = [n for n in resident if n in bw_reads and n not in low.tangents and not n.endswith(USER_SUFFIX)]
+    fw_outputs = list(user_outputs) + [name for _, name in buffer_updates] + carried
+    root = cap.graph_module
+    forward = _build_segment(fw_steps, low.fx_nodes, low.sources, fw_outputs, root)
+    bw_outputs = [g for g in grad_outputs if g is not None]
+    backward = _build_segment(bw_steps, low.fx_nodes, carried + low.tangents, bw_outputs, root)
+
+    tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
+    user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
+    tangents_for_user = [tangent_of_output.get(j) for j in user_joint_index]
+    return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user)
+
+
+class PlannedStep(torch.autograd.Function):
+    """Forward runs the forward segment; backward runs the rest of the schedule.
+
+    Values carried to backward live in a plain list on ``ctx`` (so backward can
+    drop each at its last use); only the user outputs among them go through
+    ``save_for_backward``, which is what breaks the output -> grad_fn -> ctx
+    reference cycle for them. Carried values are detached so none of them
+    links back to an output's autograd graph either.
+    """
+
+    @staticmethod
+    def forward(ctx, program: Program, buffers: list[torch.Tensor], *primals: torch.Tensor):
+        results = program.forward(list(primals))
+        n_out, n_upd = len(program.user_outputs), len(program.buffer_updates)
+        outputs = results[:n_out]
+        for (b_idx, _), value in zip(program.buffer_updates, results[n_out : n_out + n_upd]):
+            with torch.no_grad():
+                buffers[b_idx].copy_(value)
+        carried = list(results[n_out + n_upd :])
+        output_ids = {id(o): i for i, o in enumerate(outputs)}
+        ctx.program = program
+        ctx.carried = [None if id(v) in output_ids else (v.detach() if isinstance(v, torch.Tensor) else v) for v in carried]
+        ctx.carried_from_output = [output_ids.get(id(v)) for v in carried]
+        ctx.save_for_backward(*outputs)
+        non_diff = [o for o, t in zip(outputs, program.tangents_for_user) if t is None]
+        ctx.mark_non_differentiable(*non_diff)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs: torch.Tensor):
+        if ctx.carried is None:
+            raise RuntimeError("memplan: backward through the same planned step twice is not supported")
+        program: Program = ctx.program
+        saved = ctx.saved_tensors
+        box = [saved[src] if src is not None else v for v, src in zip(ctx.carried, ctx.carried_from_output)]
+        ctx.carried = None  # from here on, `box` holds the only references
+        del saved
+        tangent_slots: list[Any] = [None] * sum(t is not None for t in program.tangents_for_user)
+        for out_idx, t_idx in enumerate(program.tangents_for_user):
+            if t_idx is not None:
+                tangent_slots[t_idx] = grad_outputs[out_idx]
+        box.extend(tangent_slots)
+        del tangent_slots
+        grads = list(program.backward(box))
+        per_primal = []
+        it = iter(grads)
+        for g in program.grad_outputs:
+            per_primal.append(next(it) if g is not None else None)
+        return (None, None, *per_primal)
+
+
+def run_program(program: Program, buffers: list[torch.Tensor], primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Apply the planned step to flat primals; returns the user outputs (differentiable)."""
+    return PlannedStep.apply(program, buffers, *primals)
