@@ -1,10 +1,17 @@
 """``memplan.analyze``: what one training step of an unmodified model costs.
 
-Captures the joint graph on fake tensors (nothing allocated), puts costs on
-it, and predicts the peak of running it as eager PyTorch would: every value
-kept from its computation to its last use, in graph order. The prediction
-comes from the one simulator (``solvers.simulate``) over the store-all
-schedule, the same arithmetic every plan is checked by.
+Two predictions, both on fake tensors (nothing allocated):
+
+* ``graph_peak``: running the captured joint graph in order, every value kept
+  from its computation to its last use. It comes from the one simulator
+  (``solvers.simulate``) over the store-all schedule, the arithmetic every
+  plan is checked by.
+* ``eager_peak``: the unmodified model under eager autograd. Eager does not
+  run the joint graph: it saves what each autograd node chooses (CPU dropout
+  saves a float mask where the traced graph keeps a bool one), accumulates
+  gradients in place, and so on. Rather than model those rules, we replay the
+  eager step on fake tensors under the same storage tracker that measures
+  real steps.
 """
 from __future__ import annotations
 
@@ -59,11 +66,42 @@ def saved_activation_bytes(cap: Capture, costs: GraphCosts, low: Lowered) -> int
             continue
         for pred in graph.predecessors(name):
             if pred in fwd:
-                storages.update(costs.values[pred].storages)
+                storages.update(s for s in costs.values[pred].storages if costs.storage_owner[s] in fwd)
     return sum(costs.storage_bytes[s] for s in storages)
 
 
-def analyze_capture(cap: Capture, profile: DeviceProfile) -> Analysis:
+def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Peak bytes of one eager forward+backward, replayed on fake tensors.
+
+    Output gradients are ones, allocated when backward starts, as a loss's
+    gradient would be.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memplan.capture import flatten_output
+    from memplan.measure import MemoryTracker
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state = {}
+    for name, p in model.named_parameters():
+        state[name] = fake_mode.from_tensor(p, static_shapes=True).requires_grad_(p.requires_grad)
+    for name, b in model.named_buffers():
+        state[name] = fake_mode.from_tensor(b, static_shapes=True)
+    fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: fake_mode.from_tensor(t, static_shapes=True), (args, kwargs)
+    )
+    device = next((t.device for t in state.values()), torch.device("cpu"))
+    with fake_mode, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
+        out = torch.func.functional_call(model, state, fake_args, fake_kwargs, tie_weights=True, strict=False)
+        tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
+        del out
+        grads = [torch.ones_like(t) for t in tensors]
+        torch.autograd.backward(tensors, grads)
+        del tensors, grads
+    return tracker.peak
+
+
+def analyze_capture(cap: Capture, profile: DeviceProfile, eager_peak: int | None = None) -> Analysis:
     costs = annotate(cap.graph_module, profile)
     low = lower(cap, costs)
     store_all = solvers.solve(low.problem, method="store_all")
@@ -78,7 +116,7 @@ def analyze_capture(cap: Capture, profile: DeviceProfile) -> Analysis:
         buffer_bytes=kind_bytes("buffer"),
         input_bytes=kind_bytes("input"),
         activation_bytes=saved_activation_bytes(cap, costs, low),
-        eager_peak=store_all.peak,
+        eager_peak=eager_peak if eager_peak is not None else store_all.peak,
         flops=costs.total_flops(),
         predicted_time=store_all.cost,
         profile=profile,
@@ -101,4 +139,5 @@ def analyze(
         example_inputs = (example_inputs,)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     cap = capture(model, example_inputs, example_kwargs)
-    return analyze_capture(cap, get_profile(device_profile, device))
+    eager = replay_eager_peak(model, example_inputs, dict(example_kwargs or {}))
+    return analyze_capture(cap, get_profile(device_profile, device), eager)

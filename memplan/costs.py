@@ -89,6 +89,7 @@ class GraphCosts:
 
     values: dict[str, ValueCost]
     storage_bytes: dict[int, int] = field(default_factory=dict)
+    storage_owner: dict[int, str] = field(default_factory=dict)  # node that allocates each storage
     profile: DeviceProfile | None = None
 
     def total_flops(self) -> float:
@@ -174,4 +175,4 @@ def annotate(gm: fx.GraphModule, profile: DeviceProfile | None = None) -> GraphC
             time=time,
             is_random=node.op == "call_function" and _is_random(node),
         )
-    return GraphCosts(values, storage_bytes, profile)
+    return GraphCosts(values, storage_bytes, owner_of, profile)

@@ -100,10 +100,13 @@ def _fake_tensor_types() -> tuple[type, ...]:
     return FakeTensor, FakeTensorMode
 
 
-def _storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.UntypedStorage]:
     """Yield the untyped storages backing ``t``; nothing for storage-less tensors."""
     if type(t) not in _PLAIN_TENSOR_TYPES:
         fake_tensor, _ = _fake_tensor_types()
+        if isinstance(t, fake_tensor) and allow_fake:
+            yield t.untyped_storage()
+            return
         if isinstance(t, fake_tensor):
             raise RuntimeError(
                 "memplan.measure: a FakeTensor reached the memory tracker; fake "
@@ -117,7 +120,7 @@ def _storages_of(t: torch.Tensor) -> Iterator[torch.UntypedStorage]:
             for attr in attrs:
                 inner = getattr(t, attr)
                 if isinstance(inner, torch.Tensor):
-                    yield from _storages_of(inner)
+                    yield from _storages_of(inner, allow_fake)
             return
     try:
         yield t.untyped_storage()
@@ -271,8 +274,12 @@ class MemoryTracker(TorchDispatchMode):
         *,
         record_timeline: bool = True,
         resident: Iterable[torch.Tensor] = (),
+        allow_fake: bool = False,
     ) -> None:
         super().__init__()
+        # allow_fake: count fake storages too. Not a measurement; the cost
+        # model uses it to replay eager autograd on fake tensors.
+        self.allow_fake = allow_fake
         self.device = _normalize_device(device)
         self.record_timeline = record_timeline
         self._resident_tensors = list(resident)
@@ -315,7 +322,8 @@ class MemoryTracker(TorchDispatchMode):
     # -- context management -------------------------------------------------
 
     def __enter__(self) -> "MemoryTracker":
-        _check_not_fake()
+        if not self.allow_fake:
+            _check_not_fake()
         self._reset()
         self._active = True
         for t in self._resident_tensors:
@@ -375,7 +383,7 @@ class MemoryTracker(TorchDispatchMode):
         self._active = False
 
     def _see(self, t: torch.Tensor, *, resident: bool) -> None:
-        for st in _storages_of(t):
+        for st in _storages_of(t, self.allow_fake):
             rec = self._records.get(id(st))
             if rec is None:
                 self._add(st, resident)
@@ -387,11 +395,9 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, st: torch.UntypedStorage, resident: bool) -> None:
         key = id(st)
         dev = st.device
-        counted = (
-            dev.type == self.device.type
-            and (self.device.index is None or dev.index == self.device.index)
-            and key not in _HOST
-        )
+        on_device = dev.type == self.device.type and (self.device.index is None or dev.index == self.device.index)
+        # Fake storages live on "meta" whatever device they stand for.
+        counted = (on_device or self.allow_fake) and key not in _HOST
         if counted and not resident and _host_depth() > 0:
             # Created inside host_storage(): host memory, whatever the order
             # of the dispatch modes.

@@ -9,6 +9,9 @@ in a training step:
   output gradients, which appear as ``tangents_*`` nodes aliasing it. Every
   step scheduled before ``BACKWARD`` runs in ``forward()``, the rest in
   ``backward()``.
+* ``START`` is a zero-byte source read by ops that read nothing else
+  (``arange``, ``zeros``): in the Problem, a node without predecessors is an
+  input that is never computed, which such ops are not.
 * ``<output>@user`` is the reference the caller keeps to each forward output
   until the step ends: an alias of the output that must be resident at the
   end, so its bytes count even if the plan frees its own copy.
@@ -28,6 +31,7 @@ from memplan.capture import Capture
 from memplan.costs import GraphCosts
 
 BACKWARD = "__backward__"
+START = "__start__"
 USER_SUFFIX = "@user"
 
 
@@ -114,6 +118,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
     for node in primal_nodes:
         add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
         fx_map[node.name] = node
+    add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
     barrier_added = False
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.name not in live:
@@ -127,7 +132,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             mem=vc.nbytes,
             cost=vc.time,
             recomputable=not vc.is_random,
-            preds=list(dict.fromkeys(i.name for i in node.all_input_nodes)),
+            preds=list(dict.fromkeys(i.name for i in node.all_input_nodes)) or [START],
             alias_of=vc.alias_of,
         )
         fx_map[node.name] = node
