@@ -63,6 +63,7 @@ device and are not counted anyway; the marks are harmless there.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -243,6 +244,8 @@ def _normalize_device(device: torch.device | str | None) -> torch.device:
 
 
 def _check_not_fake() -> None:
+    if "torch._subclasses.fake_tensor" not in sys.modules:
+        return  # nobody imported it, so no fake mode can be active
     _, fake_mode = _fake_tensor_types()
     modes = list(_get_current_dispatch_mode_stack())
     key = getattr(torch._C, "_TorchDispatchModeKey", None)
@@ -358,11 +361,11 @@ class MemoryTracker(TorchDispatchMode):
         # except the argument of lift_fresh, which is how ``torch.tensor(...)``
         # hands the dispatcher a constant it has just built.
         resident = func not in _LIFT_OPS
-        for t in _tensors_in((args, kwargs), []):
-            self._see(t, resident=resident)
+        self._see_all(args, resident)
+        if kwargs:
+            self._see_all(kwargs.values(), resident)
         out = func(*args, **kwargs)
-        for t in _tensors_in(out, []):
-            self._see(t, resident=False)
+        self._see_all(out if isinstance(out, (tuple, list)) else (out,), False)
         self._num_ops += 1
         if self.record_timeline:
             self._ops.append(func)
@@ -382,15 +385,38 @@ class MemoryTracker(TorchDispatchMode):
         self._late_resident: list[tuple[int, int]] = []
         self._active = False
 
+    def _see_all(self, objs: Iterable[Any], resident: bool) -> None:
+        # The per-op hot path: plain tensors take no generator, no pytree.
+        records = self._records
+        for obj in objs:
+            if type(obj) in _PLAIN_TENSOR_TYPES:
+                try:
+                    st = obj.untyped_storage()
+                except (NotImplementedError, RuntimeError):
+                    continue  # sparse and other storage-less layouts
+                rec = records.get(id(st))
+                if rec is None:
+                    self._add(st, resident)
+                elif rec.counted and not resident:
+                    # An op's output may have been resized (``out=`` variants,
+                    # ``resize_``); inputs are not re-read to keep ops cheap.
+                    self._resize(rec, st.nbytes())
+            elif isinstance(obj, torch.Tensor):
+                # Subclasses: wrapper subclasses own their inner tensors'
+                # storages; fake tensors are refused unless allow_fake.
+                for st in _storages_of(obj, self.allow_fake):
+                    rec = records.get(id(st))
+                    if rec is None:
+                        self._add(st, resident)
+                    elif rec.counted and not resident:
+                        self._resize(rec, st.nbytes())
+            elif isinstance(obj, (list, tuple)):
+                self._see_all(obj, resident)
+            elif isinstance(obj, dict):
+                self._see_all(obj.values(), resident)
+
     def _see(self, t: torch.Tensor, *, resident: bool) -> None:
-        for st in _storages_of(t, self.allow_fake):
-            rec = self._records.get(id(st))
-            if rec is None:
-                self._add(st, resident)
-            elif rec.counted and not resident:
-                # An op's output may have been resized (``out=`` variants,
-                # ``resize_``); inputs are not re-read to keep ops cheap.
-                self._resize(rec, st.nbytes())
+        self._see_all((t,), resident)
 
     def _add(self, st: torch.UntypedStorage, resident: bool) -> None:
         key = id(st)
