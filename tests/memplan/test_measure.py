@@ -258,3 +258,15 @@ def test_wrapper_subclass_counts_its_inner_storages():
     t = two_tensor.TwoTensor(torch.randn(100), torch.randn(100))
     # Two resident inner tensors, two new inner tensors.
     assert measure_peak(lambda: t * 2, "cpu") == 4 * 100 * F32
+
+
+def test_refresh_sees_storage_resized_outside_the_dispatcher():
+    with MemoryTracker("cpu") as mt:
+        a = torch.empty(1000)
+        a.untyped_storage().resize_(0)  # not dispatched: the tracker still counts it
+        assert mt.live == 1000 * F32
+        mt.refresh()
+        assert mt.live == 0
+        b = torch.empty(500)
+    del a, b
+    assert mt.peak == 1000 * F32
