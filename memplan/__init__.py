@@ -4,7 +4,7 @@
 same gradients with a peak device memory under the budget. See DESIGN.md.
 """
 from memplan.analysis import Analysis, analyze
-from memplan.api import OptimizedModule, optimize, parse_budget
+from memplan.api import OptimizedModule, WithLoss, optimize, parse_budget
 from memplan.capture import CaptureError
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.measure import measure_peak
@@ -18,6 +18,7 @@ __all__ = [
     "OptimizedModule",
     "PROFILES",
     "Plan",
+    "WithLoss",
     "analyze",
     "measure_peak",
     "optimize",

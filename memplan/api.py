@@ -150,6 +150,25 @@ class OptimizedModule(nn.Module):
         return plan.analysis.capture.output_tree.rebuild(list(outputs))
 
 
+class WithLoss(nn.Module):
+    """``model`` followed by ``loss_fn``: one call is the whole differentiable step.
+
+    Wrap a model this way before :func:`optimize` to put the loss inside the
+    plan: its memory (a cross-entropy's log-softmax over the logits is as
+    large as the logits) is then planned and counted like every other value,
+    and the only output gradient is the scalar loss's. Parameters keep their
+    names under ``model.``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(*args, **kwargs))
+
+
 def optimize(
     model: nn.Module,
     budget: int | str,

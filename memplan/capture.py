@@ -275,7 +275,7 @@ def capture(
     in_constants = [None if isinstance(x, torch.Tensor) else x for x in in_leaves]
     signature = InputSignature.of(tuple(args), kwargs, model.training)
 
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_params = [_fakeify(fake_mode, p) for p in params.values()]
     fake_buffers = [_fakeify(fake_mode, b) for b in buffers.values()]
     fake_inputs = [_fakeify(fake_mode, in_leaves[i]) for i in in_tensor_pos]

@@ -50,6 +50,11 @@ class Lowered:
         return solvers.Problem.from_networkx(self.graph, budget)
 
 
+def value_name(node: fx.Node) -> str:
+    """The Problem node an fx node's value is: constants are one value per attribute."""
+    return f"attr:{node.target}" if node.op == "get_attr" else node.name
+
+
 def _live_nodes(gm: fx.GraphModule, keep: set[str]) -> set[str]:
     """Nodes that reach an output, plus random ops (dropping one would shift the RNG stream)."""
     live: set[str] = set()
@@ -94,6 +99,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
 
     G = nx.DiGraph()
     fx_map: dict[str, fx.Node] = {}
+    by_name = {n.name: n for n in gm.graph.nodes}
 
     def add_value(name: str, *, mem: int, cost: float, recomputable: bool, preds: list[str], alias_of: str | None):
         attrs = dict(mem=int(mem), cost=float(cost), recomputable=recomputable)
@@ -118,6 +124,11 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
     for node in primal_nodes:
         add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
         fx_map[node.name] = node
+    # Tensors the model holds outside its parameters and buffers (a closure's
+    # target, a plain tensor attribute) are graph constants: inputs too.
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and value_name(node) not in G:
+            add_value(value_name(node), mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
     add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
     barrier_added = False
     for node in gm.graph.nodes:
@@ -132,8 +143,8 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             mem=vc.nbytes,
             cost=vc.time,
             recomputable=not vc.is_random,
-            preds=list(dict.fromkeys(i.name for i in node.all_input_nodes)) or [START],
-            alias_of=vc.alias_of,
+            preds=list(dict.fromkeys(value_name(i) for i in node.all_input_nodes)) or [START],
+            alias_of=value_name(by_name[vc.alias_of]) if vc.alias_of is not None else None,
         )
         fx_map[node.name] = node
         if node.name in user_outputs:

@@ -92,7 +92,7 @@ def _build_segment(
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
         node = fx_nodes[name]
-        env[name] = graph.node_copy(node, lambda n: env[n.name])
+        env[name] = graph.node_copy(node, lambda n: env[n.name] if n.op != "get_attr" else graph.get_attr(n.target))
     graph.output(tuple(env[name] for name in outputs))
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))

@@ -1,0 +1,26 @@
+"""Shared test helpers: a model+loss wrapper and an eager reference step."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import torch
+import torch.nn as nn
+
+from memplan import WithLoss, zoo
+
+
+def build_step(name: str, size: str = "tiny", **kw):
+    """(WithLoss module, args, kwargs) for a zoo model."""
+    zm = zoo.build(name, size=size, **kw)
+    return WithLoss(zm.model, zm.loss_fn), tuple(zm.example_inputs), dict(zm.example_kwargs)
+
+
+def clear_grads(module: nn.Module) -> None:
+    for p in module.parameters():
+        p.grad = None
+    gc.collect()
+
+
+def twin(module: nn.Module) -> nn.Module:
+    return copy.deepcopy(module)

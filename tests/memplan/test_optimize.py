@@ -1,0 +1,196 @@
+"""optimize(): eager's outputs and gradients, a measured peak under the budget, clear errors."""
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memplan
+from memplan import zoo
+from memplan.measure import measure_peak
+
+from .helpers import build_step, clear_grads
+
+ZOO = ["mlp", "cnn", "gpt", "unet", "dict_out"]
+LEVELS = ["store_all", "70%", "50%", "min+10%"]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name: str):
+    """Eager store-all peak and the smallest feasible budget for a zoo step."""
+    module, args, kwargs = build_step(name)
+    analysis = memplan.analyze(module, args, kwargs)
+    with pytest.raises(memplan.InfeasibleBudgetError) as info:
+        memplan.optimize(module, 1, example_inputs=args, example_kwargs=kwargs)
+    return analysis.graph_peak, info.value.min_budget
+
+
+def _budget(name: str, level: str) -> int:
+    store_all, minimum = _reference(name)
+    if level == "store_all":
+        return store_all
+    if level == "min+10%":
+        return int(minimum * 1.1)
+    return int(store_all * float(level.rstrip("%")) / 100)
+
+
+def _run(module, args, kwargs, seed=0):
+    torch.manual_seed(seed)
+    loss = module(*args, **kwargs)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("name", ZOO)
+def test_gradients_match_eager_and_peak_under_budget(name, level):
+    module, args, kwargs = build_step(name)
+    reference = copy.deepcopy(module)
+    budget = _budget(name, level)
+    store_all, minimum = _reference(name)
+    if budget < minimum:
+        with pytest.raises(memplan.InfeasibleBudgetError) as info:
+            memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs)
+        assert info.value.min_budget == minimum
+        return
+    opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs)
+    plan = opt.plan
+    assert plan.predicted_peak <= budget
+    assert plan.predicted_overhead >= 1.0 - 1e-9
+
+    clear_grads(module)
+    torch.manual_seed(0)
+    measured = measure_peak(lambda: opt(*args, **kwargs).backward())
+    print(f"{name} {level}: budget {budget} predicted {plan.predicted_peak} measured {measured} "
+          f"overhead {plan.predicted_overhead:.3f} method {plan.method}")
+    assert measured <= budget
+    assert abs(measured - plan.predicted_peak) <= 0.05 * plan.predicted_peak
+
+    # gradients and outputs (dropout masks included) against eager with the same seed
+    clear_grads(module)
+    loss = _run(opt, args, kwargs)
+    ref_loss = _run(reference, args, kwargs)
+    torch.testing.assert_close(loss, ref_loss)
+    ref_params = dict(reference.named_parameters())
+    for pname, p in module.named_parameters():
+        if ref_params[pname].grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, ref_params[pname].grad, msg=lambda m: f"{pname}: {m}")
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt"])
+def test_three_adamw_steps_match_eager(name):
+    module, args, kwargs = build_step(name)
+    reference = copy.deepcopy(module)
+    budget = int(_reference(name)[0] * 0.6)
+    opt = memplan.optimize(module, max(budget, int(_reference(name)[1] * 1.1)))
+    o1 = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    o2 = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    for step in range(3):
+        for m, o in ((opt, o1), (reference, o2)):
+            o.zero_grad(set_to_none=True)
+            _run(m, args, kwargs, seed=step)
+            o.step()
+    for (n1, t1), (n2, t2) in zip(module.state_dict().items(), reference.state_dict().items()):
+        assert n1 == n2
+        torch.testing.assert_close(t1, t2, msg=lambda m: f"{n1}: {m}")
+
+
+def test_dict_output_model_without_wrapper():
+    zm = zoo.build("dict_out", size="tiny")
+    model, reference = zm.model, copy.deepcopy(zm.model)
+    opt = memplan.optimize(model, 10**12)
+    torch.manual_seed(0)
+    out = opt(*zm.example_inputs, **zm.example_kwargs)
+    torch.manual_seed(0)
+    ref = reference(*zm.example_inputs, **zm.example_kwargs)
+    assert isinstance(out, dict) and out.keys() == ref.keys()
+    for k in ref:
+        if isinstance(ref[k], torch.Tensor):
+            torch.testing.assert_close(out[k], ref[k])
+            assert out[k].requires_grad == ref[k].requires_grad
+        else:
+            assert out[k] == ref[k]
+    zm.loss_fn(out).backward()
+    zm.loss_fn(ref).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_module_contract_state_train_eval_no_grad_accumulation():
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    opt = memplan.optimize(module, 10**12)
+    assert list(opt.state_dict()) == list(reference.state_dict())
+    assert [n for n, _ in opt.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    # eval + no_grad inference is the original model's
+    opt.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(opt(*args, **kwargs), reference(*args, **kwargs))
+    opt.train()
+    reference.train()
+    assert module.training
+    # gradient accumulation over two backward calls
+    clear_grads(module)
+    clear_grads(reference)
+    for seed in (1, 2):
+        _run(opt, args, kwargs, seed)
+        _run(reference, args, kwargs, seed)
+    for (n, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
+
+
+def test_new_input_signature_plans_again():
+    zm = zoo.build("mlp", size="tiny")
+    opt = memplan.optimize(zm.model, 10**12)
+    (x,) = zm.example_inputs
+    opt(x).sum().backward()
+    opt(torch.cat([x, x])).sum().backward()
+    assert len(opt.plans) == 2
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("16GB", 16 * 10**9), ("16GiB", 16 * 2**30), ("800MB", 800 * 10**6), ("1.5 TB", int(1.5e12)), (12345, 12345), ("512 kB", 512000)],
+)
+def test_parse_budget(text, expected):
+    assert memplan.parse_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["16 parsecs", "", "-3GB", "GB", 0, -5, 3.5, None, "1e9"])
+def test_malformed_budget_lists_accepted_forms(bad):
+    with pytest.raises(ValueError) as info:
+        memplan.optimize(nn.Linear(2, 2), bad)
+    assert "16GB" in str(info.value) and "GiB" in str(info.value)
+
+
+def test_infeasible_budget_names_the_minimum():
+    module, args, kwargs = build_step("mlp")
+    with pytest.raises(memplan.InfeasibleBudgetError) as info:
+        memplan.optimize(module, "1kB", example_inputs=args, example_kwargs=kwargs)
+    err = info.value
+    assert err.min_budget > 1000
+    assert str(err.min_budget) in str(err)
+    # and the minimum it names does work
+    memplan.optimize(module, err.min_budget, example_inputs=args, example_kwargs=kwargs)
+
+
+def test_untraceable_model_error_from_optimize():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y if bool(y.mean() > 0) else -y
+
+    opt = memplan.optimize(Branchy(), "1GB")
+    with pytest.raises(memplan.CaptureError, match="Branchy"):
+        opt(torch.randn(2, 3))
