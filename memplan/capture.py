@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -330,8 +331,13 @@ def capture(
 
     compiled = aot_function(flat_fn, fw_compiler=lambda gm, _: gm, partition_fn=partition_fn)
     try:
-        with fake_mode:
-            compiled(*flat_fake)
+        # oneDNN's fused RNN kernels return their workspace only when grad
+        # mode is on, and our forward segment runs under no_grad: trace the
+        # portable decomposition instead.
+        with fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the flags context warns about TF32 settings it restores
+            with torch.backends.mkldnn.flags(enabled=False):
+                compiled(*flat_fake)
     except _Captured:
         pass
     except Exception as exc:  # noqa: BLE001
