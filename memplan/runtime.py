@@ -155,7 +155,9 @@ class PlannedStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, program: Program, buffers: list[torch.Tensor], *primals: torch.Tensor):
-        results = program.forward(list(primals))
+        # The graph already holds autocast's casts; autocast must not cast again.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            results = program.forward(list(primals))
         n_out, n_upd = len(program.user_outputs), len(program.buffer_updates)
         outputs = results[:n_out]
         for (b_idx, _), value in zip(program.buffer_updates, results[n_out : n_out + n_upd]):
