@@ -78,17 +78,18 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.capture import flatten_output
+    from memplan.capture import _fakeify, flatten_output
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = {}
+    # _fakeify: meta tensors are replayed as CPU tensors, as capture traces them.
     for name, p in model.named_parameters():
-        state[name] = fake_mode.from_tensor(p, static_shapes=True).requires_grad_(p.requires_grad)
+        state[name] = _fakeify(fake_mode, p).requires_grad_(p.requires_grad)
     for name, b in model.named_buffers():
-        state[name] = fake_mode.from_tensor(b, static_shapes=True)
+        state[name] = _fakeify(fake_mode, b)
     fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t: fake_mode.from_tensor(t, static_shapes=True), (args, kwargs)
+        torch.Tensor, lambda t: _fakeify(fake_mode, t), (args, kwargs)
     )
     device = next((t.device for t in state.values()), torch.device("cpu"))
     with fake_mode, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
@@ -101,8 +102,18 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     return tracker.peak
 
 
-def analyze_capture(cap: Capture, profile: DeviceProfile, eager_peak: int | None = None) -> Analysis:
-    costs = annotate(cap.graph_module, profile)
+def analyze_capture(
+    cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None
+) -> Analysis:
+    """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there."""
+    measured = None
+    if measure_on is not None:
+        from memplan.profiling import measure_op_times
+
+        estimate = annotate(cap.graph_module, profile)
+        aliases = {name for name, v in estimate.values.items() if v.alias_of is not None}
+        measured = measure_op_times(cap.graph_module, measure_on, skip=aliases)
+    costs = annotate(cap.graph_module, profile, measured)
     low = lower(cap, costs)
     store_all = solvers.solve(low.problem, method="store_all")
 

@@ -75,7 +75,7 @@ class OptimizedModule(nn.Module):
         **options: Any,
     ):
         super().__init__()
-        unknown = set(options) - {"offload"}
+        unknown = set(options) - {"offload", "profile"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         object.__setattr__(self, "_orig_mod", model)
@@ -128,6 +128,7 @@ class OptimizedModule(nn.Module):
                 solver=self.solver,
                 time_limit=self.time_limit,
                 profile=get_profile(self.device_profile, device),
+                measure_on=device if self.options.get("profile") else None,
             )
             cap = plan.analysis.capture
             self._plans[sig] = (plan, program, cap.param_names, cap.buffer_names)
@@ -186,7 +187,8 @@ def optimize(
     peak that :func:`memplan.measure_peak` reports for one forward+backward:
     parameters, buffers, inputs, activations, gradients and temporaries.
     Plans are made on the first call per input signature, or immediately
-    for ``example_inputs``. Raises :class:`memplan.InfeasibleBudgetError`
+    for ``example_inputs``. ``profile=True`` times every op of the step on the
+    model's device instead of estimating it from ``device_profile``. Raises :class:`memplan.InfeasibleBudgetError`
     when no plan fits.
     """
     opt = OptimizedModule(model, budget, solver=solver, time_limit=time_limit, device_profile=device_profile, **options)

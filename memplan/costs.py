@@ -129,8 +129,15 @@ def node_flops(node: fx.Node) -> float:
     return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
 
 
-def annotate(gm: fx.GraphModule, profile: DeviceProfile | None = None) -> GraphCosts:
-    """Costs of every node in ``gm``, whose ``meta['val']`` hold fake tensors."""
+def annotate(
+    gm: fx.GraphModule, profile: DeviceProfile | None = None, measured_times: dict[str, float] | None = None
+) -> GraphCosts:
+    """Costs of every node in ``gm``, whose ``meta['val']`` hold fake tensors.
+
+    ``measured_times`` (from :func:`memplan.profiling.measure_op_times`)
+    replaces the roofline estimate for the nodes it has.
+    """
+    measured_times = measured_times or {}
     profile = profile or PROFILES["cpu"]
     gran = profile.allocation_granularity
     values: dict[str, ValueCost] = {}
@@ -164,6 +171,7 @@ def annotate(gm: fx.GraphModule, profile: DeviceProfile | None = None) -> GraphC
             flops = node_flops(node)
             moved = new_bytes + sum(values[i.name].nbytes for i in node.all_input_nodes if alias_of is None)
             time = profile.op_time(flops, moved, low_precision) if new_bytes or flops else 0.0
+            time = measured_times.get(node.name, time)
         else:
             flops, time = 0.0, 0.0
         values[node.name] = ValueCost(

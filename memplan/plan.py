@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import solvers
-from memplan.analysis import Analysis, analyze_capture
+from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
 from memplan.problem import BACKWARD, USER_SUFFIX
@@ -120,10 +120,14 @@ def make_plan(
     solver: str = "auto",
     time_limit: float | None = None,
     profile: DeviceProfile,
+    measure_on: torch.device | None = None,
 ) -> tuple[Plan, Program]:
-    """Capture, cost, lower, solve and lower back to a runnable :class:`Program`."""
+    """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
+
+    ``measure_on``: time every op on that device instead of using the roofline.
+    """
     cap = capture(model, args, kwargs)
-    analysis = analyze_capture(cap, profile)
+    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs), measure_on)
     problem = analysis.lowered.with_budget(budget)
     start = time.perf_counter()
     try:
