@@ -78,7 +78,7 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.capture import _fakeify, flatten_output
+    from memplan.capture import _MetaConstantsAsCPU, _fakeify, flatten_output
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -92,7 +92,8 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
         torch.Tensor, lambda t: _fakeify(fake_mode, t), (args, kwargs)
     )
     device = next((t.device for t in state.values()), torch.device("cpu"))
-    with fake_mode, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
+    meta_constants = _MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
+    with fake_mode, meta_constants, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
         out = torch.func.functional_call(model, state, fake_args, fake_kwargs, tie_weights=True, strict=False)
         tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
         del out

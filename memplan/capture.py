@@ -19,8 +19,11 @@ inputs and outputs.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
+import functools
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -232,8 +235,159 @@ class _Captured(Exception):
 
 
 def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.is_meta:
+        # A meta tensor (a model built on the meta device, to plan it without
+        # memory) is traced as a CPU tensor of the same shape: meta kernels are
+        # not the CPU's (some lack autograd formulas, and the joint graph comes
+        # out without a backward).
+        with fake_mode:
+            fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return fake.requires_grad_(True) if t.requires_grad else fake
     fake = fake_mode.from_tensor(t, static_shapes=True)
     return fake
+
+
+class _MetaConstantsAsCPU(torch.overrides.TorchFunctionMode):
+    """Swap the meta tensors a model holds outside its state for CPU zeros while tracing.
+
+    A model built on the meta device plans as a CPU model (see :func:`_fakeify`),
+    but tensors it holds outside its parameters, buffers and inputs (a loss
+    closure's labels, a plain tensor attribute) reach the trace as they are.
+    Tracing needs them as real CPU tensors (a fake tensor cannot be a graph
+    constant), and their values do not matter for planning; they are small
+    (labels, masks), so materializing them costs little. Only tensors found on
+    the model are swapped: fake tensors' own meta storage must pass untouched.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        # Made here, outside any fake mode: a zeros() made under it would be fake.
+        self._cpu: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            id(t): (t, torch.zeros(t.shape, dtype=t.dtype, device="cpu")) for t in _held_meta_tensors(model)
+        }
+
+    def _swap(self, t: Any) -> Any:
+        entry = self._cpu.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0] is t else t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self._cpu:
+            args, kwargs = pytree.tree_map(self._swap, (args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _held_meta_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Meta tensors reachable from the model's modules that are not parameters or buffers.
+
+    Looks at plain attributes, containers, ``functools.partial`` objects and
+    the closure cells and defaults of functions (a loss closure), a few levels deep.
+    """
+    state = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    found: dict[int, torch.Tensor] = {}
+
+    def visit(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_meta and id(obj) not in state:
+                found[id(obj)] = obj
+            return
+        if depth == 0 or isinstance(obj, (str, bytes, int, float, type, torch.nn.Module)):
+            return
+        if isinstance(obj, (list, tuple, set)):
+            children: Any = list(obj)
+        elif isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, functools.partial):
+            children = [obj.func, *obj.args, *obj.keywords.values()]
+        elif callable(obj) and hasattr(obj, "__code__"):
+            cells = [c.cell_contents for c in (obj.__closure__ or ()) if _cell_filled(c)]
+            children = cells + list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        else:
+            return
+        for child in children:
+            visit(child, depth - 1)
+
+    for module in model.modules():
+        for key, value in vars(module).items():
+            if key not in ("_parameters", "_buffers", "_modules"):
+                visit(value, 4)
+    return list(found.values())
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell (a variable not yet bound)
+        return False
+    return True
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted path of the innermost submodule whose forward produced ``node`` ("" if unknown).
+
+    A backward node reports the module of the forward op it differentiates.
+    """
+    stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")
+    return next(reversed(stack), "") if stack else ""
+
+
+@contextlib.contextmanager
+def _record_module_paths(model: torch.nn.Module):
+    """Tag every traced forward node with ``meta["nn_module_stack"]``.
+
+    AOTAutograd traces under ``fx.traceback.preserve_node_meta()``, which copies
+    ``fx.traceback.current_meta["nn_module_stack"]`` onto each node it creates;
+    global module hooks keep that entry equal to the stack of submodules whose
+    forward is running (dynamo fills it the same way from its own trace).
+    """
+    import torch.fx.traceback as fx_traceback
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    names = {id(m): name for name, m in model.named_modules()}
+
+    def update(mod: torch.nn.Module, entering: bool) -> None:
+        name = names.get(id(mod))
+        if name is None:  # a module outside the model (a loss module called on the side)
+            return
+        # ``preserve_node_meta`` rebinds ``current_meta``: look it up on every call.
+        stack = collections.OrderedDict(fx_traceback.current_meta.get("nn_module_stack", ()))
+        if entering:
+            stack[name] = (name, type(mod))
+        else:
+            stack.pop(name, None)
+        fx_traceback.current_meta["nn_module_stack"] = stack
+
+    saved = fx_traceback.current_meta.get("nn_module_stack")
+    handles = [
+        register_module_forward_pre_hook(lambda mod, args: update(mod, True)),
+        register_module_forward_hook(lambda mod, args, out: update(mod, False)),
+    ]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        if saved is None:
+            fx_traceback.current_meta.pop("nn_module_stack", None)
+        else:
+            fx_traceback.current_meta["nn_module_stack"] = saved
+
+
+def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:
+    """Give each backward node the ``nn_module_stack`` of its forward op, as ``fwd_nn_module_stack``.
+
+    Autograd stamps a backward op with the ``seq_nr`` of the forward op whose
+    gradient it computes; the first forward node with that ``seq_nr`` is the op
+    that created the autograd node.
+    """
+    forward: dict[int, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.meta.get("partitioner_tag") == "is_forward" and "seq_nr" in node.meta:
+            forward.setdefault(node.meta["seq_nr"], node)
+    for node in gm.graph.nodes:
+        if node.meta.get("partitioner_tag") == "is_backward" and "seq_nr" in node.meta:
+            fwd = forward.get(node.meta["seq_nr"])
+            if fwd is not None and fwd.meta.get("nn_module_stack"):
+                node.meta["fwd_nn_module_stack"] = fwd.meta["nn_module_stack"]
 
 
 def _aliases_to_clone(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> set[int]:
@@ -297,10 +451,12 @@ def capture(
     # Pre-pass: one fake forward to learn the output structure, which buffers
     # are mutated, and which outputs alias something.
     flat_fake = tuple(fake_params + fake_buffers + fake_inputs)
+    meta_constants = _MetaConstantsAsCPU(model)
     try:
-        with fake_mode, torch.enable_grad():
+        with fake_mode, torch.enable_grad(), meta_constants:
             probe = call_model(flat_fake)
-        written = _mutated_inputs(call_model, flat_fake, fake_mode)
+        with meta_constants:
+            written = _mutated_inputs(call_model, flat_fake, fake_mode)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError
         raise _capture_error(model, exc) from exc
     mutated_buffers = [i - n_p for i in written if n_p <= i < n_p + n_b]
@@ -336,7 +492,7 @@ def capture(
         # portable decomposition instead.
         with fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the flags context warns about TF32 settings it restores
-            with torch.backends.mkldnn.flags(enabled=False):
+            with torch.backends.mkldnn.flags(enabled=False), _record_module_paths(model), meta_constants:
                 compiled(*flat_fake)
     except _Captured:
         pass
@@ -351,6 +507,7 @@ def capture(
         raise CaptureError("AOTAutograd did not produce a joint graph for this model")
 
     gm: fx.GraphModule = box["joint"]
+    _copy_module_paths_to_backward(gm)
     n_user = len(user_requires_grad)
     n_mut = len(mutated_buffers)
     n_fw = box["num_fwd_outputs"]
