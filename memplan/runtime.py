@@ -85,8 +85,8 @@ def _build_segment(
     needed = _reads(steps, fx_nodes) | set(outputs)
     for i, name in enumerate(available):
         if name in needed:
-            env[name] = graph.call_function(operator.getitem, (box, i))
-            env[name].name = name  # keep readable names in generated code
+            # named after the value, so the generated code reads like the joint graph
+            env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=name)
     graph.call_function(_clear_box, (box,))
     for op, name in steps:
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":

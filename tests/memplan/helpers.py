@@ -10,8 +10,14 @@ import torch.nn as nn
 from memplan import WithLoss, zoo
 
 
+# Batch sizes at which activations, not parameters, dominate each tiny model's
+# step: otherwise there is nothing for a plan to save.
+ACTIVATION_HEAVY_BATCH = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "dict_out": 256, "vit": 16, "resnet50": 8}
+
+
 def build_step(name: str, size: str = "tiny", **kw):
-    """(WithLoss module, args, kwargs) for a zoo model."""
+    """(WithLoss module, args, kwargs) for a zoo model, activation-heavy by default."""
+    kw.setdefault("batch_size", ACTIVATION_HEAVY_BATCH.get(name))
     zm = zoo.build(name, size=size, **kw)
     return WithLoss(zm.model, zm.loss_fn), tuple(zm.example_inputs), dict(zm.example_kwargs)
 
