@@ -14,7 +14,8 @@ in a training step:
   input that is never computed, which such ops are not.
 * ``<output>@user`` is the reference the caller keeps to each forward output
   until the step ends: an alias of the output that must be resident at the
-  end, so its bytes count even if the plan frees its own copy.
+  end, so its bytes count even if the plan frees its own copy. Tangents get
+  one too: autograd holds the output gradients until ``backward()`` returns.
 
 Nothing else is special-cased: random ops are non-recomputable (a
 recomputation would draw a new mask), views and getitems alias their input.
@@ -119,7 +120,10 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             alias_of=None,
         )
         for t in tangent_nodes:
-            add_value(t.name, mem=costs.values[t.name].nbytes, cost=0.0, recomputable=False, preds=[BACKWARD], alias_of=BACKWARD)
+            nbytes = costs.values[t.name].nbytes
+            add_value(t.name, mem=nbytes, cost=0.0, recomputable=False, preds=[BACKWARD], alias_of=BACKWARD)
+            # autograd holds the output gradients it passes to backward() until backward returns
+            add_value(t.name + USER_SUFFIX, mem=nbytes, cost=0.0, recomputable=False, preds=[t.name], alias_of=t.name)
 
     for node in primal_nodes:
         add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
