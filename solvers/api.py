@@ -1,0 +1,29 @@
+"""`solve`: the one entry point memplan calls."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .bounds import memory_lower_bound, min_budget_cached
+from .problem import Problem
+from .registry import METHODS
+from .solution import Infeasible, Solution
+
+
+def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None) -> Solution:
+    """Solve ``problem`` with ``method`` (a key of `METHODS`) within ``time_limit`` seconds.
+
+    Raises `Infeasible` (with ``min_budget``) when the budget is below the
+    smallest budget at which a schedule is found. Otherwise returns the
+    method's solution; a method that cannot meet a feasible budget returns
+    status ``over_budget`` ("auto" never does)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    lower = memory_lower_bound(problem)
+    if problem.budget < lower:
+        raise Infeasible(problem.budget, min_budget_cached(problem)[0], lower)
+    sol = METHODS[method](problem, time_limit)
+    if not sol.fits:
+        needed, _ = min_budget_cached(problem)
+        if problem.budget < needed:
+            raise Infeasible(problem.budget, needed, lower)
+    return sol

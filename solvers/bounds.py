@@ -1,0 +1,76 @@
+"""Memory bounds: a trivial lower bound and the smallest budget at which a
+schedule is found.
+
+`memory_lower_bound` is what any schedule must hold at some instant:
+computing v needs v and its inputs resident (plus the sources), and at the
+end the sinks are resident.
+
+`min_budget` searches for the smallest budget with a schedule: exactly for
+graphs small enough for the exhaustive search, otherwise by binary search
+over budgets with the greedy (plus the budget-oblivious baselines' peaks).
+Every candidate is verified by the simulator.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .exhaustive import MAX_NODES as EXHAUSTIVE_MAX_NODES
+from .exhaustive import min_peak
+from .greedy import solve_greedy
+from .memory import memory_of
+from .problem import Problem
+from .recompute_all import solve_recompute_all
+from .schedule import Schedule, simulate
+from .solution import MethodFailed
+from .sqrt_n import solve_sqrt_n
+from .store_all import solve_store_all
+
+# Exact minimum (exhaustive search) up to this many values to compute.
+EXACT_MIN_BUDGET_NODES = 8
+
+
+def memory_lower_bound(problem: Problem) -> int:
+    bound = memory_of(problem, problem.sinks)
+    for v in problem.non_sources:
+        bound = max(bound, memory_of(problem, problem.preds[v] + (v,)))
+    return bound
+
+
+def min_budget(problem: Problem) -> tuple[int, Schedule]:
+    """Smallest budget at which a schedule is found, and that schedule."""
+    assert EXACT_MIN_BUDGET_NODES <= EXHAUSTIVE_MAX_NODES
+    if problem.n_compute <= EXACT_MIN_BUDGET_NODES:
+        return min_peak(problem)
+    unlimited = problem.with_budget(2**62)
+    best: Optional[tuple[int, Schedule]] = None
+    for solve in (solve_store_all, solve_sqrt_n, solve_recompute_all):
+        try:
+            sol = solve(unlimited, None)
+        except MethodFailed:
+            continue
+        if best is None or sol.peak < best[0]:
+            best = (sol.peak, sol.schedule)
+    assert best is not None  # store_all always succeeds
+    lo = memory_lower_bound(problem) - 1  # greedy is not known to succeed at lo
+    hi = best[0]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        sol = solve_greedy(problem.with_budget(mid), None)
+        if sol.fits:
+            hi = sol.peak  # the greedy may land below mid: jump straight there
+            best = (sol.peak, sol.schedule)
+        else:
+            lo = mid
+    peak = simulate(problem, best[1]).peak
+    assert peak == best[0]
+    return best
+
+
+def min_budget_cached(problem: Problem) -> tuple[int, Schedule]:
+    """`min_budget`, remembered per graph (the budget does not change the answer)."""
+    key = "_min_budget"
+    cached = problem.__dict__.get(key)
+    if cached is None:
+        cached = min_budget(problem)
+        object.__setattr__(problem, key, cached)
+    return cached

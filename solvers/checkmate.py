@@ -1,0 +1,323 @@
+"""Checkmate (Jain et al., MLSys 2020): optimal rematerialization as a MILP.
+
+Values to compute are taken in the problem's fixed topological order;
+stage ``t`` computes value ``t`` for the first time, after recomputing any
+earlier values it chooses (each at most once per stage, in order). Binary
+variables, for stages ``t`` and values ``i``:
+
+* ``R[t,i]`` (i <= t): value i is computed in stage t; ``R[t,t] = 1``;
+* ``S[t,i]`` (i < t): value i is resident when stage t starts;
+* ``FREE[t,i,k]``: value i is freed in stage t right after computing k
+  (k = i or a consumer of i): only when k is computed, i is not kept into
+  stage t+1 and no later consumer of i is computed in stage t.
+
+Constraints: inputs resident for every compute (``R[t,j] <= R[t,i] + S[t,i]``),
+only computed values kept (``S[t+1,i] <= R[t,i] + S[t,i]``), sinks resident
+after the last stage, non-recomputable values computed only in their own
+stage, and the memory ``U[t,k]`` after computing k in stage t (before its
+frees) within the budget. Minimise the sum of compute costs.
+
+Memory accounting is never optimistic compared to the simulator:
+
+* sizes are scaled to integer units, rounding sizes up and the budget down;
+* a view whose alias chain reaches a source counts 0 (exactly as simulated);
+* any other view counts its full size, except that for a stage where both the
+  view and its direct alias parent are kept from the stage before and into the
+  stage after (a variable ``W[t,v] <= S[t,v], S[t+1,v], S[t,a], S[t+1,a]``), its
+  size is subtracted for the whole stage; decoding then holds both through the
+  stage, so the view is covered at every instant of it;
+* the decoded schedule frees each value after its last use, which never keeps
+  more than the MILP counts.
+
+The schedule is decoded through `plan.schedule_from_plan` and checked by the
+simulator. ``lower_bound`` is the solver's proven objective bound: a lower
+bound on the cost of every schedule in Checkmate's space (fixed order of
+first computations, stage structure above, memory rounded as described).
+When the solver returns no schedule in time, the best constructive baseline
+is returned instead, with ``lower_bound = min(bound, its cost)`` (still a
+valid bound for Checkmate's space) and status ``feasible``; when the MILP is
+proven infeasible, ``lower_bound`` is None.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .memory import memory_of
+from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_INFEASIBLE, RAW_OPTIMAL, Builder
+from .plan import Plan, schedule_from_plan
+from .portfolio import best_constructive
+from .problem import Problem
+from .schedule import Schedule
+from .solution import FEASIBLE, OPTIMAL, Solution, finish
+
+# Largest budget, in memory units, handed to each backend (sizes are coarsened beyond it).
+MEMORY_UNITS_LIMIT = {"cpsat": 2**30, "highs": 2**20, "scip": 2**20}
+DEFAULT_BACKEND = "highs"  # faster than CP-SAT on these models (see benchmarks/results/solvers.md)
+THREADS: Optional[int] = None  # None: backends pick (min(8, cpu count))
+
+ONE, ZERO = -1, -2  # constant operands in rows
+
+
+@dataclass(frozen=True)
+class MemoryScale:
+    unit: int  # bytes per unit
+    budget: int  # units available to the values to compute (sources taken out)
+    size: list[int]  # units per value to compute, rounded up; 0 for views of sources
+
+
+def memory_scale(problem: Problem, limit: int) -> Optional[MemoryScale]:
+    """Integer memory units for the MILP, or None when the sources alone exceed the budget."""
+    nodes = problem.non_sources
+    available = problem.budget - memory_of(problem, ())
+    if available < 0:
+        return None
+    # A view whose alias chain reaches a source never adds memory.
+    covered = np.zeros(problem.n, dtype=bool)
+    for v in nodes:
+        a = problem.alias_of[v]
+        covered[v] = a >= 0 and (problem.is_source[a] or covered[a])
+    raw = [0 if covered[v] else int(problem.mem[v]) for v in nodes]
+    unit = 0
+    for s in raw:
+        unit = math.gcd(unit, s)
+    unit = max(unit, 1)
+    if available // unit > limit:
+        unit = max(unit, -(-available // limit))
+    return MemoryScale(unit=unit, budget=available // unit, size=[-(-s // unit) for s in raw])
+
+
+def cost_scale(costs: list[float], n_terms: int) -> float:
+    """Factor turning costs into integers for CP-SAT. Coefficients are floored,
+    so ``bound / factor`` stays a valid lower bound. A small power of ten that
+    makes every cost integral is preferred (exact, and small coefficients
+    keep CP-SAT fast); otherwise the largest safe factor."""
+    top = max(costs, default=0.0)
+    if top <= 0:
+        return 1.0
+    n_terms = max(n_terms, 1)
+    for digits in range(7):
+        factor = 10.0 ** digits
+        if top * factor * n_terms > 2**50:
+            break
+        if all(abs(c * factor - round(c * factor)) <= 1e-9 * max(1.0, c * factor) for c in costs):
+            return factor
+    return min(2**30 / top, 2**50 / (top * n_terms))
+
+
+class _Formulation:
+    def __init__(self, problem: Problem, builder: Builder, scale: MemoryScale, cost_factor: float) -> None:
+        self.p, self.b = problem, builder
+        nodes = problem.non_sources
+        self.nodes = nodes
+        m = len(nodes)
+        self.m = m
+        local = {v: i for i, v in enumerate(nodes)}
+        self.preds = [[local[q] for q in problem.preds[v] if q in local] for v in nodes]
+        self.succs = [[local[q] for q in problem.succs[v]] for v in nodes]
+        self.recomputable = [bool(problem.recomputable[v]) for v in nodes]
+        self.is_sink = [bool(problem.is_sink[v]) for v in nodes]
+        size = scale.size
+        self.R: dict[tuple[int, int], int] = {}
+        self.S: dict[tuple[int, int], int] = {}
+        self.W: dict[tuple[int, int], int] = {}
+        b = builder
+        for t in range(m):
+            for i in range(t):
+                if self.recomputable[i]:
+                    self.R[t, i] = b.bool_var()
+                self.S[t, i] = b.bool_var()
+        # Inputs resident for every compute.
+        for t in range(m):
+            for j in range(t + 1):
+                if self.r(t, j) == ZERO:
+                    continue
+                for i in self.preds[j]:
+                    self._row([self.r(t, j)], [self.r(t, i), self.s(t, i)], -math.inf, 0)
+        # Only values resident during a stage can be kept into the next; sinks kept at the end.
+        for t in range(m):
+            for i in range(t + 1):
+                self._row([self.s(t + 1, i)], [self.r(t, i), self.s(t, i)], -math.inf, 0)
+        # Alias discounts (see module docstring).
+        alias_pairs = []
+        for v_local, v in enumerate(nodes):
+            a = int(problem.alias_of[v])
+            if a >= 0 and a in local and size[v_local] > 0:
+                alias_pairs.append((v_local, local[a]))
+        for v, a in alias_pairs:
+            for t in range(max(v, a) + 1, m):
+                conds = [self.s(t, v), self.s(t + 1, v), self.s(t, a), self.s(t + 1, a)]
+                if ZERO in conds:
+                    continue
+                w = b.bool_var()
+                self.W[t, v] = w
+                for c in conds:
+                    if c != ONE:
+                        self._row([w], [c], -math.inf, 0)
+        self.alias_parent = dict(alias_pairs)
+        # Memory, stage by stage, with FREE variables created on the way.
+        for t in range(m):
+            discount = [(self.W[t, v], float(size[v])) for v, _ in alias_pairs if (t, v) in self.W]
+            prev_u: Optional[int] = None
+            prev_free: list[tuple[int, float]] = []
+            for k in range(t + 1):
+                u = b.num_var(-float(sum(size)), float(scale.budget))
+                terms: list[tuple[int, float]] = [(u, 1.0)]
+                const = 0.0
+                if prev_u is None:
+                    for i in range(t):
+                        if size[i]:
+                            terms.append((self.S[t, i], -float(size[i])))
+                    terms.extend((w, +sz) for w, sz in discount)
+                else:
+                    terms.append((prev_u, -1.0))
+                    terms.extend((f, +sz) for f, sz in prev_free)
+                rk = self.r(t, k)
+                if rk == ONE:
+                    const += size[k]
+                elif rk != ZERO and size[k]:
+                    terms.append((rk, -float(size[k])))
+                b.add(terms, const, const)  # u - (previous memory) = +size[k] * R[t,k]
+                prev_u = u
+                prev_free = self._frees(t, k, size) if rk != ZERO else []
+        # Objective.
+        costs = [float(problem.cost[v]) for v in nodes]
+        obj: list[tuple[int, float]] = []
+        for (t, i), h in self.R.items():
+            c = costs[i] * cost_factor
+            if builder.integer_objective:
+                c = math.floor(c + 1e-9 * max(1.0, c))  # 1233.9999999 is 1234, not 1233
+            if c:
+                obj.append((h, c))
+        builder.minimize(obj, sum(costs) * cost_factor)
+
+    # -- operands: a variable handle, ONE or ZERO
+    def r(self, t: int, i: int) -> int:
+        if i == t:
+            return ONE
+        return self.R.get((t, i), ZERO) if i < t else ZERO
+
+    def s(self, t: int, i: int) -> int:
+        if t >= self.m:
+            return ONE if self.is_sink[i] else ZERO
+        return self.S[t, i] if i < t else ZERO
+
+    def _row(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
+        """lb <= sum(pos) - sum(neg) <= ub, with constant operands folded."""
+        if lb == -math.inf and ub >= 0 and all(x == ZERO for x in pos):
+            return  # -(non-negative terms) <= ub holds trivially
+        terms: dict[int, float] = {}
+        const = 0.0
+        for x, sign in [(x, 1.0) for x in pos] + [(x, -1.0) for x in neg]:
+            if x == ONE:
+                const += sign
+            elif x != ZERO:
+                terms[x] = terms.get(x, 0.0) + sign
+        terms = {h: c for h, c in terms.items() if c}
+        lo, hi = lb - const, ub - const
+        if not terms:
+            if lo > 1e-9 or hi < -1e-9:
+                raise AssertionError("checkmate: constant row is violated")
+            return
+        self.b.add(list(terms.items()), lo, hi)
+
+    def _frees(self, t: int, k: int, size: list[int]) -> list[tuple[int, float]]:
+        """FREE[t,i,k] variables for the values that may be freed after computing k."""
+        out = []
+        for i in self.preds[k] + [k]:
+            if not size[i]:
+                continue  # freeing a zero-size value changes nothing
+            keep = self.s(t + 1, i)
+            if keep == ONE:
+                continue
+            hazards = [self.r(t, j) for j in self.succs[i] if k < j <= t]
+            if ONE in hazards:
+                continue
+            f = self.b.bool_var()
+            rk = self.r(t, k)
+            if rk != ONE:
+                self._row([f], [rk], -math.inf, 0)
+            if keep != ZERO:
+                self._row([f, keep], [], -math.inf, 1)
+            for h in hazards:
+                if h != ZERO:
+                    self._row([f, h], [], -math.inf, 1)
+            out.append((f, float(size[i])))
+        return out
+
+    def decode(self, values: list[float]) -> Plan:
+        on = lambda x: x == ONE or (x >= 0 and values[x] > 0.5)  # noqa: E731
+        held_by_stage: dict[int, set] = {}
+        for (t, v), w in self.W.items():
+            if values[w] > 0.5:
+                held_by_stage.setdefault(t, set()).update((self.nodes[v], self.nodes[self.alias_parent[v]]))
+        stages, keep = [], []
+        for t in range(self.m):
+            # Skip a recompute of a value that is already resident (never better, never needed).
+            stages.append(tuple(self.nodes[i] for i in range(t + 1)
+                                if on(self.r(t, i)) and not (i < t and on(self.s(t, i)))))
+            keep.append(frozenset(held_by_stage.get(t, ())))
+        return Plan(tuple(stages), tuple(keep))
+
+
+def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backend: str = DEFAULT_BACKEND,
+                    method: Optional[str] = None) -> Solution:
+    started = time.perf_counter()
+    method = method or f"checkmate_{backend}"
+    info: dict = {"backend": backend}
+    if problem.n_compute == 0:
+        return finish(problem, Schedule(()), method, started, lower_bound=0.0, info=info)
+    scale = memory_scale(problem, MEMORY_UNITS_LIMIT[backend])
+    raw = None
+    if scale is not None:
+        builder = BACKENDS[backend]()
+        n_terms = problem.n_compute * (problem.n_compute + 1) // 2
+        factor = cost_scale([float(problem.cost[v]) for v in problem.non_sources], n_terms) \
+            if builder.integer_objective else 1.0
+        form = _Formulation(problem, builder, scale, factor)
+        info.update(memory_unit=scale.unit, cost_factor=factor, variables=len(builder.vars))
+        build_time = time.perf_counter() - started
+        info["build_time"] = build_time
+        remaining = None if time_limit is None else max(0.1, time_limit - build_time)
+        raw = builder.solve(remaining, THREADS)
+        info["milp_status"] = raw.status
+        bound = raw.bound / factor
+        if raw.status in (RAW_OPTIMAL, RAW_FEASIBLE):
+            assert raw.values is not None
+            schedule = schedule_from_plan(problem, form.decode(raw.values))
+            sol = finish(problem, schedule, method, started, lower_bound=bound,
+                         status=OPTIMAL if raw.status == RAW_OPTIMAL else FEASIBLE, info=info)
+            if not sol.fits:
+                raise RuntimeError(f"{method}: decoded schedule exceeds the budget (peak {sol.peak} > "
+                                   f"{problem.budget}); the MILP's memory model is optimistic")
+            return sol
+    else:
+        info["milp_status"] = RAW_INFEASIBLE
+        bound = math.inf
+    # No MILP schedule: hand back the best constructive one.
+    fallback = best_constructive(problem)
+    info["fallback"] = fallback.method
+    lower = None
+    if raw is not None and raw.status != RAW_INFEASIBLE and math.isfinite(bound):
+        lower = min(bound, fallback.cost)
+    return finish(problem, fallback.schedule, method, started, lower_bound=lower, status=FEASIBLE, info=info)
+
+
+def solve_checkmate_cpsat(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    return solve_checkmate(problem, time_limit, backend="cpsat")
+
+
+def solve_checkmate_highs(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    return solve_checkmate(problem, time_limit, backend="highs")
+
+
+def solve_checkmate_scip(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    return solve_checkmate(problem, time_limit, backend="scip")
+
+
+def solve_checkmate_default(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    return solve_checkmate(problem, time_limit, backend=DEFAULT_BACKEND, method="checkmate")

@@ -1,0 +1,137 @@
+"""Memory of a resident set under the alias rule: the one place in `solvers`
+where bytes are added up.
+
+A value ``v`` with ``alias_of = a`` lives inside ``a``'s storage: it adds no
+memory while any value on its alias chain (``a``, ``alias_of(a)``, ...) is
+resident, and counts its own ``mem`` when none is. Values linked by
+``alias_of`` form trees ("alias trees"); the memory of a tree is the sum of
+``mem`` over its resident members that have no resident alias ancestor.
+
+`Residency` tracks a resident set incrementally. Values outside any alias
+tree (the common case) cost O(1) per change; a change inside a tree
+re-evaluates that tree only, which is O(tree size).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+
+from .problem import Problem
+
+
+class AliasTrees:
+    """Alias-tree structure of a problem, computed once per problem and cached."""
+
+    def __init__(self, problem: Problem) -> None:
+        n = problem.n
+        alias_of = problem.alias_of
+        root = np.arange(n, dtype=np.int64)
+        # Parents precede children in the order, so one forward pass finds roots.
+        for v in range(n):
+            a = alias_of[v]
+            if a >= 0:
+                root[v] = root[a]
+        members: dict[int, list[int]] = {}
+        for v in range(n):
+            if alias_of[v] >= 0:
+                members.setdefault(int(root[v]), [int(root[v])]).append(v)
+        self.root = root
+        # Members listed in topological order, so a parent is seen before its children.
+        self.members = {r: tuple(ms) for r, ms in members.items()}
+        self.in_tree = np.zeros(n, dtype=bool)
+        for ms in self.members.values():
+            self.in_tree[list(ms)] = True
+
+
+def alias_trees(problem: Problem) -> AliasTrees:
+    cached = problem.__dict__.get("_alias_trees")
+    if cached is None:
+        cached = AliasTrees(problem)
+        object.__setattr__(problem, "_alias_trees", cached)
+    return cached
+
+
+class Residency:
+    """A resident set with its memory total. Sources are resident from the start."""
+
+    def __init__(self, problem: Problem, resident: Iterable[int] = ()) -> None:
+        self.problem = problem
+        self._trees = alias_trees(problem)
+        self._mem = problem.mem
+        self._alias_of = problem.alias_of
+        self.resident = np.zeros(problem.n, dtype=bool)
+        self._tree_total: dict[int, int] = {r: 0 for r in self._trees.members}
+        self.total = 0
+        for v in problem.sources:
+            self.add(v)
+        for v in resident:
+            if not self.resident[v]:
+                self.add(v)
+
+    def __contains__(self, v: int) -> bool:
+        return bool(self.resident[v])
+
+    def _tree_memory(self, r: int) -> int:
+        # Walk members parent-first; `covered` = some alias ancestor is resident.
+        resident, alias_of, mem = self.resident, self._alias_of, self._mem
+        covered: dict[int, bool] = {}
+        total = 0
+        for v in self._trees.members[r]:
+            a = int(alias_of[v])
+            cov = a >= 0 and (resident[a] or covered[a])
+            covered[v] = bool(cov)
+            if resident[v] and not cov:
+                total += int(mem[v])
+        return total
+
+    def _set(self, v: int, value: bool) -> None:
+        self.resident[v] = value
+        if not self._trees.in_tree[v]:
+            self.total += int(self._mem[v]) if value else -int(self._mem[v])
+            return
+        r = int(self._trees.root[v])
+        new = self._tree_memory(r)
+        self.total += new - self._tree_total[r]
+        self._tree_total[r] = new
+
+    def add(self, v: int) -> None:
+        if self.resident[v]:
+            raise ValueError(f"value {v} is already resident")
+        self._set(v, True)
+
+    def remove(self, v: int) -> None:
+        if not self.resident[v]:
+            raise ValueError(f"value {v} is not resident")
+        self._set(v, False)
+
+    def total_if_added(self, v: int) -> int:
+        """Memory after adding ``v``, without changing the set."""
+        if not self._trees.in_tree[v]:
+            return self.total + int(self._mem[v])
+        self._set(v, True)
+        after = self.total
+        self._set(v, False)
+        return after
+
+    def total_if_removed(self, v: int) -> int:
+        """Memory after removing ``v``, without changing the set."""
+        if not self._trees.in_tree[v]:
+            return self.total - int(self._mem[v])
+        self._set(v, False)
+        after = self.total
+        self._set(v, True)
+        return after
+
+    def copy(self) -> "Residency":
+        other = object.__new__(Residency)
+        other.problem, other._trees, other._mem, other._alias_of = self.problem, self._trees, self._mem, self._alias_of
+        other.resident = self.resident.copy()
+        other._tree_total = dict(self._tree_total)
+        other.total = self.total
+        return other
+
+
+def memory_of(problem: Problem, resident: Iterable[int]) -> int:
+    """Memory of ``resident`` plus the sources (always resident)."""
+    return Residency(problem, resident).total

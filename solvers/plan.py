@@ -1,0 +1,99 @@
+"""Turn a plan (what to compute, stage by stage) into a Schedule.
+
+Every solver that decides *what to compute when* but not *when to free*
+goes through here, so frees are placed in one way everywhere: each computed
+instance of a value is freed right after its last read before the value is
+computed again; the last instance of a sink is never freed; an instance that
+nobody reads is freed right after it is computed.
+
+A plan may also ask to keep values through the end of a stage (``keep``):
+Checkmate's alias accounting relies on a value and its view both being
+resident for a whole stage, so their lifetimes are stretched to cover it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from .problem import Problem
+from .schedule import Op, Schedule, Step
+
+
+class PlanError(ValueError):
+    """The plan reads a value before it has been computed."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[tuple[int, ...], ...]  # node indices computed in each stage, in order
+    keep: Optional[tuple[frozenset[int], ...]] = None  # per stage: hold these through the end of the stage
+
+    @classmethod
+    def sequence(cls, computes: Iterable[int]) -> "Plan":
+        return cls((tuple(computes),))
+
+
+def schedule_from_plan(problem: Problem, plan: Plan) -> Schedule:
+    seq: list[int] = []
+    stage_end: list[int] = []  # position of the last compute of each stage (-1 if the stage is empty so far)
+    for stage in plan.stages:
+        seq.extend(stage)
+        stage_end.append(len(seq) - 1)
+
+    preds, is_source, names = problem.preds, problem.is_source, problem.names
+    current: dict[int, int] = {}  # value -> position of its live instance
+    end = [0] * len(seq)  # position after which each instance is freed
+    for pos, v in enumerate(seq):
+        if is_source[v]:
+            raise PlanError(f"plan computes source {names[v]!r}")
+        for p in preds[v]:
+            if is_source[p]:
+                continue
+            inst = current.get(p)
+            if inst is None:
+                raise PlanError(f"plan computes {names[v]!r} before its input {names[p]!r}")
+            end[inst] = pos
+        current[v] = pos
+        end[pos] = pos
+    if plan.keep is not None:
+        if len(plan.keep) != len(plan.stages):
+            raise PlanError("keep must have one entry per stage")
+        # Replay the instances stage by stage to know which one is live at each stage end.
+        live: dict[int, int] = {}
+        start = 0
+        for t, stop in enumerate(stage_end):
+            for pos in range(start, stop + 1):
+                live[seq[pos]] = pos
+            start = stop + 1
+            for v in plan.keep[t]:
+                if is_source[v]:
+                    continue
+                inst = live.get(v)
+                if inst is None:
+                    raise PlanError(f"plan keeps {names[v]!r} before computing it")
+                end[inst] = max(end[inst], stop)
+    never = len(seq)  # sinks' last instances stay resident
+    for v in problem.sinks:
+        inst = current.get(v)
+        if inst is not None:
+            end[inst] = never
+
+    frees_after: dict[int, list[int]] = {}
+    for pos, e in enumerate(end):
+        if e < never:
+            frees_after.setdefault(e, []).append(seq[pos])
+    steps: list[Step] = []
+    for pos, v in enumerate(seq):
+        steps.append(Step(Op.COMPUTE, names[v]))
+        dead = frees_after.get(pos)
+        if dead:
+            # Views before their bases (higher index first): dropping a base
+            # while its view lives would make the view count on its own.
+            for u in sorted(dead, reverse=True):
+                steps.append(Step(Op.FREE, names[u]))
+    return Schedule(tuple(steps))
+
+
+def schedule_from_sequence(problem: Problem, computes: Sequence[int]) -> Schedule:
+    """A single-stage plan: compute in this order, free after last use."""
+    return schedule_from_plan(problem, Plan.sequence(computes))

@@ -1,0 +1,216 @@
+"""The planning problem: a DAG of values with sizes, compute costs and a budget.
+
+A `Problem` is the only input every solver sees. It is torch-free and stores
+the graph as index arrays in a fixed topological order, so that simulation
+and the constructive baselines stay linear in the graph size:
+
+* node ``i`` has name ``names[i]``, predecessors ``preds[i]`` (indices < i),
+  size ``mem[i]`` in bytes, compute time ``cost[i]``,
+  ``recomputable[i]`` (False: must be computed exactly once) and
+  ``alias_of[i]`` (index of the predecessor whose storage it lives in, or -1);
+* sources (no predecessors) are inputs, resident for the whole schedule;
+* sinks (no successors) must be resident when the schedule ends.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Hashable, Iterable
+
+import networkx as nx
+import numpy as np
+
+JSON_FORMAT = "memplan.solvers.Problem"
+JSON_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    names: tuple[Hashable, ...]
+    preds: tuple[tuple[int, ...], ...]
+    mem: np.ndarray  # int64, bytes
+    cost: np.ndarray  # float64, time units
+    recomputable: np.ndarray  # bool
+    alias_of: np.ndarray  # int64, -1 when the value owns its storage
+    budget: int
+    # Derived in __post_init__; never passed by callers.
+    succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
+    index: dict[Hashable, int] = field(init=False, repr=False)
+    is_source: np.ndarray = field(init=False, repr=False)
+    is_sink: np.ndarray = field(init=False, repr=False)
+    sources: tuple[int, ...] = field(init=False, repr=False)
+    sinks: tuple[int, ...] = field(init=False, repr=False)
+    non_sources: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        mem = np.asarray(self.mem, dtype=np.int64)
+        cost = np.asarray(self.cost, dtype=np.float64)
+        recomputable = np.asarray(self.recomputable, dtype=bool)
+        alias_of = np.asarray(self.alias_of, dtype=np.int64)
+        for name, arr in (("mem", mem), ("cost", cost), ("recomputable", recomputable), ("alias_of", alias_of)):
+            if arr.shape != (n,):
+                raise ValueError(f"{name} has shape {arr.shape}, expected ({n},)")
+        if len(self.preds) != n:
+            raise ValueError(f"preds has {len(self.preds)} entries, expected {n}")
+        if (mem < 0).any():
+            raise ValueError("mem must be non-negative")
+        if not np.isfinite(cost).all() or (cost < 0).any():
+            # Negative costs would break every lower bound (sum of costs, MILP bounds).
+            raise ValueError("cost must be finite and non-negative")
+        preds = tuple(tuple(int(p) for p in ps) for ps in self.preds)
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for v, ps in enumerate(preds):
+            if len(set(ps)) != len(ps):
+                raise ValueError(f"node {self.names[v]!r} lists a predecessor twice")
+            for p in ps:
+                if not 0 <= p < v:
+                    raise ValueError(f"node {self.names[v]!r}: predecessor index {p} is not earlier in the order")
+                succs[p].append(v)
+            a = int(alias_of[v])
+            if a != -1 and a not in ps:
+                raise ValueError(f"node {self.names[v]!r}: alias_of must be one of its predecessors")
+        index = {name: i for i, name in enumerate(self.names)}
+        if len(index) != n:
+            raise ValueError("node names must be unique")
+        is_source = np.array([len(ps) == 0 for ps in preds], dtype=bool)
+        is_sink = np.array([len(s) == 0 for s in succs], dtype=bool)
+        # Frozen dataclass: normalised arrays and derived views go in via object.__setattr__.
+        for arr in (mem, cost, recomputable, alias_of, is_source, is_sink):
+            arr.setflags(write=False)
+        setattr_ = object.__setattr__
+        setattr_(self, "names", tuple(self.names))
+        setattr_(self, "preds", preds)
+        setattr_(self, "mem", mem)
+        setattr_(self, "cost", cost)
+        setattr_(self, "recomputable", recomputable)
+        setattr_(self, "alias_of", alias_of)
+        setattr_(self, "budget", int(self.budget))
+        setattr_(self, "succs", tuple(tuple(s) for s in succs))
+        setattr_(self, "index", index)
+        setattr_(self, "is_source", is_source)
+        setattr_(self, "is_sink", is_sink)
+        setattr_(self, "sources", tuple(int(i) for i in np.flatnonzero(is_source)))
+        setattr_(self, "sinks", tuple(int(i) for i in np.flatnonzero(is_sink & ~is_source)))
+        setattr_(self, "non_sources", tuple(int(i) for i in np.flatnonzero(~is_source)))
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def n(self) -> int:
+        """Number of values, sources included."""
+        return len(self.names)
+
+    @property
+    def n_compute(self) -> int:
+        """Number of values a schedule must compute (non-sources)."""
+        return len(self.non_sources)
+
+    def with_budget(self, budget: int) -> "Problem":
+        """The same graph under another budget (arrays are shared, they are read-only)."""
+        return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, int(budget))
+
+    # ------------------------------------------------------------ networkx I/O
+    @classmethod
+    def from_networkx(cls, G: nx.DiGraph, budget: int) -> "Problem":
+        """Lower a DiGraph whose nodes carry ``mem``/``cost`` (and optionally
+        ``recomputable``, ``alias_of``). Node order is G's insertion order when
+        that is topological (fx graphs arrive in execution order), else a
+        deterministic topological sort that breaks ties by insertion order."""
+        if not nx.is_directed_acyclic_graph(G):
+            raise ValueError("graph has a cycle")
+        order = list(G.nodes)
+        position = {v: i for i, v in enumerate(order)}
+        if not all(position[u] < position[v] for u, v in G.edges):
+            order = list(nx.lexicographical_topological_sort(G, key=position.__getitem__))
+        index = {v: i for i, v in enumerate(order)}
+        preds, mem, cost, recomputable, alias_of = [], [], [], [], []
+        for v in order:
+            attrs = G.nodes[v]
+            if "mem" not in attrs or "cost" not in attrs:
+                raise ValueError(f"node {v!r} needs 'mem' and 'cost' attributes")
+            m = attrs["mem"]
+            if int(m) != m:
+                raise ValueError(f"node {v!r}: mem must be an integer number of bytes")
+            # Predecessors sorted by position keep the arrays deterministic.
+            preds.append(tuple(sorted(index[u] for u in G.predecessors(v))))
+            mem.append(int(m))
+            cost.append(float(attrs["cost"]))
+            recomputable.append(bool(attrs.get("recomputable", True)))
+            a = attrs.get("alias_of")
+            if a is not None and a not in index:
+                raise ValueError(f"node {v!r}: alias_of {a!r} is not a node")
+            alias_of.append(-1 if a is None else index[a])
+        return cls(tuple(order), tuple(preds), np.array(mem, dtype=np.int64), np.array(cost, dtype=np.float64),
+                   np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget))
+
+    def to_networkx(self) -> nx.DiGraph:
+        G = nx.DiGraph()
+        for i, name in enumerate(self.names):
+            attrs: dict[str, Any] = {"mem": int(self.mem[i]), "cost": float(self.cost[i])}
+            if not self.recomputable[i]:
+                attrs["recomputable"] = False
+            if self.alias_of[i] >= 0:
+                attrs["alias_of"] = self.names[self.alias_of[i]]
+            G.add_node(name, **attrs)
+        for v, ps in enumerate(self.preds):
+            for p in ps:
+                G.add_edge(self.names[p], self.names[v])
+        return G
+
+    # ---------------------------------------------------------------- JSON I/O
+    def to_dict(self) -> dict[str, Any]:
+        nodes = []
+        for i, name in enumerate(self.names):
+            nodes.append({
+                "name": name,
+                "preds": [self.names[p] for p in self.preds[i]],
+                "mem": int(self.mem[i]),
+                "cost": float(self.cost[i]),
+                "recomputable": bool(self.recomputable[i]),
+                "alias_of": None if self.alias_of[i] < 0 else self.names[self.alias_of[i]],
+            })
+        return {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Problem":
+        if data.get("format") != JSON_FORMAT:
+            raise ValueError(f"not a {JSON_FORMAT} document")
+        nodes = data["nodes"]
+        index = {node["name"]: i for i, node in enumerate(nodes)}
+        return cls(
+            names=tuple(node["name"] for node in nodes),
+            preds=tuple(tuple(index[p] for p in node["preds"]) for node in nodes),
+            mem=np.array([node["mem"] for node in nodes], dtype=np.int64),
+            cost=np.array([node["cost"] for node in nodes], dtype=np.float64),
+            recomputable=np.array([node.get("recomputable", True) for node in nodes], dtype=bool),
+            alias_of=np.array([-1 if node.get("alias_of") is None else index[node["alias_of"]] for node in nodes],
+                              dtype=np.int64),
+            budget=int(data["budget"]),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "Problem":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Problem":
+        return cls.from_json(Path(path).read_text())
+
+    # --------------------------------------------------------------- helpers
+    def names_of(self, indices: Iterable[int]) -> list[Hashable]:
+        return [self.names[i] for i in indices]
+
+    def total_cost(self) -> float:
+        """Cost of computing every non-source exactly once: a lower bound for any schedule."""
+        return float(self.cost[list(self.non_sources)].sum()) if self.non_sources else 0.0
+
+    def __repr__(self) -> str:
+        return (f"Problem(n={self.n}, sources={len(self.sources)}, sinks={len(self.sinks)}, "
+                f"edges={sum(map(len, self.preds))}, budget={self.budget})")
