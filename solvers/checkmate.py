@@ -112,16 +112,19 @@ def cost_scale(costs: list[float], n_terms: int) -> float:
 class _Formulation:
     def __init__(self, problem: Problem, builder: Builder, scale: MemoryScale, cost_factor: float) -> None:
         self.p, self.b = problem, builder
-        nodes = problem.non_sources
-        self.nodes = nodes
-        m = len(nodes)
+        real = problem.non_sources
+        local = {v: i for i, v in enumerate(real)}
+        # A virtual end node (size 0, cost 0, computed once) reads every sink: its
+        # stage may recompute sinks freed earlier, and its compute is the instant
+        # at which all sinks must be resident.
+        end = len(real)
+        self.nodes: list[Optional[int]] = list(real) + [None]
+        m = end + 1
         self.m = m
-        local = {v: i for i, v in enumerate(nodes)}
-        self.preds = [[local[q] for q in problem.preds[v] if q in local] for v in nodes]
-        self.succs = [[local[q] for q in problem.succs[v]] for v in nodes]
-        self.recomputable = [bool(problem.recomputable[v]) for v in nodes]
-        self.is_sink = [bool(problem.is_sink[v]) for v in nodes]
-        size = scale.size
+        self.preds = [[local[q] for q in problem.preds[v] if q in local] for v in real] + [[local[v] for v in problem.sinks]]
+        self.succs = [[local[q] for q in problem.succs[v]] + ([end] if problem.is_sink[v] else []) for v in real] + [[]]
+        self.recomputable = [bool(problem.recomputable[v]) for v in real] + [False]
+        size = list(scale.size) + [0]
         self.R: dict[tuple[int, int], int] = {}
         self.S: dict[tuple[int, int], int] = {}
         self.W: dict[tuple[int, int], int] = {}
@@ -138,13 +141,13 @@ class _Formulation:
                     continue
                 for i in self.preds[j]:
                     self._row([self.r(t, j)], [self.r(t, i), self.s(t, i)], -math.inf, 0)
-        # Only values resident during a stage can be kept into the next; sinks kept at the end.
+        # Only values resident during a stage can be kept into the next.
         for t in range(m):
             for i in range(t + 1):
                 self._row([self.s(t + 1, i)], [self.r(t, i), self.s(t, i)], -math.inf, 0)
         # Alias discounts (see module docstring).
         alias_pairs = []
-        for v_local, v in enumerate(nodes):
+        for v_local, v in enumerate(real):
             a = int(problem.alias_of[v])
             if a >= 0 and a in local and size[v_local] > 0:
                 alias_pairs.append((v_local, local[a]))
@@ -185,7 +188,7 @@ class _Formulation:
                 prev_u = u
                 prev_free = self._frees(t, k, size) if rk != ZERO else []
         # Objective.
-        costs = [float(problem.cost[v]) for v in nodes]
+        costs = [float(problem.cost[v]) for v in real] + [0.0]
         obj: list[tuple[int, float]] = []
         for (t, i), h in self.R.items():
             c = costs[i] * cost_factor
@@ -203,7 +206,7 @@ class _Formulation:
 
     def s(self, t: int, i: int) -> int:
         if t >= self.m:
-            return ONE if self.is_sink[i] else ZERO
+            return ZERO  # nothing needs keeping after the end node
         return self.S[t, i] if i < t else ZERO
 
     def _row(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
@@ -258,8 +261,8 @@ class _Formulation:
         stages, keep = [], []
         for t in range(self.m):
             # Skip a recompute of a value that is already resident (never better, never needed).
-            stages.append(tuple(self.nodes[i] for i in range(t + 1)
-                                if on(self.r(t, i)) and not (i < t and on(self.s(t, i)))))
+            stages.append(tuple(self.nodes[i] for i in range(t + 1)  # type: ignore[misc]
+                                if self.nodes[i] is not None and on(self.r(t, i)) and not (i < t and on(self.s(t, i)))))
             keep.append(frozenset(held_by_stage.get(t, ())))
         return Plan(tuple(stages), tuple(keep))
 

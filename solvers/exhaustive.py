@@ -12,7 +12,8 @@ Two restricted variants serve as references for Checkmate:
   recomputations may happen anywhere.
 * ``stages=True`` (with an order): Checkmate's own space. Stage t
   recomputes some earlier values, each at most once and in index order, then
-  computes node t for the first time.
+  computes node t for the first time; a final stage only recomputes (this
+  matches `checkmate.py`'s virtual end node).
 
 `min_peak` runs the same search minimising the peak instead of the cost,
 which gives the exact minimum budget.
@@ -94,7 +95,7 @@ def _search(space: _Space, budget: float, objective: str, order: Optional[Sequen
         if value > best.get(state, float("inf")):
             continue
         computed, resident, cursor = state
-        if computed == space.full and resident & space.sinks == space.sinks and (not stages or cursor == 0):
+        if computed == space.full and resident & space.sinks == space.sinks:
             steps: list[Step] = []
             s = state
             while True:
@@ -127,7 +128,8 @@ def _search(space: _Space, budget: float, objective: str, order: Optional[Sequen
             assert pos_in_order is not None
             # Stage t = n_first: recompute candidates are earlier bits of the order at index >= cursor.
             t = n_first
-            for k in range(cursor, t + 1 if t < m else 0):  # no stage after the last one
+            # Stage m (after the last first computation) only recomputes, e.g. sinks freed earlier.
+            for k in range(cursor, t + 1 if t < m else m):
                 i = pos_in_order[k]
                 b = 1 << i
                 if k < t:

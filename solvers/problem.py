@@ -107,8 +107,12 @@ class Problem:
         return len(self.non_sources)
 
     def with_budget(self, budget: int) -> "Problem":
-        """The same graph under another budget (arrays are shared, they are read-only)."""
-        return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, int(budget))
+        """The same graph under another budget. Everything else, derived data and
+        budget-independent caches included, is shared (the arrays are read-only)."""
+        other = object.__new__(Problem)
+        other.__dict__.update(self.__dict__)
+        object.__setattr__(other, "budget", int(budget))
+        return other
 
     # ------------------------------------------------------------ networkx I/O
     @classmethod

@@ -95,29 +95,34 @@ class _Builder:
         return seq
 
 
-def _candidates(problem: Problem, clusters: list[list[tuple[int, int]]]) -> list[int]:
-    """Values worth dropping: recomputable, with at least two clusters of uses."""
-    return [
-        v
-        for v in problem.non_sources
-        if problem.recomputable[v] and len(clusters[v]) >= 2 and not problem.is_sink[v]
-    ]
+def _roots(problem: Problem) -> np.ndarray:
+    root = np.arange(problem.n)
+    for v in range(problem.n):
+        a = int(problem.alias_of[v])
+        if a >= 0:
+            root[v] = root[a]
+    return root
 
 
-def _alias_group(problem: Problem, v: int, candidates: set[int]) -> list[int]:
-    """``v`` and the candidates sharing its storage: dropping one alone frees nothing."""
-    root = v
-    while problem.alias_of[root] >= 0:
-        root = int(problem.alias_of[root])
-    group = {w for w in candidates if _root(problem, w) == root}
-    group.add(v)
-    return sorted(group)
+def _storage_groups(problem: Problem, root: np.ndarray, gap: int) -> dict[int, list[int]]:
+    """Droppable storages: alias root -> the root and every value living in its storage.
 
-
-def _root(problem: Problem, v: int) -> int:
-    while problem.alias_of[v] >= 0:
-        v = int(problem.alias_of[v])
-    return v
+    Dropping a view alone frees nothing while its base lives, and dropping a
+    base frees nothing while a view of it lives: a storage is dropped whole.
+    A group qualifies when all its values may be recomputed and its uses,
+    taken together, have a gap in which the storage could be released.
+    """
+    members: dict[int, list[int]] = {}
+    for v in range(problem.n):
+        members.setdefault(int(root[v]), []).append(v)
+    groups: dict[int, list[int]] = {}
+    for r, ms in members.items():
+        if problem.is_source[r] or any(not problem.recomputable[w] or problem.is_sink[w] for w in ms):
+            continue
+        uses = sorted(u for w in ms for u in problem.succs[w] if root[u] != r)
+        if any(b - a > gap for a, b in zip(uses, uses[1:])):
+            groups[r] = ms
+    return groups
 
 
 def _resident_at(problem: Problem, schedule: Schedule, step: int) -> set[int]:
@@ -137,44 +142,32 @@ def solve_select(problem: Problem, time_limit: Optional[float] = None) -> Soluti
     gap = max(4, problem.n // 50)
     clusters = use_clusters(problem, gap)
     builder = _Builder(problem, clusters)
-    candidates = _candidates(problem, clusters)
-    candidate_set = set(candidates)
-    cost = problem.cost
-    mem = problem.mem
+    root = _roots(problem)
+    groups = _storage_groups(problem, root, gap)
+    cost, mem = problem.cost, problem.mem
+    # Extra cost of dropping a storage: each of its values recomputed once per extra cluster of uses.
+    extra_cost = {r: sum(float(cost[w]) * max(1, len(clusters[w]) - 1) for w in ms) for r, ms in groups.items()}
 
     def evaluate(dropped: set[int]):
         schedule = schedule_from_sequence(problem, builder.sequence(dropped))
         return schedule, simulate(problem, schedule)
 
     dropped: set[int] = set()
+    dropped_roots: set[int] = set()
     schedule, result = evaluate(dropped)
     best = (schedule, result) if result.fits else None
-    # Grow the drop set until the peak fits.
+    # Grow the drop set until the peak fits: storages live at the peak, most bytes per recompute cost first.
     while not result.fits and time.perf_counter() < deadline:
         at_peak = _resident_at(problem, schedule, result.peak_step)
-        options = [v for v in at_peak if v in candidate_set and v not in dropped]
-        if not options:
+        live = {int(root[v]) for v in at_peak} & (groups.keys() - dropped_roots)
+        if not live:
             break
-        scored = []
-        for v in options:
-            group = _alias_group(problem, v, candidate_set - dropped)
-            root = _root(problem, v)
-            if root in group:
-                freed = int(mem[root])
-            elif root in at_peak:
-                continue  # its storage stays alive through the root anyway
-            else:
-                freed = int(mem[v])
-            extra = sum(float(cost[w]) * (len(clusters[w]) - 1) for w in group)
-            scored.append((freed / (extra + 1e-9), freed, group))
-        if not scored:
-            break
-        scored.sort(key=lambda s: -s[0])
-        excess = result.peak - problem.budget
-        released = 0
-        for _, freed, group in scored:
-            dropped.update(group)
-            released += freed
+        scored = sorted(live, key=lambda r: -float(mem[r]) / (extra_cost[r] + 1e-12))
+        excess, released = result.peak - problem.budget, 0
+        for r in scored:
+            dropped.update(groups[r])
+            dropped_roots.add(r)
+            released += int(mem[r])
             if released >= excess:
                 break
         schedule, result = evaluate(dropped)
@@ -183,13 +176,13 @@ def solve_select(problem: Problem, time_limit: Optional[float] = None) -> Soluti
     if best is None:
         return finish(problem, schedule, "select", started, lower_bound=problem.total_cost())
     # Keep again what no longer needs dropping, costliest first.
-    for v in sorted(dropped, key=lambda w: -float(cost[w]) * (len(clusters[w]) - 1)):
+    for r in sorted(dropped_roots, key=lambda r: -extra_cost[r]):
         if time.perf_counter() >= deadline:
             break
-        trial = dropped - {v}
+        trial = dropped - set(groups[r])
         schedule, result = evaluate(trial)
         if result.fits and result.cost <= best[1].cost:
-            dropped = trial
-            best = (schedule, result)
+            dropped, best = trial, (schedule, result)
+            dropped_roots.discard(r)
     return finish(problem, best[0], "select", started, lower_bound=problem.total_cost(),
-                  info={"dropped": len(dropped), "candidates": len(candidates)})
+                  info={"dropped": len(dropped_roots), "candidates": len(groups)})

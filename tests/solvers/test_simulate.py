@@ -1,0 +1,190 @@
+"""simulate/validate on hand-built schedules: known peaks, every violation, aliases."""
+import numpy as np
+import pytest
+
+from solvers import Problem, Schedule, ScheduleError, simulate, validate
+from solvers.memory import Residency, memory_of
+
+from .helpers import chain_problem, graph
+
+
+def test_chain_peak_and_timeline():
+    p = chain_problem([2, 3, 4], input_size=1)
+    s = Schedule.from_list([("compute", "v0"), ("compute", "v1"), ("free", "v0"), ("compute", "v2"), ("free", "v1")])
+    r = validate(p, s)
+    # x=1 always; v0 -> 3; v1 -> 6; free v0 -> 4; v2 -> 8 (during compute: v1 + v2 + x); free v1 -> 5
+    assert r.initial == 1
+    assert r.timeline.tolist() == [3, 6, 4, 8, 5]
+    assert r.peak == 8 and r.peak_step == 3
+    assert r.cost == 3.0 and r.recomputations == 0
+    assert r.final == 5 and r.fits
+
+
+def test_recomputation_counted():
+    p = chain_problem([1, 1, 1])
+    s = Schedule.from_list([("compute", "v0"), ("compute", "v1"), ("free", "v0"), ("free", "v1"),
+                            ("compute", "v0"), ("compute", "v1"), ("free", "v0"), ("compute", "v2")])
+    r = simulate(p, s)
+    assert r.cost == 5.0
+    assert r.recomputations == 2
+    assert r.computes[p.index["v0"]] == 2
+
+
+def test_budget_exceeded_names_step():
+    p = chain_problem([2, 3, 4], budget=7)
+    s = Schedule.from_list([("compute", "v0"), ("compute", "v1"), ("free", "v0"), ("compute", "v2")])
+    r = simulate(p, s)  # simulate reports, does not raise
+    assert r.over_budget_step == 3 and not r.fits and r.peak == 8
+    with pytest.raises(ScheduleError, match="step 3") as e:
+        validate(p, s)
+    assert e.value.kind == "over-budget" and e.value.step == 3
+
+
+def test_inputs_alone_over_budget():
+    p = chain_problem([1], budget=0, input_size=5)
+    with pytest.raises(ScheduleError, match="inputs alone") as e:
+        validate(p, Schedule.from_list([("compute", "v0")]))
+    assert e.value.step == -1
+
+
+@pytest.mark.parametrize("steps, kind, pattern", [
+    ([("compute", "v1")], "read-not-resident", "reads 'v0', which is not resident"),
+    ([("compute", "x")], "compute-source", "source"),
+    ([("free", "x")], "free-source", "source"),
+    ([("free", "v0")], "free-not-resident", "not resident"),
+    ([("compute", "v0"), ("compute", "v0")], "already-resident", "already resident"),
+    ([("compute", "zz")], "unknown-node", "unknown node"),
+    ([("compute", "v0")], "never-computed", "'v1' is never computed"),
+    ([("compute", "v0"), ("compute", "v1"), ("free", "v1")], "sink-missing", "sink 'v1'"),
+    ([("offload", "v0")], "unsupported-op", "offload"),
+])
+def test_each_violation(steps, kind, pattern):
+    p = chain_problem([1, 1])
+    with pytest.raises(ScheduleError, match=pattern) as e:
+        validate(p, Schedule.from_list(steps))
+    assert e.value.kind == kind
+
+
+def test_first_violation_wins():
+    p = chain_problem([5, 5], budget=7)
+    # Step 1 goes over budget before step 2's bad free.
+    steps = [("compute", "v0"), ("compute", "v1"), ("free", "x")]
+    with pytest.raises(ScheduleError) as e:
+        validate(p, Schedule.from_list(steps))
+    assert e.value.kind == "over-budget" and e.value.step == 1
+    with pytest.raises(ScheduleError) as e:
+        simulate(p, Schedule.from_list(steps))
+    assert e.value.kind == "free-source"
+
+
+def test_unknown_op_string():
+    p = chain_problem([1])
+    with pytest.raises(ScheduleError) as e:
+        validate(p, [("launch", "v0")])
+    assert e.value.kind == "unknown-op"
+
+
+def test_non_recomputable_computed_twice():
+    G = graph({"x": (1, 0), "mask": (2, 1.0, {"recomputable": False}), "y": (1, 1.0)},
+              [("x", "mask"), ("mask", "y")])
+    p = Problem.from_networkx(G, 100)
+    s = [("compute", "mask"), ("free", "mask"), ("compute", "mask"), ("compute", "y")]
+    with pytest.raises(ScheduleError, match="not recomputable") as e:
+        validate(p, s)
+    assert e.value.kind == "recompute-forbidden" and e.value.step == 2
+
+
+def test_during_compute_counts_inputs_and_output():
+    # Diamond: peak while computing d = a + b + c + d + x.
+    G = graph({"x": (1, 0), "a": (2, 1), "b": (3, 1), "c": (4, 1), "d": (5, 1)},
+              [("x", "a"), ("a", "b"), ("a", "c"), ("b", "d"), ("c", "d")])
+    p = Problem.from_networkx(G, 100)
+    s = [("compute", "a"), ("compute", "b"), ("compute", "c"), ("free", "a"), ("compute", "d"),
+         ("free", "b"), ("free", "c")]
+    r = validate(p, s)
+    assert r.peak == 1 + 3 + 4 + 5 and r.timeline.tolist() == [3, 6, 10, 8, 13, 10, 6]
+
+
+# ----------------------------------------------------------------- aliases
+
+def _views():
+    # base (8) -> view1 (aliases base, 8) -> view2 (aliases view1, 8) -> out (1)
+    G = graph({"x": (1, 0), "base": (8, 1), "view1": (8, 0.1, {"alias_of": "base"}),
+               "view2": (8, 0.1, {"alias_of": "view1"}), "out": (1, 1)},
+              [("x", "base"), ("base", "view1"), ("view1", "view2"), ("view2", "out")])
+    return Problem.from_networkx(G, 100)
+
+
+def test_view_chain_shares_storage():
+    p = _views()
+    s = [("compute", "base"), ("compute", "view1"), ("compute", "view2"), ("free", "view1"),
+         ("compute", "out"), ("free", "view2"), ("free", "base")]
+    r = validate(p, s)
+    # Views add nothing while their base (or an alias ancestor) is resident.
+    assert r.timeline.tolist() == [9, 9, 9, 9, 10, 10, 2]
+    assert r.peak == 10
+
+
+def test_view_counts_once_base_is_gone():
+    p = _views()
+    # Free the base first: view1 then counts its own size; view2 stays covered by view1.
+    s = [("compute", "base"), ("compute", "view1"), ("compute", "view2"), ("free", "base"),
+         ("free", "view1"), ("compute", "out"), ("free", "view2")]
+    r = validate(p, s)
+    assert r.timeline.tolist() == [9, 9, 9, 9, 9, 10, 2]
+
+
+def test_freeing_a_base_can_raise_memory():
+    # A view bigger than its base (e.g. an expand accounted at full size): freeing
+    # the base makes the view count, so memory goes up on a free.
+    G = graph({"x": (1, 0), "base": (2, 1), "big": (6, 0.1, {"alias_of": "base"}), "out": (1, 1)},
+              [("x", "base"), ("base", "big"), ("big", "out")])
+    p = Problem.from_networkx(G, 5)
+    s = [("compute", "base"), ("compute", "big"), ("free", "base"), ("compute", "out"), ("free", "big")]
+    r = simulate(p, s)
+    assert r.timeline.tolist() == [3, 3, 7, 8, 2]
+    with pytest.raises(ScheduleError, match="step 2"):
+        validate(p, s)
+
+
+def test_tuple_and_getitems():
+    # A multi-output op: the tuple owns the storage, the getitems alias it.
+    G = graph({"x": (1, 0), "tup": (10, 2), "g0": (4, 0.0, {"alias_of": "tup"}),
+               "g1": (6, 0.0, {"alias_of": "tup"}), "use0": (1, 1), "use1": (1, 1)},
+              [("x", "tup"), ("tup", "g0"), ("tup", "g1"), ("g0", "use0"), ("g1", "use1")])
+    p = Problem.from_networkx(G, 100)
+    s = [("compute", "tup"), ("compute", "g0"), ("compute", "g1"), ("free", "tup"),
+         ("compute", "use0"), ("free", "g0"), ("compute", "use1"), ("free", "g1")]
+    r = validate(p, s)
+    assert r.timeline.tolist() == [11, 11, 11, 11, 12, 8, 9, 3]
+
+
+def test_view_of_input_is_free():
+    G = graph({"x": (5, 0), "xv": (5, 0.0, {"alias_of": "x"}), "y": (2, 1)}, [("x", "xv"), ("xv", "y")])
+    p = Problem.from_networkx(G, 100)
+    r = validate(p, [("compute", "xv"), ("compute", "y"), ("free", "xv")])
+    assert r.timeline.tolist() == [5, 7, 7]
+
+
+def test_residency_matches_from_scratch_sums():
+    # Incremental alias arithmetic equals a from-scratch evaluation on random toggles.
+    p = _views()
+    rng = np.random.default_rng(0)
+    res = Residency(p)
+    for _ in range(200):
+        v = int(rng.choice(p.non_sources))
+        if v in res:
+            res.remove(v)
+        else:
+            res.add(v)
+        assert res.total == memory_of(p, [u for u in p.non_sources if u in res])
+
+
+def test_schedule_json_round_trip(tmp_path):
+    s = Schedule.from_list([("compute", "a"), ("compute", 3), ("free", "a")])
+    again = Schedule.from_json(s.to_json())
+    assert again == s and list(again) == list(s)
+    op, node = again[1]
+    assert op == "compute" and node == 3
+    s.save(tmp_path / "s.json")
+    assert Schedule.load(tmp_path / "s.json") == s
