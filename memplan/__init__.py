@@ -9,6 +9,7 @@ from memplan.capture import CaptureError
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.measure import measure_peak
 from memplan.plan import InfeasibleBudgetError, Plan
+from memplan.planio import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [
     "Analysis",
@@ -18,8 +19,11 @@ __all__ = [
     "OptimizedModule",
     "PROFILES",
     "Plan",
+    "PlanMismatchError",
+    "SavedPlan",
     "WithLoss",
     "analyze",
+    "load_plan",
     "measure_peak",
     "optimize",
     "parse_budget",

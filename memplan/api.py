@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
 from memplan.plan import Plan, make_plan
+from memplan.planio import as_saved, make_plan_from_saved
 from memplan.runtime import Program, run_program
 
 _UNITS = {
@@ -67,7 +68,7 @@ class OptimizedModule(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        budget: int | str,
+        budget: int | str | None,
         *,
         solver: str = "auto",
         time_limit: float | None = None,
@@ -75,9 +76,14 @@ class OptimizedModule(nn.Module):
         **options: Any,
     ):
         super().__init__()
-        unknown = set(options) - {"offload", "profile"}
+        unknown = set(options) - {"offload", "profile", "plan"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
+        # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
+        saved = options.pop("plan", None)
+        self.saved_plan = as_saved(saved) if saved is not None else None
+        if budget is None and self.saved_plan is not None:
+            budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
         # Share the original's state so names and state_dict are unchanged.
         self._parameters = model._parameters
@@ -120,16 +126,23 @@ class OptimizedModule(nn.Module):
         if sig not in self._plans:
             model = self._orig_mod
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            plan, program = make_plan(
-                model,
-                args,
-                kwargs,
-                self.budget,
-                solver=self.solver,
-                time_limit=self.time_limit,
-                profile=get_profile(self.device_profile, device),
-                measure_on=device if self.options.get("profile") else None,
-            )
+            profile = get_profile(self.device_profile, device)
+            measure_on = device if self.options.get("profile") else None
+            if self.saved_plan is not None:
+                plan, program = make_plan_from_saved(
+                    self.saved_plan, model, args, kwargs, self.budget, profile=profile, measure_on=measure_on
+                )
+            else:
+                plan, program = make_plan(
+                    model,
+                    args,
+                    kwargs,
+                    self.budget,
+                    solver=self.solver,
+                    time_limit=self.time_limit,
+                    profile=profile,
+                    measure_on=measure_on,
+                )
             cap = plan.analysis.capture
             self._plans[sig] = (plan, program, cap.param_names, cap.buffer_names)
         return self._plans[sig]
@@ -172,7 +185,7 @@ class WithLoss(nn.Module):
 
 def optimize(
     model: nn.Module,
-    budget: int | str,
+    budget: int | str | None = None,
     *,
     example_inputs: Any = None,
     example_kwargs: dict | None = None,
@@ -189,7 +202,9 @@ def optimize(
     Plans are made on the first call per input signature, or immediately
     for ``example_inputs``. ``profile=True`` times every op of the step on the
     model's device instead of estimating it from ``device_profile``. Raises :class:`memplan.InfeasibleBudgetError`
-    when no plan fits.
+    when no plan fits. ``plan=path`` reuses a plan written by ``Plan.save``
+    (budget defaults to the saved one) after checking it was made for this
+    model and these inputs and validating it under the budget.
     """
     opt = OptimizedModule(model, budget, solver=solver, time_limit=time_limit, device_profile=device_profile, **options)
     if example_inputs is not None:

@@ -78,6 +78,12 @@ class Plan:
             return None
         return max(0.0, self.predicted_time / self.lower_bound - 1.0)
 
+    def save(self, path: str) -> None:
+        """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
+        from memplan.planio import save_plan
+
+        save_plan(self, path)
+
     def report(self) -> str:
         a = self.analysis
         counts = Counter(d.decision for d in self.decisions)
@@ -128,25 +134,51 @@ def make_plan(
     """
     cap = capture(model, args, kwargs)
     analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs), measure_on)
+    plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit)
+    return plan, build_program(cap, analysis.lowered, plan.schedule)
+
+
+def solve_plan(analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None) -> Plan:
+    """Solve an analyzed step for one budget (a sweep solves one analysis many times)."""
     problem = analysis.lowered.with_budget(budget)
     start = time.perf_counter()
     try:
         sol = solvers.solve(problem, method=solver, time_limit=time_limit)
     except solvers.Infeasible as exc:
         raise InfeasibleBudgetError(budget, int(exc.min_budget)) from None
-    solvers.validate(problem, sol.schedule)
-    plan = Plan(
+    return plan_from_schedule(
+        analysis, budget, sol.schedule, method=sol.method, status=sol.status,
+        lower_bound=sol.lower_bound, solve_time=time.perf_counter() - start,
+    )
+
+
+def plan_from_schedule(
+    analysis: Analysis,
+    budget: int,
+    schedule: "solvers.Schedule",
+    *,
+    method: str,
+    status: str,
+    lower_bound: float | None = None,
+    solve_time: float = 0.0,
+) -> Plan:
+    """A :class:`Plan` for a schedule, validated against the analysis' Problem under ``budget``.
+
+    Peak and time come from the simulator, never from whoever made the schedule.
+    Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
+    """
+    result = solvers.validate(analysis.lowered.with_budget(budget), schedule)
+    return Plan(
         budget=budget,
-        predicted_peak=sol.peak,
-        predicted_time=sol.cost,
+        predicted_peak=result.peak,
+        predicted_time=result.cost,
         store_all_time=analysis.store_all.cost,
         store_all_peak=analysis.store_all.peak,
-        method=sol.method,
-        lower_bound=sol.lower_bound,
-        solve_time=time.perf_counter() - start,
-        status=sol.status,
-        decisions=_decisions(analysis, sol.schedule),
-        schedule=sol.schedule,
+        method=method,
+        lower_bound=lower_bound,
+        solve_time=solve_time,
+        status=status,
+        decisions=_decisions(analysis, schedule),
+        schedule=schedule,
         analysis=analysis,
     )
-    return plan, build_program(cap, analysis.lowered, sol.schedule)
