@@ -183,7 +183,9 @@ def training(forward: nx.DiGraph, seed: int = 0, param_prob: float = 0.7) -> nx.
     for v in forward.nodes:  # insertion order is topological
         attrs = dict(forward.nodes[v])
         preds = [fmap[p] for p in forward.predecessors(v)]
-        if preds and rng.random() < param_prob:
+        if "alias_of" in attrs:
+            attrs["alias_of"] = fmap[attrs["alias_of"]]  # a view keeps its base, renumbered
+        elif preds and rng.random() < param_prob:
             p = add({"mem": max(1, attrs["mem"] // 4), "cost": 0.0}, [])
             params[v] = p
             preds.append(p)

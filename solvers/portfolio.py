@@ -11,6 +11,7 @@ from typing import Callable, Optional
 from .greedy import solve_greedy
 from .problem import Problem
 from .recompute_all import solve_recompute_all
+from .select import solve_select
 from .solution import MethodFailed, Solution
 from .sqrt_n import solve_sqrt_n
 from .store_all import solve_store_all
@@ -18,6 +19,7 @@ from .store_all import solve_store_all
 CONSTRUCTIVE: dict[str, Callable[[Problem, Optional[float]], Solution]] = {
     "store_all": solve_store_all,
     "greedy": solve_greedy,
+    "select": solve_select,
     "sqrt_n": solve_sqrt_n,
     "recompute_all": solve_recompute_all,
 }

@@ -11,6 +11,7 @@ from .exhaustive import solve_exhaustive, solve_exhaustive_fixed, solve_exhausti
 from .greedy import solve_greedy
 from .problem import Problem
 from .recompute_all import solve_recompute_all
+from .select import solve_select
 from .solution import Solution
 from .sqrt_n import solve_sqrt_n
 from .store_all import solve_store_all
@@ -28,6 +29,7 @@ METHODS: dict[str, SolveFn] = {
     "recompute_all": solve_recompute_all,
     "sqrt_n": solve_sqrt_n,
     "greedy": solve_greedy,
+    "select": solve_select,
     "exhaustive": solve_exhaustive,
     "exhaustive_fixed": solve_exhaustive_fixed,
     "exhaustive_stages": solve_exhaustive_stages,

@@ -139,7 +139,7 @@ def _resident_at(problem: Problem, schedule: Schedule, step: int) -> set[int]:
 def solve_select(problem: Problem, time_limit: Optional[float] = None) -> Solution:
     started = time.perf_counter()
     deadline = started + (time_limit if time_limit is not None else 60.0)
-    gap = max(4, problem.n // 50)
+    gap = max(1, problem.n // 50)
     clusters = use_clusters(problem, gap)
     builder = _Builder(problem, clusters)
     root = _roots(problem)
