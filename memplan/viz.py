@@ -411,7 +411,13 @@ def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = 
         ax.annotate(p.label, (p.budget / scale, p.plan.predicted_overhead), textcoords="offset points", xytext=(4, 4),
                     fontsize="small")
     if bad:
-        ax.scatter([p.budget / scale for p in bad], [1.0] * len(bad), marker="x", color="tab:red", label="infeasible")
+        # Below the smallest feasible budget nothing fits: shade it, mark the budgets asked for there.
+        floor = max(p.min_budget or p.budget for p in bad) / scale
+        ax.axvspan(0, floor, color="tab:red", alpha=0.08, label=f"infeasible (below {floor:.3g} {unit})")
+        ax.scatter([p.budget / scale for p in bad], [1.0] * len(bad), marker="x", color="tab:red")
+        for p in bad:
+            ax.annotate(p.label, (p.budget / scale, 1.0), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        ax.set_xlim(left=min(p.budget for p in points) / scale * 0.9)
     if eager_peak:
         ax.axvline(eager_peak / scale, color="tab:gray", linestyle=":", label=f"eager peak {eager_peak / scale:.2f} {unit}")
     ax.set_xlabel(f"budget ({unit})")
