@@ -177,7 +177,8 @@ def parse_budget_arg(text: str, eager_peak: int | None, min_budget: Callable[[],
     if m:
         fraction = float(m.group(1)) / 100
         if fraction <= 0:
-            raise CLIError(f"cannot read budget {text!r}: a percentage must be above 0%")
+            raise CLIError(f"cannot read budget {text!r}: a percentage must be above 0%",
+                           hint="for example --budget 50% (half the eager peak)")
         if eager_peak is None:
             raise CLIError(f"budget {text!r} needs the eager peak: analyze the model first")
         return max(1, int(eager_peak * fraction))

@@ -1,0 +1,221 @@
+"""The ``memplan`` command, driven as a subprocess: exit codes, JSON shape, output, one-line errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import memplan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+
+
+def run_cli_parallel(*calls: tuple[str, ...], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Several CLI runs at once: each spends most of its time importing torch."""
+    env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "memplan.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+        for args in calls
+    ]
+    results = []
+    for args, proc in zip(calls, procs):
+        stdout, stderr = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(args, proc.returncode, stdout, stderr))
+    return results
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """The same CLI in this process (for the cheap variations)."""
+    from memplan.cli import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out.stderr
+    assert any(line.startswith("hint:") for line in out.stderr.splitlines()), out.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def factory_file(tmp_path_factory) -> Path:
+    """A user's file with a plain factory, a factory with a loss and batch_size, and an untraceable one."""
+    path = tmp_path_factory.mktemp("targets") / "models.py"
+    path.write_text(textwrap.dedent(
+        """
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+
+        def plain():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+            return model, (torch.randn(64, 32),)
+
+
+        def with_loss(batch_size=64):
+            '''A three-layer MLP with its cross-entropy loss.'''
+            model, _ = plain()
+            x, y = torch.randn(batch_size, 32), torch.randint(0, 10, (batch_size,))
+            return model, (x,), lambda logits: F.cross_entropy(logits, y)
+
+
+        class DataDependent(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                y = self.lin(x)
+                if y.sum().item() > 0:
+                    return y * 2
+                return y
+
+
+        def untraceable():
+            return DataDependent(), (torch.randn(3, 4),)
+        """
+    ))
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One JSON report of a zoo model, saving the plan."""
+    out_dir = tmp_path_factory.mktemp("report")
+    plan_path = out_dir / "plan.json"
+    out = run_cli("report", "mlp", "--budget", "60%", "--batch-size", "256", "--json", "--save", str(plan_path))
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout), plan_path
+
+
+def test_report_json_shape(report):
+    data, _ = report
+    s = data["summary"]
+    for key in ("param_bytes", "eager_peak", "budget", "planned_peak", "predicted_overhead", "method", "status",
+                "gap", "solve_time", "aten_ops"):
+        assert key in s, key
+    assert s["planned_peak"] <= s["budget"] < s["eager_peak"]
+    assert s["budget"] == int(s["eager_peak"] * 0.6)
+    assert s["predicted_overhead"] >= 1.0
+    modules = data["modules"]
+    assert modules and {"module", "kept_bytes", "recomputed_bytes", "offloaded_bytes", "recompute_time"} <= set(modules[0])
+    assert any(m["module"].startswith("net.") for m in modules)  # module paths from the capture
+    assert sum(m["recomputed_bytes"] for m in modules) > 0
+    t = data["timeline"]
+    assert max(t["planned"]) == s["planned_peak"] and max(t["eager"]) == s["store_all_peak"]
+    assert 0 < t["backward_start"] < 1
+
+
+def test_saved_plan_is_reused_by_optimize(report):
+    data, plan_path = report
+    assert data["saved_to"] == str(plan_path)
+    from tests.memplan.helpers import build_step
+
+    module, args, kwargs = build_step("mlp", batch_size=256)
+    opt = memplan.optimize(module, plan=plan_path, example_inputs=args, example_kwargs=kwargs)
+    assert opt.plan.predicted_peak == data["summary"]["planned_peak"]
+    assert opt.plan.budget == data["summary"]["budget"]
+
+
+def test_report_tables_and_memory_strip(factory_file):
+    out = run_cli("report", f"{factory_file}:with_loss", "--budget", "90%", "--batch-size", "512", "--depth", "1")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    for needle in ("planned peak", "overhead", "method", "solve time", "saved activations by module", "total",
+                   "memory over the step", "forward", "backward", "three-layer MLP"):
+        assert needle in text, needle
+    strip = [line for line in text.splitlines() if line.startswith(("   eager  ", " planned  "))]
+    assert len(strip) == 2 and all(any(ch in line for ch in "▁▂▃▄▅▆▇█") for line in strip)
+    # Progress goes to stderr, one closed line per stage.
+    assert "capturing forward+backward" in out.stderr and "solving" in out.stderr
+
+
+def test_plain_factory_in_process(factory_file, capsys):
+    code, out, err = run_main(capsys, "report", f"{factory_file}:plain", "--budget", "1GB", "--json", "--quiet")
+    assert code == 0, err
+    assert err == ""
+    assert json.loads(out)["summary"]["budget"] == 10**9
+
+
+def test_sweep_writes_table_json_and_png(tmp_path):
+    png = tmp_path / "curve.png"
+    out = run_cli("sweep", "mlp", "--batch-size", "256", "--budgets", "100%,70%,min,1kB", "--out", str(png), "--json",
+                  "--quiet")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    labels = [p["label"] for p in data["points"]]
+    assert labels == ["100%", "70%", "min", "1kB"]
+    feasible = {p["label"]: p["feasible"] for p in data["points"]}
+    assert feasible == {"100%": True, "70%": True, "min": True, "1kB": False}
+    by = {p["label"]: p for p in data["points"]}
+    assert by["min"]["planned_peak"] <= by["70%"]["planned_peak"] <= by["100%"]["planned_peak"]
+    assert by["1kB"]["min_budget"] == by["min"]["budget"]
+    assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
+
+
+def test_user_errors_are_one_line_with_exit_status_2(factory_file):
+    unknown, bad_budget, infeasible, untraceable = run_cli_parallel(
+        ("report", "no-such-model", "--budget", "1GB"),
+        ("report", "mlp", "--budget", "12 parsecs"),
+        ("report", "mlp", "--budget", "1kB"),
+        ("report", f"{factory_file}:untraceable", "--budget", "1GB"),
+    )
+    assert_one_line_error(unknown, "unknown target", "no-such-model")
+    assert_one_line_error(bad_budget, "cannot read budget")
+    assert_one_line_error(infeasible, "below the smallest feasible plan")
+    assert "--budget" in infeasible.stderr  # the hint says what to ask for
+    assert_one_line_error(untraceable, "cannot trace DataDependent", "models.py")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("report", "no_such_pkg.mod:build", "--budget", "1GB"), "unknown target"),
+        (("report", "{factory}:nope", "--budget", "1GB"), "has no callable 'nope'"),
+        (("report", "{factory}:plain", "--budget", "1GB", "--batch-size", "4"), "takes no batch_size"),
+        (("sweep", "mlp", "--budgets", "100%,-5%"), "cannot read budget"),
+        (("report", "mlp", "--budget", "0%"), "above 0%"),
+        (("report", "mlp", "--budget", "1GB", "--offload"), "--offload"),
+    ],
+)
+def test_more_user_errors_in_process(factory_file, capsys, args, needle):
+    args = tuple(a.replace("{factory}", str(factory_file)) for a in args)
+    code, out, err = run_main(capsys, *args, "--quiet")
+    assert code == 2
+    assert "Traceback" not in err and err.count("error:") == 1 and "hint:" in err
+    assert needle in err
+
+
+def test_debug_shows_the_traceback(factory_file, capsys):
+    from memplan.cli import main
+
+    with pytest.raises(memplan.CaptureError):
+        main(["report", f"{factory_file}:untraceable", "--budget", "1GB", "--debug", "--quiet"])
+
+
+def test_console_script_is_declared():
+    scripts = (ROOT / "pyproject.toml").read_text()
+    assert 'memplan = "memplan.cli:main"' in scripts
