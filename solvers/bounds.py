@@ -7,7 +7,8 @@ end the sinks are resident.
 
 `min_budget` searches for the smallest budget with a schedule: exactly for
 graphs small enough for the exhaustive search, otherwise by binary search
-over budgets with the greedy (plus the budget-oblivious baselines' peaks).
+over budgets with the greedy and "select" (plus the budget-oblivious
+baselines' peaks).
 Every candidate is verified by the simulator.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .memory import memory_of
 from .problem import Problem
 from .recompute_all import solve_recompute_all
 from .schedule import Schedule, simulate
+from .select import solve_select
 from .solution import MethodFailed
 from .sqrt_n import solve_sqrt_n
 from .store_all import solve_store_all
@@ -55,7 +57,10 @@ def min_budget(problem: Problem) -> tuple[int, Schedule]:
     hi = best[0]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        sol = solve_greedy(problem.with_budget(mid), None)
+        probe = problem.with_budget(mid)
+        sol = solve_greedy(probe, None)
+        if not sol.fits:
+            sol = solve_select(probe, None)
         if sol.fits:
             hi = sol.peak  # the greedy may land below mid: jump straight there
             best = (sol.peak, sol.schedule)
