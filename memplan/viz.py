@@ -200,6 +200,15 @@ def plot_rs_matrices(plan: Plan, *, title: str | None = None) -> "Figure":
         ax.axhline(rs.backward_stage - 0.5, color="tab:orange", linewidth=0.8)
         ax.set_title(f"{name} ({int(mat.sum())} cells)")
         ax.set_xlabel("value (order of first computation)")
+    # Recomputations are single cells off R's diagonal: too small to see at this scale, so ring them.
+    extra = rs.R.copy()
+    n = min(extra.shape)
+    extra[np.arange(n), np.arange(n)] = False
+    stages, values = np.nonzero(extra)
+    if len(stages):
+        axes[0].scatter(values, stages, s=30, facecolors="none", edgecolors="tab:red", linewidths=1.0,
+                        label="recomputation")
+        axes[0].legend(loc="upper right", fontsize="small")
     axes[0].set_ylabel("stage (line: backward begins)")
     recomputes = int(rs.R.sum() - rs.R.shape[1])
     fig.suptitle(title or f"schedule as Checkmate matrices: {len(rs.values)} values, {recomputes} recomputations")
