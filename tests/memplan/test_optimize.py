@@ -146,6 +146,23 @@ def test_module_contract_state_train_eval_no_grad_accumulation():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
 
 
+def test_to_dtype_moves_the_shared_parameters_and_plans_again():
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module).double()
+    opt = memplan.optimize(module, 10**12)
+    _run(opt, args, kwargs)
+    opt.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in module.parameters())
+    args64 = tuple(a.double() if a.is_floating_point() else a for a in args)
+    clear_grads(module)
+    loss = _run(opt, args64, kwargs)
+    ref_loss = _run(reference, args64, kwargs)
+    torch.testing.assert_close(loss, ref_loss)
+    assert len(opt.plans) == 2
+    for (n, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
+
+
 def test_new_input_signature_plans_again():
     zm = zoo.build("mlp", size="tiny")
     opt = memplan.optimize(zm.model, 10**12)

@@ -1,0 +1,61 @@
+"""Cost model: device profiles, roofline times, measured op times, alias-aware bytes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import memplan
+from memplan.capture import capture
+from memplan.costs import PROFILES, annotate, get_profile
+from memplan.profiling import measure_op_times
+
+
+def test_profiles_cover_cpu_a100_h100():
+    for name in ("cpu", "a100", "h100"):
+        p = get_profile(name)
+        assert p.peak_flops > 0 and p.memory_bandwidth > 0 and p.host_bandwidth > 0
+    assert PROFILES["h100"].peak_flops > PROFILES["a100"].peak_flops
+    with pytest.raises(ValueError, match="unknown device profile"):
+        get_profile("tpu-v9")
+
+
+def test_roofline_is_compute_or_memory_bound():
+    p = PROFILES["a100"]
+    tiny = p.op_time(flops=1e3, bytes_moved=1e3)
+    compute_bound = p.op_time(flops=1e12, bytes_moved=1e3)
+    memory_bound = p.op_time(flops=1e3, bytes_moved=1e10)
+    assert compute_bound == pytest.approx(p.op_overhead + 1e12 / p.peak_flops)
+    assert memory_bound == pytest.approx(p.op_overhead + 1e10 / p.memory_bandwidth)
+    assert tiny < compute_bound and tiny < memory_bound
+
+
+def test_bytes_of_a_linear_step():
+    model = nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    cap = capture(model, (x,))
+    costs = annotate(cap.graph_module)
+    addmm = [n for n in cap.graph.nodes if n.target == torch.ops.aten.addmm.default]
+    assert costs.values[addmm[0].name].new_bytes == 16 * 32 * 4
+    # a storage is counted once however many values alias it
+    assert sum(costs.storage_bytes.values()) == sum(v.new_bytes for v in costs.values.values())
+
+
+def test_measured_times_replace_the_roofline():
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 8))
+    cap = capture(model, (torch.randn(64, 128),))
+    estimate = annotate(cap.graph_module)
+    skip = {n for n, v in estimate.values.items() if v.alias_of is not None}
+    times = measure_op_times(cap.graph_module, "cpu", skip=skip)
+    mms = [n.name for n in cap.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    assert mms and all(times[m] > 0 for m in mms)
+    measured = annotate(cap.graph_module, measured_times=times)
+    for m in mms:
+        assert measured.values[m].time == times[m]
+    # optimize(profile=True) plans with measured times: the problem's costs are timings, not roofline guesses
+    opt = memplan.optimize(model, 10**12, profile=True, example_inputs=(torch.randn(64, 128),))
+    graph = opt.plan.analysis.lowered.graph
+    for name, v in opt.plan.analysis.costs.values.items():
+        if name in graph and v.alias_of is None and name in times:
+            assert graph.nodes[name]["cost"] == pytest.approx(v.time)
+    assert opt.plan.store_all_time == pytest.approx(sum(d["cost"] for _, d in graph.nodes(data=True)))
