@@ -12,10 +12,12 @@ variables, for stages ``t`` and values ``i``:
   stage t+1 and no later consumer of i is computed in stage t.
 
 Constraints: inputs resident for every compute (``R[t,j] <= R[t,i] + S[t,i]``),
-only computed values kept (``S[t+1,i] <= R[t,i] + S[t,i]``), sinks resident
-after the last stage, non-recomputable values computed only in their own
-stage, and the memory ``U[t,k]`` after computing k in stage t (before its
-frees) within the budget. Minimise the sum of compute costs.
+only computed values kept (``S[t+1,i] <= R[t,i] + S[t,i]``), non-recomputable
+values computed only in their own stage, and the memory ``U[t,k]`` after
+computing k in stage t (before its frees) within the budget. Minimise the
+sum of compute costs. One extension to the paper: a virtual end node (size
+0, cost 0) reads every sink, so its stage may recompute sinks that were
+freed earlier, and all sinks are resident when it runs.
 
 Memory accounting is never optimistic compared to the simulator:
 
@@ -288,7 +290,9 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
         remaining = None if time_limit is None else max(0.1, time_limit - build_time)
         raw = builder.solve(remaining, THREADS)
         info["milp_status"] = raw.status
-        bound = raw.bound / factor
+        # Every schedule computes each value once: the sum of costs is a bound too
+        # (and the only one when the solver stops before its root relaxation).
+        bound = max(raw.bound / factor, problem.total_cost())
         if raw.status in (RAW_OPTIMAL, RAW_FEASIBLE):
             assert raw.values is not None
             schedule = schedule_from_plan(problem, form.decode(raw.values))
@@ -305,7 +309,7 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
     fallback = best_constructive(problem)
     info["fallback"] = fallback.method
     lower = None
-    if raw is not None and raw.status != RAW_INFEASIBLE and math.isfinite(bound):
+    if raw is not None and raw.status != RAW_INFEASIBLE:
         lower = min(bound, fallback.cost)
     return finish(problem, fallback.schedule, method, started, lower_bound=lower, status=FEASIBLE, info=info)
 

@@ -50,7 +50,7 @@ class _Greedy:
     # ----------------------------------------------------------- eviction
     def _victim(self) -> int:
         p = self.p
-        mask = self.resident & self.evictable_static & (self.pin == 0) & ~self.irreplaceable
+        mask = self.res.mask & self.evictable_static & (self.pin == 0) & ~self.irreplaceable
         candidates = np.flatnonzero(mask)
         if candidates.size == 0:
             return -1

@@ -42,6 +42,7 @@ class AliasTrees:
         self.in_tree = np.zeros(n, dtype=bool)
         for ms in self.members.values():
             self.in_tree[list(ms)] = True
+        self.in_tree_list: list[bool] = self.in_tree.tolist()
 
 
 def alias_trees(problem: Problem) -> AliasTrees:
@@ -53,14 +54,20 @@ def alias_trees(problem: Problem) -> AliasTrees:
 
 
 class Residency:
-    """A resident set with its memory total. Sources are resident from the start."""
+    """A resident set with its memory total. Sources are resident from the start.
+
+    ``resident`` is a bytearray (fast element access); ``mask`` is a numpy
+    bool view of the same bytes for vectorised queries."""
 
     def __init__(self, problem: Problem, resident: Iterable[int] = ()) -> None:
         self.problem = problem
         self._trees = alias_trees(problem)
-        self._mem = problem.mem
-        self._alias_of = problem.alias_of
-        self.resident = np.zeros(problem.n, dtype=bool)
+        self._in_tree = self._trees.in_tree_list
+        lists = problem.lists()
+        self._mem = lists.mem
+        self._alias_of = lists.alias_of
+        self.resident = bytearray(problem.n)
+        self.mask = np.frombuffer(self.resident, dtype=bool)
         self._tree_total: dict[int, int] = {r: 0 for r in self._trees.members}
         self.total = 0
         for v in problem.sources:
@@ -79,16 +86,16 @@ class Residency:
         total = 0
         for v in self._trees.members[r]:
             a = int(alias_of[v])
-            cov = a >= 0 and (resident[a] or covered[a])
-            covered[v] = bool(cov)
+            cov = a >= 0 and bool(resident[a] or covered[a])
+            covered[v] = cov
             if resident[v] and not cov:
-                total += int(mem[v])
+                total += mem[v]
         return total
 
     def _set(self, v: int, value: bool) -> None:
         self.resident[v] = value
-        if not self._trees.in_tree[v]:
-            self.total += int(self._mem[v]) if value else -int(self._mem[v])
+        if not self._in_tree[v]:
+            self.total += self._mem[v] if value else -self._mem[v]
             return
         r = int(self._trees.root[v])
         new = self._tree_memory(r)
@@ -107,8 +114,8 @@ class Residency:
 
     def total_if_added(self, v: int) -> int:
         """Memory after adding ``v``, without changing the set."""
-        if not self._trees.in_tree[v]:
-            return self.total + int(self._mem[v])
+        if not self._in_tree[v]:
+            return self.total + self._mem[v]
         self._set(v, True)
         after = self.total
         self._set(v, False)
@@ -116,8 +123,8 @@ class Residency:
 
     def total_if_removed(self, v: int) -> int:
         """Memory after removing ``v``, without changing the set."""
-        if not self._trees.in_tree[v]:
-            return self.total - int(self._mem[v])
+        if not self._in_tree[v]:
+            return self.total - self._mem[v]
         self._set(v, False)
         after = self.total
         self._set(v, True)
@@ -126,7 +133,9 @@ class Residency:
     def copy(self) -> "Residency":
         other = object.__new__(Residency)
         other.problem, other._trees, other._mem, other._alias_of = self.problem, self._trees, self._mem, self._alias_of
-        other.resident = self.resident.copy()
+        other._in_tree = self._in_tree
+        other.resident = bytearray(self.resident)
+        other.mask = np.frombuffer(other.resident, dtype=bool)
         other._tree_total = dict(self._tree_total)
         other.total = self.total
         return other

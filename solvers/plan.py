@@ -40,7 +40,8 @@ def schedule_from_plan(problem: Problem, plan: Plan) -> Schedule:
         seq.extend(stage)
         stage_end.append(len(seq) - 1)
 
-    preds, is_source, names = problem.preds, problem.is_source, problem.names
+    preds, names = problem.preds, problem.names
+    is_source = problem.lists().is_source
     current: dict[int, int] = {}  # value -> position of its live instance
     end = [0] * len(seq)  # position after which each instance is freed
     for pos, v in enumerate(seq):
@@ -83,14 +84,15 @@ def schedule_from_plan(problem: Problem, plan: Plan) -> Schedule:
         if e < never:
             frees_after.setdefault(e, []).append(seq[pos])
     steps: list[Step] = []
+    compute, free = Op.COMPUTE, Op.FREE
     for pos, v in enumerate(seq):
-        steps.append(Step(Op.COMPUTE, names[v]))
+        steps.append(Step(compute, names[v]))
         dead = frees_after.get(pos)
         if dead:
             # Views before their bases (higher index first): dropping a base
             # while its view lives would make the view count on its own.
             for u in sorted(dead, reverse=True):
-                steps.append(Step(Op.FREE, names[u]))
+                steps.append(Step(free, names[u]))
     return Schedule(tuple(steps))
 
 

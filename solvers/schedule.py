@@ -117,71 +117,71 @@ class SimResult:
         return self.over_budget_step is None
 
 
+_COMPUTE, _FREE, _OFFLOAD, _PREFETCH = Op.COMPUTE, Op.FREE, Op.OFFLOAD, Op.PREFETCH
+
+
 def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable]], enforce_budget: bool) -> SimResult:
     steps = schedule.steps if isinstance(schedule, Schedule) else tuple(schedule)
-    names, preds, cost = problem.names, problem.preds, problem.cost
-    is_source, recomputable = problem.is_source, problem.recomputable
+    names, preds, index = problem.names, problem.preds, problem.index
+    lists = problem.lists()
+    cost, is_source, recomputable = lists.cost, lists.is_source, lists.recomputable
     budget = problem.budget
     mem = Residency(problem)
-    resident = mem.resident  # shared view: kept up to date by `mem`
-    computes = np.zeros(problem.n, dtype=np.int64)
-    timeline = np.empty(len(steps), dtype=np.int64)
+    resident = mem.resident  # shared: kept up to date by `mem`
+    add, remove = mem.add, mem.remove
+    computes = [0] * problem.n
+    timeline: list[int] = []
     total_cost = 0.0
     over: Optional[int] = None
 
-    def over_budget(k: int, what: str) -> None:
-        nonlocal over
-        if over is None:
-            over = k
-        if enforce_budget:
-            raise ScheduleError(f"{what}: memory {mem.total} exceeds the budget {budget}", kind="over-budget", step=k)
+    def fail(k: int, kind: str, message: str, node: Hashable = None) -> ScheduleError:
+        return ScheduleError(f"step {k}: {message}", kind=kind, step=k, node=node)
 
     initial = mem.total
     if initial > budget:
-        over_budget(-1, "before the first step the inputs alone")
+        over = -1
+        if enforce_budget:
+            raise ScheduleError(f"before the first step the inputs alone: memory {initial} exceeds the budget "
+                                f"{budget}", kind="over-budget", step=-1)
     peak, peak_step = initial, -1
-    for k, step in enumerate(steps):
-        op, node = step
-        v = problem.index.get(node)
+    for k, (op, node) in enumerate(steps):
+        v = index.get(node)
         if v is None:
-            raise ScheduleError(f"step {k}: unknown node {node!r}", kind="unknown-node", step=k, node=node)
-        if op == Op.COMPUTE:
+            raise fail(k, "unknown-node", f"unknown node {node!r}", node)
+        if op == _COMPUTE:
             if is_source[v]:
-                raise ScheduleError(f"step {k}: {node!r} is a source and cannot be computed", kind="compute-source",
-                                    step=k, node=node)
+                raise fail(k, "compute-source", f"{node!r} is a source and cannot be computed", node)
             if resident[v]:
-                raise ScheduleError(f"step {k}: compute {node!r}, which is already resident", kind="already-resident",
-                                    step=k, node=node)
+                raise fail(k, "already-resident", f"compute {node!r}, which is already resident", node)
             if computes[v] and not recomputable[v]:
-                raise ScheduleError(f"step {k}: {node!r} is not recomputable and was already computed",
-                                    kind="recompute-forbidden", step=k, node=node)
+                raise fail(k, "recompute-forbidden", f"{node!r} is not recomputable and was already computed", node)
             for p in preds[v]:
                 if not resident[p]:
-                    raise ScheduleError(f"step {k}: compute {node!r} reads {names[p]!r}, which is not resident",
-                                        kind="read-not-resident", step=k, node=node)
-            mem.add(v)
+                    raise fail(k, "read-not-resident", f"compute {node!r} reads {names[p]!r}, which is not resident",
+                               node)
+            add(v)
             computes[v] += 1
-            total_cost += float(cost[v])
-        elif op == Op.FREE:
+            total_cost += cost[v]
+        elif op == _FREE:
             if is_source[v]:
-                raise ScheduleError(f"step {k}: {node!r} is a source and cannot be freed", kind="free-source",
-                                    step=k, node=node)
+                raise fail(k, "free-source", f"{node!r} is a source and cannot be freed", node)
             if not resident[v]:
-                raise ScheduleError(f"step {k}: free {node!r}, which is not resident", kind="free-not-resident",
-                                    step=k, node=node)
-            mem.remove(v)
-        elif op in (Op.OFFLOAD, Op.PREFETCH):
-            raise ScheduleError(f"step {k}: {Op(op).value} is not supported by the simulator yet",
-                                kind="unsupported-op", step=k, node=node)
+                raise fail(k, "free-not-resident", f"free {node!r}, which is not resident", node)
+            remove(v)
+        elif op == _OFFLOAD or op == _PREFETCH:
+            raise fail(k, "unsupported-op", f"{Op(op).value} is not supported by the simulator yet", node)
         else:
-            raise ScheduleError(f"step {k}: unknown op {op!r}", kind="unknown-op", step=k, node=node)
+            raise fail(k, "unknown-op", f"unknown op {op!r}", node)
         # A free can raise memory too: dropping an alias base makes its views count.
         total = mem.total
-        timeline[k] = total
+        timeline.append(total)
         if total > peak:
             peak, peak_step = total, k
-        if total > budget:
-            over_budget(k, f"step {k} ({Op(op).value} {node!r})")
+        if total > budget and over is None:
+            over = k
+            if enforce_budget:
+                raise fail(k, "over-budget", f"({Op(op).value} {node!r}) memory {total} exceeds the budget {budget}",
+                           node)
 
     end = len(steps)
     for v in problem.non_sources:
@@ -191,9 +191,11 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
         if not resident[v]:
             raise ScheduleError(f"sink {names[v]!r} is not resident at the end", kind="sink-missing", step=end,
                                 node=names[v])
-    recomputations = int((computes[computes > 0] - 1).sum())
-    return SimResult(peak=int(peak), cost=total_cost, timeline=timeline, initial=int(initial), final=int(mem.total),
-                     peak_step=peak_step, computes=computes, recomputations=recomputations, over_budget_step=over)
+    counts = np.array(computes, dtype=np.int64)
+    recomputations = int((counts[counts > 0] - 1).sum())
+    return SimResult(peak=int(peak), cost=total_cost, timeline=np.array(timeline, dtype=np.int64),
+                     initial=int(initial), final=int(mem.total), peak_step=peak_step, computes=counts,
+                     recomputations=recomputations, over_budget_step=over)
 
 
 def simulate(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable]]) -> SimResult:
