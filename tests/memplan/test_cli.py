@@ -141,7 +141,8 @@ def test_saved_plan_is_reused_by_optimize(report):
 
 
 def test_report_tables_and_memory_strip(factory_file):
-    out = run_cli("report", f"{factory_file}:with_loss", "--budget", "90%", "--batch-size", "512", "--depth", "1")
+    out = run_cli("report", f"{factory_file}:with_loss", "--budget", "90%", "--batch-size", "512", "--depth", "1",
+                  "--time-limit", "3")
     assert out.returncode == 0, out.stderr
     text = out.stdout
     for needle in ("planned peak", "overhead", "method", "solve time", "saved activations by module", "total",
