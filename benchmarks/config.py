@@ -1,0 +1,71 @@
+"""What one benchmark run covers: models, budgets, repetitions, limits.
+
+Two presets: :func:`full_config` (``python -m benchmarks``; zoo ``small``
+models, a step of roughly 0.2-2 s on a laptop CPU) and :func:`quick_config`
+(``--quick``; zoo ``tiny`` models, fewer repetitions, a smoke run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+# The five models of the comparison, in table order.
+DEFAULT_MODELS: tuple[str, ...] = ("gpt", "resnet50", "unet", "vit", "mlp")
+
+# Budgets as fractions of the eager step's measured peak.
+DEFAULT_FRACTIONS: tuple[float, ...] = (1.0, 0.7, 0.5, 0.35)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A zoo model at a size, optionally with another batch size."""
+
+    name: str
+    size: str
+    batch_size: int | None = None
+
+    @property
+    def label(self) -> str:
+        batch = f", batch {self.batch_size}" if self.batch_size else ""
+        return f"{self.name} ({self.size}{batch})"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a run needs to know; the CLI builds one of these."""
+
+    models: tuple[ModelSpec, ...]
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    reps: int = 5  # interleaved timing repetitions per configuration
+    bisect_steps: int = 2  # activation_memory_budget bisection steps per budget
+    memplan_time_limit: float = 30.0  # seconds per memplan solve
+    out_dir: Path = RESULTS_DIR
+    device: str = "cpu"
+    # Intra-op CPU threads. One by default: on a shared machine, OpenMP
+    # barriers with a busy core stall for hundreds of milliseconds at random.
+    threads: int = 1
+    quick: bool = False
+    plots: bool = True
+    methods: tuple[str, ...] = field(default_factory=tuple)  # empty: all
+
+    def with_(self, **changes) -> "BenchConfig":
+        return replace(self, **changes)
+
+
+def full_config(models: tuple[str, ...] = DEFAULT_MODELS) -> BenchConfig:
+    """The run whose results are committed: zoo ``small`` sizes."""
+    return BenchConfig(models=tuple(ModelSpec(m, "small") for m in models))
+
+
+def quick_config(models: tuple[str, ...] = DEFAULT_MODELS) -> BenchConfig:
+    """A smoke run: zoo ``tiny`` sizes, 3 repetitions, short searches."""
+    return BenchConfig(
+        models=tuple(ModelSpec(m, "tiny") for m in models),
+        reps=3,
+        bisect_steps=2,
+        memplan_time_limit=10.0,
+        quick=True,
+    )

@@ -1,0 +1,187 @@
+"""The six methods of the comparison, each turned into table cells for one model.
+
+Every method is a function ``(model under test, budgets) -> list[Cell]``:
+one cell per budget plus one for the method's own minimum. Methods with a
+single configuration (eager, the checkpointing baselines) answer every budget
+with it; the configuration's measured peak is their minimum. The compiled
+peer searches ``activation_memory_budget`` per budget (own minimum: fraction
+0). memplan plans each budget in bytes (own minimum: the ``min_budget`` of
+the ``InfeasibleBudgetError`` a 1-byte budget raises, then a plan at it).
+"""
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Callable
+
+import memplan
+
+from benchmarks.checkpointing import checkpoint_blocks, checkpoint_chain
+from benchmarks.compile_budget import METHOD as COMPILE
+from benchmarks.compile_budget import FractionSearch
+from benchmarks.core import Candidate, Cell, ModelUnderTest
+
+EAGER = "eager"
+CKPT_BLOCKS = "checkpoint per block"
+CKPT_SEQ = "checkpoint_sequential √n"
+MEMPLAN = "memplan remat"
+MEMPLAN_OFFLOAD = "memplan remat+offload"
+OWN_MIN = "own min"
+
+Budgets = list[tuple[str, int]]  # (label, bytes)
+
+
+def _single(method: str, cand: Candidate, budgets: Budgets) -> list[Cell]:
+    """One configuration for every budget; its measured peak is its minimum."""
+    cells = [Cell(label, b, method, cand) for label, b in budgets]
+    cells.append(Cell(OWN_MIN, cand.peak, method, cand))
+    return cells
+
+
+def _unavailable(method: str, budgets: Budgets, status: str, note: str) -> list[Cell]:
+    return [Cell(label, b, method, None, status, note) for label, b in budgets + [(OWN_MIN, None)]]
+
+
+def eager_cells(mut: ModelUnderTest, budgets: Budgets, eager: Candidate, **_) -> list[Cell]:
+    return _single(EAGER, eager, budgets)
+
+
+def checkpoint_block_cells(mut: ModelUnderTest, budgets: Budgets, **_) -> list[Cell]:
+    module, params = mut.twin()
+    try:
+        n = checkpoint_blocks(module.model, mut.layout)
+    except (ValueError, AttributeError) as exc:
+        return _unavailable(CKPT_BLOCKS, budgets, "n/a", str(exc))
+    cand = mut.measure(Candidate(CKPT_BLOCKS, f"{n} blocks", module, params))
+    return _single(CKPT_BLOCKS, cand, budgets)
+
+
+def checkpoint_chain_cells(mut: ModelUnderTest, budgets: Budgets, **_) -> list[Cell]:
+    if not mut.layout.chain:
+        return _unavailable(CKPT_SEQ, budgets, "n/a", f"no sequential chain ({mut.layout.why_not_chain})")
+    module, params = mut.twin()
+    shapes = checkpoint_chain(module.model, mut.layout)
+    label = ", ".join(f"{n}→{s}" for n, s in shapes) + " segments"
+    cand = mut.measure(Candidate(CKPT_SEQ, label, module, params))
+    return _single(CKPT_SEQ, cand, budgets)
+
+
+def compile_cells(mut: ModelUnderTest, budgets: Budgets, bisect_steps: int = 4, **_) -> list[Cell]:
+    search = FractionSearch(mut, bisect_steps)
+    cells = []
+    for label, b in budgets:
+        res = search.for_budget(b)
+        if res.probe.candidate is None:
+            cells.append(Cell(label, b, COMPILE, None, "error", res.probe.error))
+            continue
+        note = f"{len(res.consulted)} probes, {res.cost_s:.0f} s"
+        cells.append(Cell(label, b, COMPILE, res.probe.candidate, note=note))
+    lowest = search.probe(0.0)
+    if lowest.candidate is None:
+        cells.append(Cell(OWN_MIN, None, COMPILE, None, "error", lowest.error))
+    else:
+        cells.append(Cell(OWN_MIN, lowest.peak, COMPILE, lowest.candidate, note="fraction 0"))
+    return cells
+
+
+def _memplan_candidate(
+    mut: ModelUnderTest, budget: int, time_limit: float, seen: dict[tuple, Candidate], **options
+) -> Candidate:
+    """Plan at ``budget`` and measure; a plan identical to one already measured reuses it."""
+    start = time.perf_counter()
+    opt = memplan.optimize(
+        mut.step,
+        budget,
+        example_inputs=mut.args,
+        example_kwargs=mut.kwargs,
+        solver="auto",
+        time_limit=time_limit,
+        **options,
+    )
+    plan_s = time.perf_counter() - start
+    plan = opt.plan
+    key = (plan.predicted_peak, plan.predicted_time, plan.method)
+    if key in seen:
+        return seen[key]
+    method = MEMPLAN_OFFLOAD if options.get("offload") else MEMPLAN
+    cand = Candidate(
+        method,
+        f"{plan.method}, predicted {plan.predicted_peak / 1e6:.1f} MB, {plan.predicted_overhead:.2f}x",
+        opt,
+        mut.eager_params,
+        plan_s=plan_s,
+    )
+    seen[key] = mut.measure(cand)
+    return cand
+
+
+def _memplan_cells(
+    method: str, mut: ModelUnderTest, budgets: Budgets, time_limit: float, **options
+) -> list[Cell]:
+    cells = []
+    seen: dict[tuple, Candidate] = {}
+    try:
+        memplan.optimize(
+            mut.step, 1, example_inputs=mut.args, example_kwargs=mut.kwargs, time_limit=time_limit, **options
+        )
+        minimum = 1
+    except memplan.InfeasibleBudgetError as exc:
+        minimum = exc.min_budget
+    except Exception as exc:
+        return _unavailable(method, budgets, "error", f"{type(exc).__name__}: {exc}"[:200])
+    for label, b in budgets + [(OWN_MIN, minimum)]:
+        if b < minimum:
+            cells.append(Cell(label, b, method, None, "infeasible", f"min {minimum / 1e6:.1f} MB"))
+            continue
+        try:
+            cand = _memplan_candidate(mut, b, time_limit, seen, **options)
+        except memplan.InfeasibleBudgetError as exc:
+            cells.append(Cell(label, b, method, None, "infeasible", f"min {exc.min_budget / 1e6:.1f} MB"))
+            continue
+        except Exception as exc:
+            cells.append(Cell(label, b, method, None, "error", f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        cells.append(Cell(label, b, method, cand))
+    return cells
+
+
+def memplan_cells(mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_) -> list[Cell]:
+    return _memplan_cells(MEMPLAN, mut, budgets, memplan_time_limit)
+
+
+def offload_available() -> bool:
+    """Whether memplan's planner takes ``offload`` (the option is accepted, and ignored, before that)."""
+    from memplan.plan import make_plan
+
+    return "offload" in inspect.signature(make_plan).parameters
+
+
+def memplan_offload_cells(
+    mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_
+) -> list[Cell]:
+    if not offload_available():
+        return _unavailable(MEMPLAN_OFFLOAD, budgets, "n/a", "offload not implemented")
+    return _memplan_cells(MEMPLAN_OFFLOAD, mut, budgets, memplan_time_limit, offload=True)
+
+
+MethodFn = Callable[..., list[Cell]]
+
+# Table order.
+METHODS: dict[str, MethodFn] = {
+    EAGER: eager_cells,
+    CKPT_BLOCKS: checkpoint_block_cells,
+    CKPT_SEQ: checkpoint_chain_cells,
+    COMPILE: compile_cells,
+    MEMPLAN: memplan_cells,
+    MEMPLAN_OFFLOAD: memplan_offload_cells,
+}
+
+# Short names for --methods.
+ALIASES: dict[str, str] = {
+    "eager": EAGER,
+    "ckpt": CKPT_BLOCKS,
+    "ckpt_seq": CKPT_SEQ,
+    "compile": COMPILE,
+    "memplan": MEMPLAN,
+    "offload": MEMPLAN_OFFLOAD,
+}
