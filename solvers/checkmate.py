@@ -35,10 +35,13 @@ The schedule is decoded through `plan.schedule_from_plan` and checked by the
 simulator. ``lower_bound`` is the solver's proven objective bound: a lower
 bound on the cost of every schedule in Checkmate's space (fixed order of
 first computations, stage structure above, memory rounded as described).
-When the solver returns no schedule in time, the best constructive baseline
+The solver is warm-started ("hinted") with the cheapest fitting schedule of
+the fast baselines that lies in Checkmate's space. When the solver returns
+no schedule in time, that schedule (or else the best constructive baseline)
 is returned instead, with ``lower_bound = min(bound, its cost)`` (still a
 valid bound for Checkmate's space) and status ``feasible``; when the MILP is
-proven infeasible, ``lower_bound`` is None.
+proven infeasible, ``lower_bound`` is None. Bounds are never below the sum
+of all costs, which holds for every schedule.
 """
 from __future__ import annotations
 
@@ -52,15 +55,16 @@ import numpy as np
 from .memory import memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_INFEASIBLE, RAW_OPTIMAL, Builder
 from .plan import Plan, schedule_from_plan
-from .portfolio import best_constructive
+from .portfolio import CONSTRUCTIVE, best_constructive
 from .problem import Problem
-from .schedule import Schedule
-from .solution import FEASIBLE, OPTIMAL, Solution, finish
+from .schedule import Schedule, simulate
+from .solution import FEASIBLE, OPTIMAL, MethodFailed, Solution, finish
 
 # Largest budget, in memory units, handed to each backend (sizes are coarsened beyond it).
 MEMORY_UNITS_LIMIT = {"cpsat": 2**30, "highs": 2**20, "scip": 2**20}
 DEFAULT_BACKEND = "highs"  # faster than CP-SAT on these models (see benchmarks/results/solvers.md)
 THREADS: Optional[int] = None  # None: backends pick (min(8, cpu count))
+WARM_START_METHODS = ("store_all", "greedy", "select")  # fast baselines tried as MILP hints
 
 ONE, ZERO = -1, -2  # constant operands in rows
 
@@ -129,6 +133,7 @@ class _Formulation:
         size = list(scale.size) + [0]
         self.R: dict[tuple[int, int], int] = {}
         self.S: dict[tuple[int, int], int] = {}
+        self.F: dict[tuple[int, int, int], int] = {}
         self.W: dict[tuple[int, int], int] = {}
         b = builder
         for t in range(m):
@@ -243,6 +248,7 @@ class _Formulation:
             if ONE in hazards:
                 continue
             f = self.b.bool_var()
+            self.F[t, i, k] = f
             rk = self.r(t, k)
             if rk != ONE:
                 self._row([f], [rk], -math.inf, 0)
@@ -253,6 +259,48 @@ class _Formulation:
                     self._row([f, h], [], -math.inf, 1)
             out.append((f, float(size[i])))
         return out
+
+    def hint_from(self, schedule: Schedule) -> Optional[dict[int, float]]:
+        """Variable values reproducing ``schedule``, or None when the schedule is
+        outside Checkmate's space (first computations out of order, a value
+        recomputed twice in a stage or out of index order). Frees the MILP
+        cannot express are left unhinted; U is left to the solver."""
+        index = {self.p.names[v]: i for i, v in enumerate(self.nodes) if v is not None}
+        end = self.m - 1
+        values: dict[int, float] = {h: 0.0 for h in self.R.values()}
+        values.update({h: 0.0 for h in self.S.values()})
+        values.update({h: 0.0 for h in self.F.values()})
+        resident: set[int] = set()
+        firsts = 0  # first computations so far = the stage being filled
+        stage, last_in_stage, last_compute = -1, -1, -1
+        for op, node in schedule:
+            i = index[node]
+            if op == "compute":
+                t = firsts if firsts < end else end
+                if t != stage:  # a new stage starts: record what it keeps
+                    stage, last_in_stage = t, -1
+                    for j in resident:
+                        if j < t:
+                            values[self.S[t, j]] = 1.0
+                if i <= last_in_stage or i > t:
+                    return None
+                if i == t:
+                    firsts += 1
+                elif (t, i) in self.R:
+                    values[self.R[t, i]] = 1.0
+                else:
+                    return None  # a non-recomputable value computed again
+                last_in_stage, last_compute = i, i
+                resident.add(i)
+            else:
+                resident.discard(i)
+                h = self.F.get((stage, i, last_compute))
+                if h is not None:
+                    values[h] = 1.0
+        if stage != end:  # the end stage has no recomputation: it starts with what is left
+            for j in resident:
+                values[self.S[end, j]] = 1.0
+        return values
 
     def decode(self, values: list[float]) -> Plan:
         on = lambda x: x == ONE or (x >= 0 and values[x] > 0.5)  # noqa: E731
@@ -278,6 +326,7 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
         return finish(problem, Schedule(()), method, started, lower_bound=0.0, info=info)
     scale = memory_scale(problem, MEMORY_UNITS_LIMIT[backend])
     raw = None
+    start: Optional[tuple[Solution, dict[int, float]]] = None
     if scale is not None:
         builder = BACKENDS[backend]()
         n_terms = problem.n_compute * (problem.n_compute + 1) // 2
@@ -285,6 +334,11 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
             if builder.integer_objective else 1.0
         form = _Formulation(problem, builder, scale, factor)
         info.update(memory_unit=scale.unit, cost_factor=factor, variables=len(builder.vars))
+        # Warm start from the cheapest fitting constructive schedule that lies in Checkmate's space.
+        start = _warm_start(problem, form)
+        if start is not None:
+            builder.hint(start[1])
+            info["hint"] = start[0].method
         build_time = time.perf_counter() - started
         info["build_time"] = build_time
         remaining = None if time_limit is None else max(0.1, time_limit - build_time)
@@ -296,6 +350,9 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
         if raw.status in (RAW_OPTIMAL, RAW_FEASIBLE):
             assert raw.values is not None
             schedule = schedule_from_plan(problem, form.decode(raw.values))
+            if start is not None and raw.status != RAW_OPTIMAL and start[0].cost < simulate(problem, schedule).cost:
+                schedule = start[0].schedule  # the solver did not improve on (or keep) its hint
+                info["schedule_from"] = "hint"
             sol = finish(problem, schedule, method, started, lower_bound=bound,
                          status=OPTIMAL if raw.status == RAW_OPTIMAL else FEASIBLE, info=info)
             if not sol.fits:
@@ -305,13 +362,32 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
     else:
         info["milp_status"] = RAW_INFEASIBLE
         bound = math.inf
-    # No MILP schedule: hand back the best constructive one.
-    fallback = best_constructive(problem)
+    # No MILP schedule: hand back the hint (it lies in Checkmate's space) or the best constructive one.
+    fallback = start[0] if scale is not None and start is not None else best_constructive(problem)
     info["fallback"] = fallback.method
     lower = None
     if raw is not None and raw.status != RAW_INFEASIBLE:
         lower = min(bound, fallback.cost)
     return finish(problem, fallback.schedule, method, started, lower_bound=lower, status=FEASIBLE, info=info)
+
+
+def _warm_start(problem: Problem, form: _Formulation) -> Optional[tuple[Solution, dict[int, float]]]:
+    candidates = []
+    for name in WARM_START_METHODS:
+        solve = CONSTRUCTIVE.get(name)
+        if solve is None:
+            continue
+        try:
+            sol = solve(problem, None)
+        except MethodFailed:
+            continue
+        if sol.fits:
+            candidates.append(sol)
+    for sol in sorted(candidates, key=lambda s: s.cost):
+        values = form.hint_from(sol.schedule)
+        if values is not None:
+            return sol, values
+    return None
 
 
 def solve_checkmate_cpsat(problem: Problem, time_limit: Optional[float] = None) -> Solution:

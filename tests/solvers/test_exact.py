@@ -22,7 +22,7 @@ from solvers.exhaustive import min_peak
 
 from .helpers import budgets_between
 
-N_RANDOM = 240
+N_RANDOM = 200
 N_CHAINS = 30
 TOL = 1e-6
 

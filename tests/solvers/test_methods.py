@@ -113,7 +113,7 @@ def test_checkmate_backends_on_random_graphs():
 def test_auto_always_fits_above_the_minimum():
     from solvers import Infeasible, min_budget, solve
 
-    for name, p, peak in _problems(24, 30, 90_000):
+    for name, p, peak in _problems(16, 30, 90_000):
         need, schedule = min_budget(p)
         validate(p.with_budget(need), schedule)
         for budget in (need, (need + peak) // 2):
