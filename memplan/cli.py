@@ -23,6 +23,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import sys
@@ -565,6 +566,14 @@ def _error(console, message: str, hint: str | None) -> None:
         console.print(f"[dim]hint: {escape(hint)}[/]", highlight=False, soft_wrap=True)
 
 
+def _round_up(nbytes: int) -> str:
+    """A budget string at or just above ``nbytes``, as a person would type it (``12.27GB``)."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if nbytes >= scale:
+            return f"{math.ceil(nbytes / scale * 100) / 100:g}{unit}"
+    return str(nbytes)
+
+
 def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
     """(message, hint) for an error the user can fix, None for anything else."""
     import memplan
@@ -574,7 +583,7 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
     if isinstance(exc, memplan.InfeasibleBudgetError):
         return (
             f"budget {_fmt(exc.budget)} is below the smallest feasible plan, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
-            f"use --budget {exc.min_budget} or more (or --budget min), or a smaller --batch-size",
+            f"use --budget {_round_up(exc.min_budget)} or more (or --budget min), or a smaller --batch-size",
         )
     if isinstance(exc, memplan.CaptureError):
         return str(exc), (
