@@ -51,7 +51,7 @@ def run(model: str, size: str, fractions: list[float], repeats: int, solver: str
             rows.append(f"| {fraction:.0%} | {budget} | infeasible (min {exc.min_budget}) | | | | |")
             continue
         plan_time = time.perf_counter() - t0
-        peak = measure_peak(lambda: planned(*args, **kwargs).backward())
+        peak = measure_peak(lambda: opt(*args, **kwargs).backward())
         for _ in range(2):  # warm-up both
             _timed_step(opt, args, kwargs)
             _timed_step(eager, args, kwargs)

@@ -91,7 +91,8 @@ class Plan:
         lines = [
             "memplan plan",
             f"  parameters       {format_bytes(a.param_bytes)}",
-            f"  eager peak       {format_bytes(self.store_all_peak)} (predicted)",
+            f"  eager peak       {format_bytes(a.eager_peak)} (eager autograd, replayed on fake tensors)",
+            f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
             f"  budget           {format_bytes(self.budget)}",
             f"  planned peak     {format_bytes(self.predicted_peak)} (predicted)",
             f"  overhead         {self.predicted_overhead:.3f}x store-all step time (predicted)",
