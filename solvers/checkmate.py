@@ -131,6 +131,7 @@ class _Formulation:
         self.succs = [[local[q] for q in problem.succs[v]] + ([end] if problem.is_sink[v] else []) for v in real] + [[]]
         self.recomputable = [bool(problem.recomputable[v]) for v in real] + [False]
         size = list(scale.size) + [0]
+        self.size, self.budget_units = size, scale.budget
         self.R: dict[tuple[int, int], int] = {}
         self.S: dict[tuple[int, int], int] = {}
         self.F: dict[tuple[int, int, int], int] = {}
@@ -300,7 +301,25 @@ class _Formulation:
         if stage != end:  # the end stage has no recomputation: it starts with what is left
             for j in resident:
                 values[self.S[end, j]] = 1.0
-        return values
+        return values if self._fits(values) else None
+
+    def _fits(self, values: dict[int, float]) -> bool:
+        """Whether the hinted R/S/FREE keep the MILP's memory (U, without alias
+        discounts) within the budget: the MILP counts more than the simulator
+        for views, so a schedule that fits may still lie outside the MILP's space."""
+        on = lambda x: x == ONE or (x >= 0 and values.get(x, 0.0) > 0.5)  # noqa: E731
+        size = self.size
+        for t in range(self.m):
+            used = sum(size[i] for i in range(t) if on(self.S[t, i]))
+            for k in range(t + 1):
+                if on(self.r(t, k)):
+                    used += size[k]
+                if used > self.budget_units:
+                    return False
+                for i in self.preds[k] + [k]:
+                    if values.get(self.F.get((t, i, k), -1), 0.0) > 0.5:
+                        used -= size[i]
+        return True
 
     def decode(self, values: list[float]) -> Plan:
         on = lambda x: x == ONE or (x >= 0 and values[x] > 0.5)  # noqa: E731
