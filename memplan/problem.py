@@ -17,15 +17,22 @@ in a training step:
   end, so its bytes count even if the plan frees its own copy. Tangents get
   one too: autograd holds the output gradients until ``backward()`` returns.
 
-Nothing else is special-cased: random ops are non-recomputable (a
-recomputation would draw a new mask), views and getitems alias their input.
+* ``rng:<op>`` is the generator state captured right before a random op
+  (dropout) first runs. The op reads it, so a recomputation can replay the
+  same state and draw the same mask, as ``torch.utils.checkpoint`` does:
+  random ops are recomputable like any other, only the state (a few
+  kilobytes) must be kept.
+
+Views and getitems alias their input.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import networkx as nx
+import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 import solvers
 from memplan.capture import Capture
@@ -33,6 +40,10 @@ from memplan.costs import GraphCosts
 
 BACKWARD = "__backward__"
 START = "__start__"
+RNG_PREFIX = "rng:"
+# A CPU generator's state tensor, CUDA's seed and offset; twice, because a
+# replay also saves the current state to restore it afterwards.
+RNG_STATE_BYTES = {"cpu": 2 * 5056, "cuda": 2 * 16}
 USER_SUFFIX = "@user"
 
 
@@ -46,6 +57,7 @@ class Lowered:
     forward_outputs: list[str]  # fx node names that forward() must return or apply
     tangents: list[str]  # tangent placeholder names, in order
     sources: list[str]  # primal placeholder names, in order
+    rng_of: dict[str, str]  # random op -> the Problem node of its generator state
 
     def with_budget(self, budget: int) -> "solvers.Problem":
         return solvers.Problem.from_networkx(self.graph, budget)
@@ -100,6 +112,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
 
     G = nx.DiGraph()
     fx_map: dict[str, fx.Node] = {}
+    rng_of: dict[str, str] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def add_value(name: str, *, mem: int, cost: float, recomputable: bool, preds: list[str], alias_of: str | None):
@@ -142,12 +155,17 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             add_backward_barrier()
             barrier_added = True
         vc = costs.values[node.name]
+        preds = list(dict.fromkeys(value_name(i) for i in node.all_input_nodes)) or [START]
+        if vc.is_random:
+            rng = rng_of[node.name] = RNG_PREFIX + node.name
+            add_value(rng, mem=RNG_STATE_BYTES.get(_device_type(node), 16), cost=0.0, recomputable=False, preds=[START], alias_of=None)
+            preds.append(rng)
         add_value(
             node.name,
             mem=vc.nbytes,
             cost=vc.time,
-            recomputable=not vc.is_random,
-            preds=list(dict.fromkeys(value_name(i) for i in node.all_input_nodes)) or [START],
+            recomputable=True,
+            preds=preds,
             alias_of=value_name(by_name[vc.alias_of]) if vc.alias_of is not None else None,
         )
         fx_map[node.name] = node
@@ -165,7 +183,13 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         forward_outputs=list(dict.fromkeys(fw_outputs)),
         tangents=[t.name for t in tangent_nodes],
         sources=[n.name for n in primal_nodes],
+        rng_of=rng_of,
     )
+
+
+def _device_type(node: fx.Node) -> str:
+    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return vals[0].device.type if vals else "cpu"
 
 
 def _unbounded(G: nx.DiGraph) -> int:

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 import solvers
 from memplan.capture import Capture
-from memplan.problem import BACKWARD, USER_SUFFIX, Lowered
+from memplan.problem import BACKWARD, RNG_PREFIX, USER_SUFFIX, Lowered
 
 
 @dataclass
@@ -66,43 +66,107 @@ def _clear_box(box: list) -> None:
     box.clear()
 
 
+def _rng_state(device: str) -> torch.Tensor:
+    """The generator state a random op is about to draw from."""
+    dev = torch.device(device)
+    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+
+class _Replay(torch.nn.Module):
+    """Run a random op again from the generator state of its first run, then restore the generator."""
+
+    def __init__(self, target: Any, device: str):
+        super().__init__()
+        self.target = target
+        self.device = torch.device(device)
+
+    def forward(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self.device.type == "cuda":
+            saved = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(state, self.device)
+            try:
+                return self.target(*args, **kwargs)
+            finally:
+                torch.cuda.set_rng_state(saved, self.device)
+        saved = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            return self.target(*args, **kwargs)
+        finally:
+            torch.set_rng_state(saved)
+
+
+def _device_of(node: fx.Node) -> str:
+    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return str(vals[0].device) if vals else "cpu"
+
+
 def _build_segment(
     steps: list[tuple[str, str]],
-    fx_nodes: dict[str, fx.Node],
+    low: Lowered,
     available: list[str],
     outputs: list[str],
-    root: torch.nn.Module,
+    constants: torch.nn.Module,
+    computed: set[str],
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
     Only inputs that are read are unpacked. ``free`` steps need no code: fx's
     codegen drops each value after its last use, which is never later than
-    the schedule's own free.
+    the schedule's own free. ``computed`` holds the random ops already run
+    (by an earlier segment); it is updated.
     """
+    fx_nodes = low.fx_nodes
+    root = torch.nn.Module()
     graph = fx.Graph()
     box = graph.placeholder("args_list")
     env: dict[str, fx.Node] = {}
-    needed = _reads(steps, fx_nodes) | set(outputs)
+    needed = _reads(steps, low) | set(outputs)
     for i, name in enumerate(available):
         if name in needed:
             # named after the value, so the generated code reads like the joint graph
-            env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=name)
+            env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=_identifier(name))
     graph.call_function(_clear_box, (box,))
+
+    def arg(n: fx.Node) -> fx.Node:
+        if n.op == "get_attr":
+            setattr(root, n.target, getattr(constants, n.target))
+            return graph.get_attr(n.target)
+        return env[n.name]
+
     for op, name in steps:
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
         node = fx_nodes[name]
-        env[name] = graph.node_copy(node, lambda n: env[n.name] if n.op != "get_attr" else graph.get_attr(n.target))
+        rng = low.rng_of.get(name)
+        if rng is None:
+            env[name] = graph.node_copy(node, arg)
+        elif name not in computed:
+            # first run: remember the generator state it draws from
+            env[rng] = graph.create_node("call_function", _rng_state, (_device_of(node),), name=_identifier(rng))
+            env[name] = graph.node_copy(node, arg)
+            computed.add(name)
+        else:
+            replay = f"replay_{node.name}"
+            setattr(root, replay, _Replay(node.target, _device_of(node)))
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
+            env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
     graph.output(tuple(env[name] for name in outputs))
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
 
 
-def _reads(steps: list[tuple[str, str]], fx_nodes: dict[str, fx.Node]) -> set[str]:
+def _identifier(name: str) -> str:
+    return name.replace(":", "_")
+
+
+def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
     for op, name in steps:
-        if op == "compute" and name in fx_nodes:
-            reads.update(i.name for i in fx_nodes[name].all_input_nodes)
+        if op == "compute" and name in low.fx_nodes:
+            reads.update(i.name for i in low.fx_nodes[name].all_input_nodes)
+            if name in low.rng_of:
+                reads.add(low.rng_of[name])
     return reads
 
 
@@ -129,13 +193,24 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
             resident[name] = None
         elif op == "free":
             resident.pop(name, None)
-    bw_reads = _reads(bw_steps, low.fx_nodes) | {g for g in grad_outputs if g is not None}
-    carried = [n for n in resident if n in bw_reads and n not in low.tangents and not n.endswith(USER_SUFFIX)]
+    bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None}
+    computed: set[str] = set()
+    forward_first = {name for op, name in fw_steps if op == "compute" and name in low.rng_of}
+    # A generator state exists once its op has run; one whose op first runs in backward is made there.
+    rng_made_in_forward = {low.rng_of[r] for r in forward_first}
+    carried = [
+        n
+        for n in resident
+        if n in bw_reads
+        and n not in low.tangents
+        and not n.endswith(USER_SUFFIX)
+        and (not n.startswith(RNG_PREFIX) or n in rng_made_in_forward)
+    ]
     fw_outputs = list(user_outputs) + [name for _, name in buffer_updates] + carried
-    root = cap.graph_module
-    forward = _build_segment(fw_steps, low.fx_nodes, low.sources, fw_outputs, root)
+    constants = cap.graph_module
+    forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed)
     bw_outputs = [g for g in grad_outputs if g is not None]
-    backward = _build_segment(bw_steps, low.fx_nodes, carried + low.tangents, bw_outputs, root)
+    backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
