@@ -159,8 +159,42 @@ def summary_markdown(results: list[ModelResult], total_s: float, environment: st
     )
 
 
+METHODOLOGY = """## How these numbers are made
+
+* **Peak**: `memplan.measure_peak` around one seeded forward+backward (CPU:
+  the storage tracker, counting parameters, buffers, inputs, activations,
+  gradients and temporaries the step touches; CUDA: allocator statistics
+  minus what other configurations hold). Compiled steps are measured with the
+  same tracker marked `ignore_compile_internals`, or dynamo would run them
+  eagerly under it.
+* **Met budget**: measured peak <= budget, in bytes.
+* **Time × eager**: median over interleaved rounds (every configuration, eager
+  included, steps once per round) of the step time over eager's in the same
+  round. CPU runs use one intra-op thread.
+* **Plan s**: memplan: the whole `optimize` call (capture, solve, codegen).
+  compile: the first step (dynamo, AOTAutograd, partitioning); the note gives
+  the probes the fraction search compiled for that budget and their total
+  time.
+* **Grads vs eager**: every parameter gradient against eager's from the same
+  seed; a gradient passes within 1e-3 of its largest magnitude plus 4x eager's
+  own float32 error (eager float32 against eager float64). The compiled peer
+  runs with `torch._inductor.config.fallback_random = True`, so its dropout
+  draws eager's masks; a failure at a fraction below 1 means the partitioner
+  recomputed a random op in the backward and drew a different mask than the
+  forward used (CPU has no RNG functionalization).
+* **Own min**: checkpointing and eager have one configuration; compile's is
+  fraction 0; memplan's is `InfeasibleBudgetError.min_budget` from a 1-byte
+  budget, planned and measured.
+"""
+
+
 def full_report(results: list[ModelResult], total_s: float, environment: str) -> str:
-    parts = ["# memplan benchmarks\n", summary_markdown(results, total_s, environment), "## Per model\n"]
+    parts = [
+        "# memplan benchmarks\n",
+        summary_markdown(results, total_s, environment),
+        METHODOLOGY,
+        "## Per model\n",
+    ]
     parts += [model_section(r) for r in results]
     return "\n".join(parts)
 
