@@ -69,7 +69,8 @@ def test_batchnorm_running_stats_are_outputs_applied_once():
             assert not node.target._schema.is_mutable, node
 
 
-def test_dropout_is_not_recomputable():
+def test_dropout_replays_its_generator_state():
+    """A random op may be recomputed: it reads the generator state captured before its first run."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 2))
     cap = capture(model, (torch.randn(4, 8),))
     costs = annotate(cap.graph_module)
@@ -77,7 +78,37 @@ def test_dropout_is_not_recomputable():
     random_nodes = [n for n, v in costs.values.items() if v.is_random]
     assert random_nodes, "dropout must appear as a random op"
     for n in random_nodes:
-        assert low.graph.nodes[n]["recomputable"] is False
+        state = low.rng_of[n]
+        assert state in low.graph.predecessors(n)
+        assert low.graph.nodes[state]["recomputable"] is False  # the state is captured once
+        assert low.graph.nodes[n]["recomputable"] is True
+
+
+def test_recomputed_dropout_draws_the_eager_mask():
+    """Force every recomputable value to be recomputed; masks and gradients still match eager."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 64), nn.Dropout(0.3), nn.Linear(64, 1))
+    step = WithLoss(model, lambda out: out.pow(2).sum())
+    reference = copy.deepcopy(step)
+    x = torch.randn(32, 16)
+    opt = memplan.optimize(step, 10**12, solver="recompute_all", example_inputs=(x,))
+    computes = [str(node) for op, node in opt.plan.schedule if op == "compute"]
+    dropouts = [n for n in opt.plan.analysis.lowered.rng_of]
+    assert any(computes.count(d) > 1 for d in dropouts), "the plan must recompute a dropout"
+    torch.manual_seed(7)
+    loss = opt(x)
+    loss.backward()  # replays dropout's generator state, then restores the generator
+    after_planned = torch.rand(3)
+    torch.manual_seed(7)
+    ref = reference(x)
+    ref.backward()
+    after_eager = torch.rand(3)
+    torch.testing.assert_close(loss, ref)
+    for p, q in zip(step.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(after_planned, after_eager)  # the generator is left where eager leaves it
 
 
 def test_inplace_relu_and_views_are_functionalized():

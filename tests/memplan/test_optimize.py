@@ -52,7 +52,7 @@ def test_gradients_match_eager_and_peak_under_budget(name, level):
     budget = _budget(name, level)
     store_all, minimum = _reference(name)
     try:
-        opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs)
+        opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, time_limit=10)
     except memplan.InfeasibleBudgetError as err:
         # only below the minimum the search found, and then it names that minimum
         assert budget < minimum and err.min_budget == minimum

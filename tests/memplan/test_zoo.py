@@ -29,20 +29,6 @@ def test_tiny_model_trains_with_finite_grads(name):
         assert torch.isfinite(p.grad).all(), f"{name}.{pname} has a non-finite grad"
 
 
-@pytest.mark.parametrize("name", zoo.names())
-def test_tiny_step_is_fast(name):
-    zm = zoo.build(name)
-    zm.step()  # warm-up
-    best = float("inf")
-    for _ in range(3):
-        zm.model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        zm.step()
-        best = min(best, time.perf_counter() - start)
-    # The budget is 0.2 s; leave room for a busy shared machine.
-    assert best < 0.5
-
-
 def test_builds_are_deterministic_and_keep_the_callers_rng():
     torch.manual_seed(123)
     expected_next = torch.rand(3)
