@@ -65,6 +65,9 @@ MEMORY_UNITS_LIMIT = {"cpsat": 2**30, "highs": 2**20, "scip": 2**20}
 DEFAULT_BACKEND = "highs"  # faster than CP-SAT on these models (see benchmarks/results/solvers.md)
 THREADS: Optional[int] = None  # None: backends pick (min(8, cpu count))
 WARM_START_METHODS = ("store_all", "greedy", "select")  # fast baselines tried as MILP hints
+# Models larger than this are not handed to the backend: HiGHS overran a 60 s limit
+# by 5-8x on a 415k-variable model (490-value training graph), CP-SAT stops on time.
+MAX_VARIABLES = {"cpsat": 3_000_000, "highs": 150_000, "scip": 150_000}
 
 ONE, ZERO = -1, -2  # constant operands in rows
 
@@ -95,6 +98,14 @@ def memory_scale(problem: Problem, limit: int) -> Optional[MemoryScale]:
     if available // unit > limit:
         unit = max(unit, -(-available // limit))
     return MemoryScale(unit=unit, budget=available // unit, size=[-(-s // unit) for s in raw])
+
+
+def estimate_variables(problem: Problem) -> int:
+    """Variables of the formulation, give or take the alias terms (R, S, FREE, U)."""
+    m = problem.n_compute + 1
+    local_preds = [sum(1 for q in problem.preds[v] if not problem.is_source[q]) for v in problem.non_sources]
+    free = sum((deg + 1) * (m - k) for k, deg in enumerate(local_preds))
+    return m * m + m * (m + 1) // 2 + free
 
 
 def cost_scale(costs: list[float], n_terms: int) -> float:
@@ -135,6 +146,7 @@ class _Formulation:
         self.R: dict[tuple[int, int], int] = {}
         self.S: dict[tuple[int, int], int] = {}
         self.F: dict[tuple[int, int, int], int] = {}
+        self.U: dict[tuple[int, int], int] = {}
         self.W: dict[tuple[int, int], int] = {}
         b = builder
         for t in range(m):
@@ -177,6 +189,7 @@ class _Formulation:
             prev_free: list[tuple[int, float]] = []
             for k in range(t + 1):
                 u = b.num_var(-float(sum(size)), float(scale.budget))
+                self.U[t, k] = u
                 terms: list[tuple[int, float]] = [(u, 1.0)]
                 const = 0.0
                 if prev_u is None:
@@ -269,8 +282,8 @@ class _Formulation:
         index = {self.p.names[v]: i for i, v in enumerate(self.nodes) if v is not None}
         end = self.m - 1
         values: dict[int, float] = {h: 0.0 for h in self.R.values()}
-        values.update({h: 0.0 for h in self.S.values()})
-        values.update({h: 0.0 for h in self.F.values()})
+        for group in (self.S, self.F, self.W):
+            values.update({h: 0.0 for h in group.values()})
         resident: set[int] = set()
         firsts = 0  # first computations so far = the stage being filled
         stage, last_in_stage, last_compute = -1, -1, -1
@@ -306,7 +319,9 @@ class _Formulation:
     def _fits(self, values: dict[int, float]) -> bool:
         """Whether the hinted R/S/FREE keep the MILP's memory (U, without alias
         discounts) within the budget: the MILP counts more than the simulator
-        for views, so a schedule that fits may still lie outside the MILP's space."""
+        for views, so a schedule that fits may still lie outside the MILP's space.
+        Also fills in the U values, so that the hint is complete (a partial hint
+        makes a MIP solver search for the missing values first)."""
         on = lambda x: x == ONE or (x >= 0 and values.get(x, 0.0) > 0.5)  # noqa: E731
         size = self.size
         for t in range(self.m):
@@ -316,6 +331,7 @@ class _Formulation:
                     used += size[k]
                 if used > self.budget_units:
                     return False
+                values[self.U[t, k]] = float(used)
                 for i in self.preds[k] + [k]:
                     if values.get(self.F.get((t, i, k), -1), 0.0) > 0.5:
                         used -= size[i]
@@ -346,6 +362,14 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
     scale = memory_scale(problem, MEMORY_UNITS_LIMIT[backend])
     raw = None
     start: Optional[tuple[Solution, dict[int, float]]] = None
+    size = estimate_variables(problem)
+    if scale is not None and size > MAX_VARIABLES[backend]:
+        # Too large to solve within a time limit: the best baseline, with the sum of costs as bound.
+        info.update(milp_status=f"skipped (about {size} variables)")
+        fallback = best_constructive(problem)
+        info["fallback"] = fallback.method
+        return finish(problem, fallback.schedule, method, started, lower_bound=problem.total_cost(),
+                      status=FEASIBLE, info=info)
     if scale is not None:
         builder = BACKENDS[backend]()
         n_terms = problem.n_compute * (problem.n_compute + 1) // 2
