@@ -713,7 +713,7 @@ _ZOO: dict[str, _Entry] = {
         {
             "tiny": GPTConfig(vocab=256, seq=32, d_model=64, layers=2, heads=4, batch_size=2),
             "small": GPTConfig(vocab=4096, seq=128, d_model=256, layers=4, heads=4, batch_size=16),
-            "gpt2-small": GPTConfig(vocab=50257, seq=1024, d_model=768, layers=12, heads=12, batch_size=8),
+            "gpt2-small": GPTConfig(vocab=50257, seq=1024, d_model=768, layers=12, heads=12, batch_size=1),
             "gpt-1.3b": GPTConfig(vocab=50257, seq=2048, d_model=2048, layers=24, heads=16, batch_size=2),
         },
     ),
