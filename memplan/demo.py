@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="gpt", choices=zoo.names())
     parser.add_argument("--size", default="small")
-    parser.add_argument("--fraction", type=float, default=0.5, help="budget as a fraction of the eager peak")
+    parser.add_argument("--fraction", type=float, default=0.6, help="budget as a fraction of the eager peak")
     parser.add_argument("--solver", default="auto")
     parser.add_argument("--time-limit", type=float, default=30.0)
     args = parser.parse_args(argv)
@@ -54,10 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         f"[bold]{zm.description}[/]: {analysis.num_nodes} ATen ops, parameters {format_bytes(analysis.param_bytes)}, "
         f"eager peak {format_bytes(analysis.eager_peak)} (predicted) -> budget {format_bytes(budget)}"
     )
-    with console.status(f"solving with {args.solver}"):
-        opt = memplan.optimize(
-            step_module, budget, example_inputs=inputs, example_kwargs=kwargs, solver=args.solver, time_limit=args.time_limit
-        )
+    def plan(b: int):
+        with console.status(f"solving for {format_bytes(b)} with {args.solver}"):
+            return memplan.optimize(
+                step_module, b, example_inputs=inputs, example_kwargs=kwargs, solver=args.solver, time_limit=args.time_limit
+            )
+
+    try:
+        opt = plan(budget)
+    except memplan.InfeasibleBudgetError as err:
+        console.print(f"[yellow]{err}[/]; planning at that minimum instead")
+        budget = err.min_budget
+        opt = plan(budget)
     console.print(opt.plan.report())
 
     torch.manual_seed(0)
@@ -77,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     table = Table(title="measured, one training step")
-    for col in ("", "peak", "vs budget", "step time"):
+    for col in ("", "peak", "vs budget", "step time (with tracker)"):
         table.add_column(col, justify="right")
     table.add_row("eager", format_bytes(eager_peak), f"{eager_peak / budget:.0%}", f"{eager_time * 1e3:.0f} ms")
     table.add_row("memplan", format_bytes(planned_peak), f"{planned_peak / budget:.0%}", f"{planned_time * 1e3:.0f} ms")
