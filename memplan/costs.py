@@ -113,6 +113,12 @@ def storage_nbytes(t: torch.Tensor, granularity: int = 1) -> int:
     return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
 
 
+def value_device(node: fx.Node) -> torch.device:
+    """The device of a node's (first) tensor value; CPU for nodes without one."""
+    tensors = _tensors(node.meta.get("val"))
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def _is_random(node: fx.Node) -> bool:
     target = node.target
     tags = getattr(target, "tags", ())

@@ -30,13 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
-import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 import solvers
 from memplan.capture import Capture
-from memplan.costs import GraphCosts
+from memplan.costs import GraphCosts, value_device
 
 BACKWARD = "__backward__"
 START = "__start__"
@@ -158,7 +156,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         preds = list(dict.fromkeys(value_name(i) for i in node.all_input_nodes)) or [START]
         if vc.is_random:
             rng = rng_of[node.name] = RNG_PREFIX + node.name
-            add_value(rng, mem=RNG_STATE_BYTES.get(_device_type(node), 16), cost=0.0, recomputable=False, preds=[START], alias_of=None)
+            add_value(rng, mem=RNG_STATE_BYTES.get(value_device(node).type, 16), cost=0.0, recomputable=False, preds=[START], alias_of=None)
             preds.append(rng)
         add_value(
             node.name,
@@ -185,11 +183,6 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         sources=[n.name for n in primal_nodes],
         rng_of=rng_of,
     )
-
-
-def _device_type(node: fx.Node) -> str:
-    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-    return vals[0].device.type if vals else "cpu"
 
 
 def _unbounded(G: nx.DiGraph) -> int:

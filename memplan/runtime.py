@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 import solvers
 from memplan.capture import Capture
+from memplan.costs import value_device
 from memplan.problem import BACKWARD, RNG_PREFIX, USER_SUFFIX, Lowered
 
 
@@ -96,11 +96,6 @@ class _Replay(torch.nn.Module):
             torch.set_rng_state(saved)
 
 
-def _device_of(node: fx.Node) -> str:
-    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-    return str(vals[0].device) if vals else "cpu"
-
-
 def _build_segment(
     steps: list[tuple[str, str]],
     low: Lowered,
@@ -143,12 +138,12 @@ def _build_segment(
             env[name] = graph.node_copy(node, arg)
         elif name not in computed:
             # first run: remember the generator state it draws from
-            env[rng] = graph.create_node("call_function", _rng_state, (_device_of(node),), name=_identifier(rng))
+            env[rng] = graph.create_node("call_function", _rng_state, (str(value_device(node)),), name=_identifier(rng))
             env[name] = graph.node_copy(node, arg)
             computed.add(name)
         else:
             replay = f"replay_{node.name}"
-            setattr(root, replay, _Replay(node.target, _device_of(node)))
+            setattr(root, replay, _Replay(node.target, str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
     graph.output(tuple(env[name] for name in outputs))

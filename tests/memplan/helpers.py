@@ -30,3 +30,17 @@ def clear_grads(module: nn.Module) -> None:
 
 def twin(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
+
+
+class DataDependent(nn.Module):
+    """Python control flow on a tensor's value: no graph can capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # data-dependent Python control flow
+            return y * 2
+        return y

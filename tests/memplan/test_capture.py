@@ -20,7 +20,7 @@ from memplan.problem import BACKWARD, lower
 
 from memplan import WithLoss
 
-from .helpers import build_step
+from .helpers import DataDependent, build_step
 
 
 def _grad_names(cap):
@@ -204,17 +204,6 @@ def test_sdpa_and_bf16_autocast_capture():
 
 
 def test_untraceable_model_raises_capture_error_naming_the_cause():
-    class DataDependent(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            y = self.lin(x)
-            if y.sum().item() > 0:  # data-dependent Python control flow
-                return y * 2
-            return y
-
     with pytest.raises(memplan.CaptureError) as info:
         capture(DataDependent(), (torch.randn(3, 4),))
     msg = str(info.value)
