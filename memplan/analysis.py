@@ -23,7 +23,7 @@ import torch
 import solvers
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
-from memplan.problem import Lowered, lower
+from memplan.problem import BACKWARD, Lowered, lower
 
 
 @dataclass
@@ -57,7 +57,7 @@ def saved_activation_bytes(cap: Capture, costs: GraphCosts, low: Lowered) -> int
     seen_backward = False
     graph = low.graph
     for name in graph.nodes:
-        if name in low.tangents or name == "__backward__":
+        if name in low.tangents or name == BACKWARD:
             seen_backward = True
             continue
         if not seen_backward:

@@ -538,7 +538,7 @@ def capture(
         raise CaptureError("unexpected joint graph layout: output count does not match the model's outputs and grads")
     # Tangents are the gradients of the forward outputs that require grad, in order.
     fw_vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in _out_list(gm)[:n_fw]]
-    tangent_outputs = [i for i, v in enumerate(fw_vals) if isinstance(v, torch.Tensor) and _requires_grad_out(i, outputs, user_requires_grad, mutated_buffers)]
+    tangent_outputs = [i for i, v in enumerate(fw_vals) if isinstance(v, torch.Tensor) and _requires_grad_out(i, outputs, user_requires_grad)]
     if len(tangent_outputs) != len(tangents):
         raise CaptureError(
             f"unexpected joint graph layout: {len(tangents)} tangents for {len(tangent_outputs)} differentiable outputs"
@@ -567,7 +567,7 @@ def _out_list(gm: fx.GraphModule) -> list[Any]:
     return list(pytree.tree_leaves(out_node.args[0], is_leaf=lambda x: x is None))
 
 
-def _requires_grad_out(i: int, outputs: list[OutputInfo], user_rg: list[bool], mutated: list[int]) -> bool:
+def _requires_grad_out(i: int, outputs: list[OutputInfo], user_rg: list[bool]) -> bool:
     info = outputs[i]
     if info.kind == "user":
         return user_rg[info.index]
