@@ -66,10 +66,17 @@ def _clear_box(box: list) -> None:
     box.clear()
 
 
+def _generator(device: str) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+    """Get and set the state of the default generator of ``device``."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return (lambda: torch.cuda.get_rng_state(dev)), (lambda state: torch.cuda.set_rng_state(state, dev))
+    return torch.get_rng_state, torch.set_rng_state
+
+
 def _rng_state(device: str) -> torch.Tensor:
     """The generator state a random op is about to draw from."""
-    dev = torch.device(device)
-    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+    return _generator(device)[0]()
 
 
 class _Replay(torch.nn.Module):
@@ -78,22 +85,15 @@ class _Replay(torch.nn.Module):
     def __init__(self, target: Any, device: str):
         super().__init__()
         self.target = target
-        self.device = torch.device(device)
+        self.get_state, self.set_state = _generator(device)
 
     def forward(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if self.device.type == "cuda":
-            saved = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(state, self.device)
-            try:
-                return self.target(*args, **kwargs)
-            finally:
-                torch.cuda.set_rng_state(saved, self.device)
-        saved = torch.get_rng_state()
-        torch.set_rng_state(state)
+        saved = self.get_state()
+        self.set_state(state)
         try:
             return self.target(*args, **kwargs)
         finally:
-            torch.set_rng_state(saved)
+            self.set_state(saved)
 
 
 def _build_segment(
@@ -190,9 +190,8 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
             resident.pop(name, None)
     bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None}
     computed: set[str] = set()
-    forward_first = {name for op, name in fw_steps if op == "compute" and name in low.rng_of}
     # A generator state exists once its op has run; one whose op first runs in backward is made there.
-    rng_made_in_forward = {low.rng_of[r] for r in forward_first}
+    rng_made_in_forward = {low.rng_of[name] for op, name in fw_steps if op == "compute" and name in low.rng_of}
     carried = [
         n
         for n in resident
