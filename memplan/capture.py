@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -126,7 +126,6 @@ class Capture:
     mutated_buffers: list[int]  # buffer indices whose new values are "buffer_update" outputs
     user_requires_grad: list[bool]  # per user tensor leaf
     signature: InputSignature
-    fake_mode: FakeTensorMode = field(repr=False)
 
     @property
     def graph(self) -> fx.Graph:
@@ -558,7 +557,6 @@ def capture(
         mutated_buffers=mutated_buffers,
         user_requires_grad=user_requires_grad,
         signature=signature,
-        fake_mode=fake_mode,
     )
 
 

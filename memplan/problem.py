@@ -52,7 +52,6 @@ class Lowered:
     problem: "solvers.Problem"
     graph: nx.DiGraph
     fx_nodes: dict[str, fx.Node]  # Problem node name -> fx node (bookkeeping nodes absent)
-    forward_outputs: list[str]  # fx node names that forward() must return or apply
     tangents: list[str]  # tangent placeholder names, in order
     sources: list[str]  # primal placeholder names, in order
     rng_of: dict[str, str]  # random op -> the Problem node of its generator state
@@ -178,7 +177,6 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         problem=problem,
         graph=G,
         fx_nodes=fx_map,
-        forward_outputs=list(dict.fromkeys(fw_outputs)),
         tangents=[t.name for t in tangent_nodes],
         sources=[n.name for n in primal_nodes],
         rng_of=rng_of,
