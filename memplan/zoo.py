@@ -25,6 +25,7 @@ inputs, and the caller's global RNG state is left as it was.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -804,17 +805,21 @@ def build(
     dtype: torch.dtype = torch.float32,
     meta: bool = False,
     seed: int = 0,
+    overrides: dict[str, Any] | None = None,
 ) -> ZooModel:
     """Build a zoo model in train mode with example inputs and a loss.
 
     ``size=None`` means the alias's size, else "tiny".  ``meta=True`` puts
     parameters and inputs on the meta device: shapes only, no memory, for
     planning models that do not fit (``gpt-1.3b``).  Weights and inputs are
-    created directly on ``device`` from ``seed``.
+    created directly on ``device`` from ``seed``.  ``overrides`` replaces
+    fields of the size's config (``{"layers": 48}``).
     """
     name, size = _resolve(name, size)
     entry = _ZOO[name]
     cfg = entry.sizes[size]
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
     batch = batch_size if batch_size is not None else cfg.batch_size
     target = torch.device("meta") if meta else torch.device(device)
     # Seed without disturbing the caller's RNG streams.
