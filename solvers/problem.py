@@ -10,13 +10,19 @@ and the constructive baselines stay linear in the graph size:
   ``alias_of[i]`` (index of the predecessor whose storage it lives in, or -1);
 * sources (no predecessors) are inputs, resident for the whole schedule;
 * sinks (no successors) must be resident when the schedule ends.
+
+A problem may also have a host link (``host_bandwidth`` bytes per time unit
+each way, 0 when there is none) and a ``host_capacity`` in bytes (None:
+unlimited): values can then be offloaded to host memory and prefetched back
+(see `schedule`).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Optional
 
 import networkx as nx
 import numpy as np
@@ -43,6 +49,8 @@ class Problem:
     recomputable: np.ndarray  # bool
     alias_of: np.ndarray  # int64, -1 when the value owns its storage
     budget: int
+    host_bandwidth: float = 0.0  # bytes per time unit each way; 0: no host link, no offload
+    host_capacity: Optional[int] = None  # bytes of host memory for offloaded values; None: unlimited
     # Derived in __post_init__; never passed by callers.
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     index: dict[Hashable, int] = field(init=False, repr=False)
@@ -65,6 +73,10 @@ class Problem:
             raise ValueError(f"preds has {len(self.preds)} entries, expected {n}")
         if (mem < 0).any():
             raise ValueError("mem must be non-negative")
+        if not math.isfinite(self.host_bandwidth) or self.host_bandwidth < 0:
+            raise ValueError("host_bandwidth must be finite and non-negative")
+        if self.host_capacity is not None and self.host_capacity < 0:
+            raise ValueError("host_capacity must be non-negative")
         if not np.isfinite(cost).all() or (cost < 0).any():
             # Negative costs would break every lower bound (sum of costs, MILP bounds).
             raise ValueError("cost must be finite and non-negative")
@@ -96,6 +108,8 @@ class Problem:
         setattr_(self, "recomputable", recomputable)
         setattr_(self, "alias_of", alias_of)
         setattr_(self, "budget", int(self.budget))
+        setattr_(self, "host_bandwidth", float(self.host_bandwidth))
+        setattr_(self, "host_capacity", None if self.host_capacity is None else int(self.host_capacity))
         setattr_(self, "succs", tuple(tuple(s) for s in succs))
         setattr_(self, "index", index)
         setattr_(self, "is_source", is_source)
@@ -123,9 +137,27 @@ class Problem:
         object.__setattr__(other, "budget", int(budget))
         return other
 
+    def with_host(self, bandwidth: float, capacity: Optional[int] = None) -> "Problem":
+        """The same graph and budget with a host link of ``bandwidth`` bytes per
+        time unit (0 removes it) and ``capacity`` bytes of host memory."""
+        return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
+                       bandwidth, capacity)
+
+    @property
+    def has_host(self) -> bool:
+        """Whether values can be offloaded (there is a host link)."""
+        return self.host_bandwidth > 0
+
+    def transfer_time(self, v: int) -> float:
+        """Time to copy value ``v`` across the host link one way."""
+        if not self.has_host:
+            return math.inf
+        return float(self.mem[v]) / self.host_bandwidth
+
     # ------------------------------------------------------------ networkx I/O
     @classmethod
-    def from_networkx(cls, G: nx.DiGraph, budget: int) -> "Problem":
+    def from_networkx(cls, G: nx.DiGraph, budget: int, host_bandwidth: float = 0.0,
+                      host_capacity: Optional[int] = None) -> "Problem":
         """Lower a DiGraph whose nodes carry ``mem``/``cost`` (and optionally
         ``recomputable``, ``alias_of``). Node order is G's insertion order when
         that is topological (fx graphs arrive in execution order), else a
@@ -155,7 +187,8 @@ class Problem:
                 raise ValueError(f"node {v!r}: alias_of {a!r} is not a node")
             alias_of.append(-1 if a is None else index[a])
         return cls(tuple(order), tuple(preds), np.array(mem, dtype=np.int64), np.array(cost, dtype=np.float64),
-                   np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget))
+                   np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget),
+                   host_bandwidth, host_capacity)
 
     def to_networkx(self) -> nx.DiGraph:
         G = nx.DiGraph()
@@ -183,7 +216,11 @@ class Problem:
                 "recomputable": bool(self.recomputable[i]),
                 "alias_of": None if self.alias_of[i] < 0 else self.names[self.alias_of[i]],
             })
-        return {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
+        data = {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
+        if self.has_host:
+            data["host_bandwidth"] = self.host_bandwidth
+            data["host_capacity"] = self.host_capacity
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Problem":
@@ -200,6 +237,8 @@ class Problem:
             alias_of=np.array([-1 if node.get("alias_of") is None else index[node["alias_of"]] for node in nodes],
                               dtype=np.int64),
             budget=int(data["budget"]),
+            host_bandwidth=float(data.get("host_bandwidth", 0.0)),
+            host_capacity=data.get("host_capacity"),
         )
 
     def to_json(self) -> str:
@@ -235,5 +274,6 @@ class Problem:
         return float(self.cost[list(self.non_sources)].sum()) if self.non_sources else 0.0
 
     def __repr__(self) -> str:
+        host = f", host_bandwidth={self.host_bandwidth:g}" if self.has_host else ""
         return (f"Problem(n={self.n}, sources={len(self.sources)}, sinks={len(self.sinks)}, "
-                f"edges={sum(map(len, self.preds))}, budget={self.budget})")
+                f"edges={sum(map(len, self.preds))}, budget={self.budget}{host})")

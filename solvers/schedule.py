@@ -1,16 +1,35 @@
 """Schedules and their one simulator.
 
-A `Schedule` is an ordered list of steps ``(op, node)``. ``compute`` makes a
-value resident (all its predecessors must be resident, and the value itself
-counts as resident while it is being computed); ``free`` drops it.
-``offload``/``prefetch`` are reserved for host paging and rejected by the
-simulator until it models them.
+A `Schedule` is an ordered list of steps ``(op, node)``:
 
-`simulate` replays a schedule step by step and reports its peak memory and
-cost; `validate` is the same pass with the budget enforced. Both raise
-`ScheduleError` at the first step that breaks the rules, so there is one
-implementation of the semantics and (through `memory.Residency`) one place
-where memory is added up.
+* ``compute`` makes a value resident on the device (all its predecessors must
+  be resident, and the value itself counts as resident while it is being
+  computed); ``free`` drops it;
+* ``offload`` starts copying a resident value to host memory; the value stays
+  on the device (and counts) until a later ``free``, which waits for the copy
+  to finish if it has not;
+* ``prefetch`` starts copying an offloaded value back; it counts on the
+  device from this step on, and a compute that reads it waits until the copy
+  has arrived.
+
+Time runs on three streams: compute (the schedule's computes, one after the
+other), and one copy stream per direction (device-to-host, host-to-device),
+each running one copy at a time, concurrently with compute. A copy starts
+when it is issued or when its stream is free, whichever is later (a prefetch
+also not before its offload has finished) and takes ``mem / host_bandwidth``.
+Memory is allocated and released in step order, so the device memory of any
+instant is the memory after some step, transfers included.
+
+Only values that own their storage (``alias_of == -1``) and are not sources
+can be offloaded; a view of an offloaded value is recomputed from the
+prefetched base (views cost next to nothing). A host copy lives until the
+end of the step; ``host_capacity`` bounds their total.
+
+`simulate` replays a schedule step by step and reports its peak memory, its
+compute cost and its step time; `validate` is the same pass with the budget
+enforced. Both raise `ScheduleError` at the first step that breaks the rules,
+so there is one implementation of the semantics and (through
+`memory.Residency`) one place where memory is added up.
 """
 from __future__ import annotations
 
@@ -32,8 +51,8 @@ JSON_VERSION = 1
 class Op(str, Enum):
     COMPUTE = "compute"
     FREE = "free"
-    OFFLOAD = "offload"  # reserved: copy to host and drop from device
-    PREFETCH = "prefetch"  # reserved: copy back from host
+    OFFLOAD = "offload"  # start a copy to host; a later free drops the device copy
+    PREFETCH = "prefetch"  # start a copy back from host
 
 
 class Step(NamedTuple):
@@ -63,6 +82,12 @@ class Schedule:
 
     def computes(self) -> list[Hashable]:
         return [node for op, node in self.steps if op is Op.COMPUTE]
+
+    def offloads(self) -> list[Hashable]:
+        return [node for op, node in self.steps if op is Op.OFFLOAD]
+
+    def has_transfers(self) -> bool:
+        return any(op is Op.OFFLOAD or op is Op.PREFETCH for op, _ in self.steps)
 
     def to_list(self) -> list[list[Any]]:
         return [[op.value, node] for op, node in self.steps]
@@ -111,6 +136,10 @@ class SimResult:
     computes: np.ndarray  # how many times each value was computed, indexed like the problem
     recomputations: int  # computes beyond the first of each value
     over_budget_step: Optional[int]  # first step above the budget (-1: the sources), None if it fits
+    time: float = 0.0  # step time: compute cost plus waits for copies (== cost without transfers)
+    wait: float = 0.0  # time the compute stream spent waiting for copies
+    transferred: int = 0  # bytes copied over the host link, both directions
+    host_peak: int = 0  # most bytes held in host memory at once
 
     @property
     def fits(self) -> bool:
@@ -124,8 +153,10 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     steps = schedule.steps if isinstance(schedule, Schedule) else tuple(schedule)
     names, preds, index = problem.names, problem.preds, problem.index
     lists = problem.lists()
-    cost, is_source, recomputable = lists.cost, lists.is_source, lists.recomputable
+    cost, is_source, recomputable, mem_of, alias_of = lists.cost, lists.is_source, lists.recomputable, lists.mem, \
+        lists.alias_of
     budget = problem.budget
+    bandwidth, host_capacity = problem.host_bandwidth, problem.host_capacity
     mem = Residency(problem)
     resident = mem.resident  # shared: kept up to date by `mem`
     add, remove = mem.add, mem.remove
@@ -133,6 +164,12 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     timeline: list[int] = []
     total_cost = 0.0
     over: Optional[int] = None
+    # Time: the compute stream's clock and when each copy stream is next free.
+    clock = wait = 0.0
+    d2h_free = h2d_free = 0.0
+    offloaded_at: dict[int, float] = {}  # value -> when its host copy is complete
+    arriving: dict[int, float] = {}  # value -> when its prefetch lands (while it may still be in flight)
+    host_total = host_peak = transferred = 0
 
     def fail(k: int, kind: str, message: str, node: Hashable = None) -> ScheduleError:
         return ScheduleError(f"step {k}: {message}", kind=kind, step=k, node=node)
@@ -159,17 +196,54 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
                 if not resident[p]:
                     raise fail(k, "read-not-resident", f"compute {node!r} reads {names[p]!r}, which is not resident",
                                node)
+            if arriving:
+                for p in preds[v]:
+                    landed = arriving.get(p)
+                    if landed is not None and landed > clock:
+                        wait += landed - clock
+                        clock = landed
             add(v)
             computes[v] += 1
             total_cost += cost[v]
+            clock += cost[v]
         elif op == _FREE:
             if is_source[v]:
                 raise fail(k, "free-source", f"{node!r} is a source and cannot be freed", node)
             if not resident[v]:
                 raise fail(k, "free-not-resident", f"free {node!r}, which is not resident", node)
+            # A buffer is released only once no copy reads or writes it.
+            busy_until = max(offloaded_at.get(v, 0.0), arriving.pop(v, 0.0))
+            if busy_until > clock:
+                wait += busy_until - clock
+                clock = busy_until
             remove(v)
-        elif op == _OFFLOAD or op == _PREFETCH:
-            raise fail(k, "unsupported-op", f"{Op(op).value} is not supported by the simulator yet", node)
+        elif op == _OFFLOAD:
+            if bandwidth <= 0:
+                raise fail(k, "no-host-link", f"offload {node!r}, but the problem has no host link", node)
+            if is_source[v] or alias_of[v] >= 0:
+                raise fail(k, "offload-forbidden", f"{node!r} cannot be offloaded (only non-source values that own "
+                           "their storage can)", node)
+            if not resident[v]:
+                raise fail(k, "offload-not-resident", f"offload {node!r}, which is not resident", node)
+            if v in offloaded_at:
+                raise fail(k, "already-offloaded", f"offload {node!r}, which already has a host copy", node)
+            start = max(clock, d2h_free, arriving.get(v, 0.0))
+            d2h_free = offloaded_at[v] = start + mem_of[v] / bandwidth
+            transferred += mem_of[v]
+            host_total += mem_of[v]
+            host_peak = max(host_peak, host_total)
+            if host_capacity is not None and host_total > host_capacity:
+                raise fail(k, "host-full", f"offload {node!r}: host memory {host_total} exceeds the host capacity "
+                           f"{host_capacity}", node)
+        elif op == _PREFETCH:
+            if v not in offloaded_at:
+                raise fail(k, "prefetch-no-copy", f"prefetch {node!r}, which was never offloaded", node)
+            if resident[v]:
+                raise fail(k, "already-resident", f"prefetch {node!r}, which is already resident", node)
+            start = max(clock, h2d_free, offloaded_at[v])
+            h2d_free = arriving[v] = start + mem_of[v] / bandwidth
+            transferred += mem_of[v]
+            add(v)
         else:
             raise fail(k, "unknown-op", f"unknown op {op!r}", node)
         # A free can raise memory too: dropping an alias base makes its views count.
@@ -191,15 +265,18 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
         if not resident[v]:
             raise ScheduleError(f"sink {names[v]!r} is not resident at the end", kind="sink-missing", step=end,
                                 node=names[v])
+    # The step ends when compute and every copy still in flight are done.
+    step_time = max(clock, d2h_free, h2d_free)
     counts = np.array(computes, dtype=np.int64)
     recomputations = int((counts[counts > 0] - 1).sum())
     return SimResult(peak=int(peak), cost=total_cost, timeline=np.array(timeline, dtype=np.int64),
                      initial=int(initial), final=int(mem.total), peak_step=peak_step, computes=counts,
-                     recomputations=recomputations, over_budget_step=over)
+                     recomputations=recomputations, over_budget_step=over, time=step_time, wait=wait,
+                     transferred=int(transferred), host_peak=int(host_peak))
 
 
 def simulate(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable]]) -> SimResult:
-    """Replay ``schedule``; report peak, cost and timeline. Raises `ScheduleError`
+    """Replay ``schedule``; report peak, cost, time and timeline. Raises `ScheduleError`
     for any broken rule except the budget (see `SimResult.over_budget_step`)."""
     return _execute(problem, schedule, enforce_budget=False)
 

@@ -53,6 +53,7 @@ class Solution:
     solve_time: float
     method: str
     info: dict[str, Any] = field(default_factory=dict)
+    time: float = 0.0  # step time from the simulator: cost plus waits for host copies (== cost without them)
 
     @property
     def fits(self) -> bool:
@@ -92,4 +93,5 @@ def finish(problem: Problem, schedule: Schedule, method: str, started: float, *,
         optimal = lower_bound is not None and cost <= lower_bound + BOUND_TOLERANCE * max(1.0, abs(cost))
         status = OPTIMAL if optimal else FEASIBLE
     return Solution(schedule=schedule, cost=cost, peak=result.peak, lower_bound=lower_bound, status=status,
-                    solve_time=time.perf_counter() - started, method=method, info=dict(info or {}))
+                    solve_time=time.perf_counter() - started, method=method, info=dict(info or {}),
+                    time=result.time)

@@ -56,7 +56,7 @@ def test_inputs_alone_over_budget():
     ([("compute", "zz")], "unknown-node", "unknown node"),
     ([("compute", "v0")], "never-computed", "'v1' is never computed"),
     ([("compute", "v0"), ("compute", "v1"), ("free", "v1")], "sink-missing", "sink 'v1'"),
-    ([("offload", "v0")], "unsupported-op", "offload"),
+    ([("compute", "v0"), ("offload", "v0")], "no-host-link", "no host link"),
 ])
 def test_each_violation(steps, kind, pattern):
     p = chain_problem([1, 1])
