@@ -1,0 +1,134 @@
+"""Lower bounds against exact optima: `lower_bound` must never exceed the cost
+of the best schedule of ANY order (exhaustive search), and the Checkmate LP
+relaxation never the optimum of Checkmate's own space."""
+from __future__ import annotations
+
+import math
+import random
+
+import networkx as nx
+import pytest
+
+from solvers import METHODS, Problem
+from solvers import generators as gen
+from solvers.bounds import min_budget
+from solvers.lower_bounds import lower_bound, lp_lower_bound, moments
+
+from .helpers import graph
+
+TOL = 1e-9
+
+
+def _small_problems(count: int, seed0: int = 0) -> list[tuple[str, Problem]]:
+    """Random graphs with at most 8 values to compute, every generator, views and
+    non-recomputable values mixed in."""
+    out = []
+    for i in range(count):
+        seed = seed0 + i
+        rng = random.Random(seed)
+        kind = i % 5
+        n = rng.randint(3, 8)
+        opts = {"view_prob": 0.4 if i % 3 == 0 else 0.0, "nonrecomputable_prob": 0.2 if i % 4 == 0 else 0.0}
+        if kind == 0:
+            G = gen.chain(n, seed=seed, **opts)
+        elif kind == 1:
+            G = gen.random_dag(n, seed=seed, n_sources=1 + i % 2, **opts)
+        elif kind == 2:
+            G = gen.layered(n, seed=seed, **opts)
+        else:
+            G = gen.training_like(rng.randint(8, 14), seed=seed, base="chain" if kind == 3 else "layered", **opts)
+        p = Problem.from_networkx(G, 0)
+        if p.n_compute <= 8:
+            out.append((f"{kind}-{seed}", p))
+    return out
+
+
+def _budgets(p: Problem) -> list[int]:
+    need, _ = min_budget(p)
+    peak = METHODS["store_all"](p.with_budget(2**40), None).peak
+    return sorted({need - 1, need, need + (peak - need) // 4, (need + peak) // 2, peak})
+
+
+def test_bound_never_exceeds_the_exhaustive_optimum():
+    checked = tighter = 0
+    for name, p in _small_problems(320):
+        for budget in _budgets(p):
+            q = p.with_budget(budget)
+            lb = lower_bound(q)
+            assert lb >= q.total_cost() - TOL, name
+            opt = METHODS["exhaustive"](q, None)
+            if not opt.fits:
+                continue  # no schedule: any bound is vacuously valid
+            assert lb <= opt.cost + TOL * max(1.0, opt.cost), (name, budget, lb, opt.cost)
+            checked += 1
+            tighter += lb > q.total_cost() + TOL
+    assert checked > 400
+    assert tighter > 20  # the bound does more than restate total_cost()
+
+
+def test_forced_recomputation_is_counted_exactly():
+    # x -> a -> b -> d -> e, and e also reads a. When d is first computed, b and d
+    # (30 bytes with x) leave no room for a (10), so a is recomputed: optimum = total + cost[a].
+    G = graph({"x": (1, 0.0), "a": (10, 3.0), "b": (10, 1.0), "d": (20, 1.0), "e": (1, 1.0)},
+              [("x", "a"), ("a", "b"), ("b", "d"), ("d", "e"), ("a", "e")])
+    p = Problem.from_networkx(G, 32)
+    opt = METHODS["exhaustive"](p, None)
+    assert opt.fits and math.isclose(opt.cost, p.total_cost() + 3.0)
+    assert math.isclose(lower_bound(p), opt.cost)
+    # With room for a, nothing is forced.
+    assert math.isclose(lower_bound(p.with_budget(41)), p.total_cost())
+
+
+def test_views_share_their_base_storage():
+    # The late view t of a is not an ancestor of d, but keeping it keeps a's storage:
+    # either the storage stays resident at d's compute or a is recomputed.
+    G = nx.DiGraph()
+    for name, mem, cost, extra in [("x", 1, 0.0, {}), ("a", 10, 2.0, {}), ("b", 10, 1.0, {}),
+                                   ("d", 20, 1.0, {}), ("t", 10, 0.0, {"alias_of": "a"}), ("e", 1, 1.0, {})]:
+        G.add_node(name, mem=mem, cost=cost, **extra)
+    G.add_edges_from([("x", "a"), ("a", "b"), ("b", "d"), ("a", "t"), ("d", "e"), ("t", "e")])
+    p = Problem.from_networkx(G, 32)
+    opt = METHODS["exhaustive"](p, None)
+    assert opt.fits
+    lb = lower_bound(p)
+    assert lb <= opt.cost + TOL
+    assert math.isclose(lb, p.total_cost() + 2.0)
+
+
+def test_infeasible_budget_gives_infinity():
+    G = graph({"x": (5, 0.0), "a": (5, 1.0)}, [("x", "a")])
+    assert lower_bound(Problem.from_networkx(G, 9)) == math.inf
+
+
+def test_real_graph_is_fast_and_below_the_greedy_cost():
+    pytest.importorskip("benchmarks.export_graphs")
+    from benchmarks.export_graphs import load
+    from solvers.memory import memory_of
+
+    p = load("unet")
+    peak = METHODS["store_all"](p, None).peak
+    base = memory_of(p, [])
+    q = p.with_budget(int(base + 0.3 * (peak - base)))
+    lb = lower_bound(q)
+    sol = METHODS["greedy"](q, None)
+    assert q.total_cost() < lb
+    if sol.fits:
+        assert lb <= sol.cost
+    assert len(moments(q)) == q.n_compute
+
+
+def test_lp_bound_is_below_the_checkmate_milp_optimum():
+    # The LP relaxes Checkmate's MILP as built (memory rounded up, views counted
+    # conservatively), so it is compared with the MILP's proven optimum, not with
+    # exhaustive_stages (whose exact alias accounting can admit cheaper schedules).
+    compared = 0
+    for name, p in _small_problems(40, seed0=1000)[:25]:
+        for budget in _budgets(p)[1:3]:
+            q = p.with_budget(budget)
+            lp = lp_lower_bound(q, 5.0)
+            assert lp >= q.total_cost() - TOL
+            milp = METHODS["checkmate_highs"](q, 5.0)
+            if milp.status == "optimal" and milp.info.get("fallback") is None:
+                assert lp <= milp.cost + 1e-6 * max(1.0, milp.cost), (name, budget, lp, milp.cost)
+                compared += 1
+    assert compared > 20
