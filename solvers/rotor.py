@@ -1,0 +1,239 @@
+"""Method "rotor": optimal checkpointing of a heterogeneous chain (Beaumont,
+Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
+heterogeneous chains: how to train deep neural networks with limited memory").
+
+The joint graph is read as a chain of stages (`solvers.chain`). A dynamic
+program over sub-chains ``s..t`` and free memory ``m`` (discretised into
+slots) chooses, for the first stage of every sub-chain, between
+
+* ``F_all``: run stage ``s`` keeping everything its backward needs, solve
+  ``s+1..t``, then run ``B[s]``;
+* ``F_ck``: keep the stage input, advance (``F_n``) through ``s..s'-1``
+  keeping only the output of ``s'-1``, solve ``s'..t``, then solve
+  ``s..s'-1`` again from the kept input.
+
+The resulting operations become a compute order of the problem's values and,
+through `plan.schedule_from_sequence`, a Schedule. The program's memory model
+(stage sizes measured on each stage alone, gradients and gradient sinks
+accumulating during the backward, pinned values reserved up front) is not the
+simulator's, so the free memory handed to the program is searched: the
+largest one whose schedule the simulator finds within the budget.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .chain import DEFAULT_MAX_STAGES, Chain, SequenceBuilder, extract_chain
+from .plan import schedule_from_sequence
+from .problem import Problem
+from .schedule import Schedule, simulate
+from .solution import MethodFailed, Solution, finish
+
+DEFAULT_SLOTS = 400
+# The program's memory axis spans this multiple of the free memory: its model may be
+# pessimistic, and a schedule planned for more memory than the budget may still fit.
+HEADROOM = 1.5
+MAX_TRIES = 24  # simulations in the search over the program's free memory
+
+
+@dataclass(frozen=True)
+class ChainSizes:
+    """Per-stage numbers of a chain in slots (sizes rounded up) and costs."""
+
+    a: np.ndarray  # output size
+    x: np.ndarray  # kept set
+    pa: np.ndarray  # advance peak
+    pall: np.ndarray  # F_all peak
+    pb: np.ndarray  # backward peak
+    delta: np.ndarray  # delta[s, t]: memory left behind by solving s..t (sinks and gradient change)
+    ca: np.ndarray  # advance cost
+    call: np.ndarray
+    cb: np.ndarray
+
+
+def chain_sizes(chain: Chain, slot: float) -> ChainSizes:
+    st = chain.stages
+    L = len(st)
+
+    def slots(values: list[float]) -> np.ndarray:
+        return np.ceil(np.asarray(values, dtype=np.float64) / slot).astype(np.int64)
+
+    g = np.array([s.sink_size for s in st], dtype=np.float64)
+    h = np.array([s.grad_size for s in st] + [0], dtype=np.float64)  # h[k]: resident after B[k]; h[L] = 0
+    gsum = np.concatenate([[0.0], np.cumsum(g)])
+    delta = np.zeros((L, L), dtype=np.int64)
+    for s in range(L):
+        for t in range(s, L):
+            delta[s, t] = math.ceil((gsum[t + 1] - gsum[s] + h[s] - h[t + 1]) / slot)
+    return ChainSizes(
+        a=slots([s.out_size for s in st]), x=slots([s.kept_size for s in st]),
+        pa=slots([s.peak_advance for s in st]), pall=slots([s.peak_all for s in st]),
+        pb=slots([s.peak_backward for s in st]), delta=delta,
+        ca=np.array([s.cost_advance for s in st]), call=np.array([s.cost_all for s in st]),
+        cb=np.array([s.cost_backward for s in st]))
+
+
+def rotor_table(z: ChainSizes, S: int) -> tuple[np.ndarray, np.ndarray]:
+    """``C[s, t, m]``: least cost of solving stages ``s..t`` with ``m`` free slots
+    (inf when impossible); ``choice[s, t, m]``: -1 for F_all, else the ``s'`` of F_ck."""
+    L = len(z.a)
+    inf = np.inf
+    m_axis = np.arange(S + 1)
+    C = np.full((L, L, S + 1), inf)
+    choice = np.full((L, L, S + 1), -2, dtype=np.int16)
+    for k in range(L):
+        ok = (m_axis >= z.pall[k]) & (m_axis >= z.x[k] + z.pb[k])
+        C[k, k, ok] = z.call[k] + z.cb[k]
+        choice[k, k, ok] = -1
+    # need[s, s']: memory to advance from the input of s to the output of s'-1.
+    need = np.zeros((L, L + 1), dtype=np.int64)
+    for s in range(L):
+        worst = z.pa[s]
+        for s2 in range(s + 1, L + 1):
+            need[s, s2] = worst
+            if s2 < L:
+                worst = max(worst, z.a[s2 - 1] + z.pa[s2])
+    ca_cum = np.concatenate([[0.0], np.cumsum(z.ca)])
+    for length in range(1, L):
+        for s in range(0, L - length):
+            t = s + length
+            # F_all at s.
+            best = np.full(S + 1, inf)
+            arg = np.full(S + 1, -2, dtype=np.int16)
+            idx = m_axis - z.x[s]
+            ok = (idx >= 0) & (m_axis >= z.pall[s]) & (m_axis >= z.x[s] + z.delta[s + 1, t] + z.pb[s])
+            val = np.where(ok, C[s + 1, t, np.clip(idx, 0, S)], inf) + (z.call[s] + z.cb[s])
+            better = val < best
+            best[better], arg[better] = val[better], -1
+            # F_ck at s, advancing to s2 = s+1..t.
+            s2 = np.arange(s + 1, t + 1)
+            ia = m_axis[None, :] - z.a[s2 - 1][:, None]
+            ib = m_axis[None, :] - z.delta[s2, t][:, None]
+            right = np.take_along_axis(C[s + 1:t + 1, t, :], np.clip(ia, 0, S), axis=1)
+            left = np.take_along_axis(C[s, s:t, :], np.clip(ib, 0, S), axis=1)
+            vals = right + left + (ca_cum[s2] - ca_cum[s])[:, None]
+            vals[(ia < 0) | (ib < 0) | (m_axis[None, :] < need[s, s2][:, None])] = inf
+            r = np.argmin(vals, axis=0)
+            val = vals[r, m_axis]
+            better = val < best
+            best[better], arg[better] = val[better], (s + 1 + r[better]).astype(np.int16)
+            C[s, t], choice[s, t] = best, arg
+    return C, choice
+
+
+def rotor_operations(z: ChainSizes, choice: np.ndarray, S: int, m: int) -> list[tuple[str, int]]:
+    """The operations ("advance" / "all" / "backward", stage) of the table's solution at ``m`` slots."""
+    ops: list[tuple[str, int]] = []
+    L = choice.shape[0]
+
+    def solve(s: int, t: int, m: int) -> None:
+        c = int(choice[s, t, m])
+        if c == -2:
+            raise AssertionError("backtracking into an infeasible state")
+        if c == -1:
+            ops.append(("all", s))
+            if s < t:
+                solve(s + 1, t, m - int(z.x[s]))
+            ops.append(("backward", s))
+            return
+        for k in range(s, c):
+            ops.append(("advance", k))
+        solve(c, t, m - int(z.a[c - 1]))
+        solve(s, c - 1, min(S, m - int(z.delta[c, t])))
+
+    solve(0, L - 1, m)
+    return ops
+
+
+def sequence_of(chain: Chain, ops: list[tuple[str, int]]) -> list[int]:
+    b = SequenceBuilder(chain)
+    run = {"advance": b.advance, "all": b.forward_all, "backward": b.backward}
+    for op, k in ops:
+        run[op](k)
+    return b.seq
+
+
+def search_memory(problem: Problem, candidates: list[int], build, deadline: float) -> tuple[Optional[tuple], Optional[tuple], int]:
+    """Bisect over ``candidates`` (increasing) for the largest one whose schedule fits.
+    ``build(c)`` returns ``(schedule, extra)``. Returns the best fitting ``(cost, c, schedule, extra)``,
+    the over-budget one of least peak ``(peak, c, schedule, extra)``, and the number of tries."""
+    best_fit = None
+    best_over = None
+    tries = 0
+    cache: dict[int, bool] = {}
+
+    def attempt(i: int) -> bool:
+        nonlocal best_fit, best_over, tries
+        if i in cache:
+            return cache[i]
+        tries += 1
+        c = candidates[i]
+        schedule, extra = build(c)
+        result = simulate(problem, schedule)
+        fits = result.fits
+        if fits:
+            if best_fit is None or result.cost < best_fit[0]:
+                best_fit = (result.cost, c, schedule, extra)
+        elif best_over is None or result.peak < best_over[0]:
+            best_over = (result.peak, c, schedule, extra)
+        cache[i] = fits
+        return fits
+
+    lo, hi = -1, len(candidates)  # candidates[lo] fits (or lo = -1), candidates[hi] does not (or hi = len)
+    # Start at the top (the most memory): when that fits there is nothing to search.
+    if attempt(len(candidates) - 1):
+        return best_fit, best_over, tries
+    hi = len(candidates) - 1
+    while hi - lo > 1 and tries < MAX_TRIES and time.perf_counter() < deadline:
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+    # The simulated peak is not monotone in the program's memory: probe the untried
+    # candidates above the boundary, nearest first, while tries and time remain.
+    for i in range(lo + 1, len(candidates)):
+        if tries >= MAX_TRIES or time.perf_counter() >= deadline:
+            break
+        attempt(i)
+    return best_fit, best_over, tries
+
+
+def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
+                slots: int = DEFAULT_SLOTS) -> Solution:
+    started = time.perf_counter()
+    deadline = started + (time_limit if time_limit is not None else math.inf)
+    chain = extract_chain(problem, max_stages)
+    free = problem.budget - chain.base - chain.pinned_size
+    st = chain.stages
+    # Keeping everything bounds the memory any chain schedule needs.
+    keep_all = sum(s.kept_size + s.sink_size + s.grad_size for s in st) + max(s.peak_backward + s.peak_all for s in st)
+    L = chain.length
+    for top in (min(HEADROOM * free, keep_all), keep_all):
+        slot = max(1.0, top) / slots
+        z = chain_sizes(chain, slot)
+        C, choice = rotor_table(z, slots)
+        feasible = [m for m in range(slots + 1) if math.isfinite(C[0, L - 1, m])]
+        if feasible:
+            break
+    else:
+        raise MethodFailed("rotor: no chain schedule within the memory of keeping everything")
+    # Distinct solutions only: the table's value changes at these slots.
+    values = C[0, L - 1]
+    candidates = [m for m in feasible if m == feasible[0] or values[m] < values[m - 1]]
+
+    def build(m: int) -> tuple[Schedule, float]:
+        seq = sequence_of(chain, rotor_operations(z, choice, slots, m))
+        return schedule_from_sequence(problem, seq), float(values[m])
+
+    best_fit, best_over, tries = search_memory(problem, candidates, build, deadline)
+    chosen = best_fit if best_fit is not None else best_over
+    _, m, schedule, dp_value = chosen
+    info = {"stages": L, "slots": slots, "slot_bytes": slot, "dp_slots": m, "dp_value": dp_value,
+            "pinned": len(chain.pinned), "pinned_bytes": chain.pinned_size, "tries": tries}
+    return finish(problem, schedule, "rotor", started, lower_bound=problem.total_cost(), info=info)
