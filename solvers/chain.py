@@ -74,6 +74,8 @@ class Stage:
     peak_backward: int  # peak above the state B[k] starts in (kept set, input, gradient in)
     grad_size: int  # gradient handed to the previous stage (backward values read by earlier stages)
     sink_size: int  # gradient sinks B[k] produces (they stay to the end)
+    reads_input: bool  # B[k] reads the previous stage's output
+    reads_output: bool  # B[k] reads this stage's output
 
 
 @dataclass(frozen=True)
@@ -343,6 +345,8 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES) -> Cha
             kept_size=int(kept_size), peak_advance=int(peak_adv), peak_all=int(peak_all), peak_backward=int(peak_b),
             grad_size=int(memory_of(problem, handed) - base) if handed else 0,
             sink_size=int(memory_of(problem, sinks) - base) if sinks else 0,
+            reads_input=bool(prev_in) and any(prev_in[0] in preds[w] for w in bwd),
+            reads_output=bool(out_keep) and any(out in preds[w] for w in bwd),
         ))
     if L < 2:
         raise MethodFailed("no chain structure: a single stage")

@@ -54,6 +54,8 @@ class ChainSizes:
     ca: np.ndarray  # advance cost
     call: np.ndarray
     cb: np.ndarray
+    release: np.ndarray  # slots freed after F_all[s] when the input is not read by B[s] (0 otherwise)
+    reads_output: np.ndarray  # bool: B[s] reads the stage output
 
 
 def chain_sizes(chain: Chain, slot: float) -> ChainSizes:
@@ -66,30 +68,44 @@ def chain_sizes(chain: Chain, slot: float) -> ChainSizes:
     g = np.array([s.sink_size for s in st], dtype=np.float64)
     h = np.array([s.grad_size for s in st] + [0], dtype=np.float64)  # h[k]: resident after B[k]; h[L] = 0
     gsum = np.concatenate([[0.0], np.cumsum(g)])
-    delta = np.zeros((L, L), dtype=np.int64)
+    delta = np.zeros((L + 1, L), dtype=np.int64)
     for s in range(L):
         for t in range(s, L):
             delta[s, t] = math.ceil((gsum[t + 1] - gsum[s] + h[s] - h[t + 1]) / slot)
+    a = slots([s.out_size for s in st])
+    # Rounded down: the program must not count on more than the input frees.
+    release = np.array([0] + [int(math.floor(st[k - 1].out_size / slot)) if not st[k].reads_input else 0
+                              for k in range(1, L)], dtype=np.int64)
     return ChainSizes(
-        a=slots([s.out_size for s in st]), x=slots([s.kept_size for s in st]),
+        a=a, x=slots([s.kept_size for s in st]),
         pa=slots([s.peak_advance for s in st]), pall=slots([s.peak_all for s in st]),
         pb=slots([s.peak_backward for s in st]), delta=delta,
         ca=np.array([s.cost_advance for s in st]), call=np.array([s.cost_all for s in st]),
-        cb=np.array([s.cost_backward for s in st]))
+        cb=np.array([s.cost_backward for s in st]), release=release,
+        reads_output=np.array([s.reads_output for s in st], dtype=bool))
+
+
+# Variants of a sub-chain: KEEP when its input belongs to the caller (kept for the
+# caller's backward), DROP when the sub-chain may free it once stage s is done with it
+# (a checkpoint, recomputed by the caller if it needs it again).
+KEEP, DROP = 0, 1
 
 
 def rotor_table(z: ChainSizes, S: int) -> tuple[np.ndarray, np.ndarray]:
-    """``C[s, t, m]``: least cost of solving stages ``s..t`` with ``m`` free slots
-    (inf when impossible); ``choice[s, t, m]``: -1 for F_all, else the ``s'`` of F_ck."""
+    """``C[v, s, t, m]``: least cost of solving stages ``s..t`` in variant ``v`` with ``m``
+    free slots (inf when impossible); ``choice[v, s, t, m]``: -1 for F_all, else the
+    ``s'`` of F_ck (-2: impossible)."""
     L = len(z.a)
     inf = np.inf
     m_axis = np.arange(S + 1)
-    C = np.full((L, L, S + 1), inf)
-    choice = np.full((L, L, S + 1), -2, dtype=np.int16)
+    C = np.full((2, L, L, S + 1), inf)
+    choice = np.full((2, L, L, S + 1), -2, dtype=np.int16)
     for k in range(L):
-        ok = (m_axis >= z.pall[k]) & (m_axis >= z.x[k] + z.pb[k])
-        C[k, k, ok] = z.call[k] + z.cb[k]
-        choice[k, k, ok] = -1
+        for v in (KEEP, DROP):
+            rel = z.release[k] if v == DROP else 0
+            ok = (m_axis >= z.pall[k]) & (m_axis + rel >= z.x[k] + z.pb[k])
+            C[v, k, k, ok] = z.call[k] + z.cb[k]
+            choice[v, k, k, ok] = -1
     # need[s, s']: memory to advance from the input of s to the output of s'-1.
     need = np.zeros((L, L + 1), dtype=np.int64)
     for s in range(L):
@@ -102,51 +118,54 @@ def rotor_table(z: ChainSizes, S: int) -> tuple[np.ndarray, np.ndarray]:
     for length in range(1, L):
         for s in range(0, L - length):
             t = s + length
-            # F_all at s.
-            best = np.full(S + 1, inf)
-            arg = np.full(S + 1, -2, dtype=np.int16)
-            idx = m_axis - z.x[s]
-            ok = (idx >= 0) & (m_axis >= z.pall[s]) & (m_axis >= z.x[s] + z.delta[s + 1, t] + z.pb[s])
-            val = np.where(ok, C[s + 1, t, np.clip(idx, 0, S)], inf) + (z.call[s] + z.cb[s])
-            better = val < best
-            best[better], arg[better] = val[better], -1
-            # F_ck at s, advancing to s2 = s+1..t.
+            # F_ck at s, advancing to s2 = s+1..t: the right part owns the checkpoint a[s2-1].
             s2 = np.arange(s + 1, t + 1)
             ia = m_axis[None, :] - z.a[s2 - 1][:, None]
             ib = m_axis[None, :] - z.delta[s2, t][:, None]
-            right = np.take_along_axis(C[s + 1:t + 1, t, :], np.clip(ia, 0, S), axis=1)
-            left = np.take_along_axis(C[s, s:t, :], np.clip(ib, 0, S), axis=1)
-            vals = right + left + (ca_cum[s2] - ca_cum[s])[:, None]
-            vals[(ia < 0) | (ib < 0) | (m_axis[None, :] < need[s, s2][:, None])] = inf
-            r = np.argmin(vals, axis=0)
-            val = vals[r, m_axis]
-            better = val < best
-            best[better], arg[better] = val[better], (s + 1 + r[better]).astype(np.int16)
-            C[s, t], choice[s, t] = best, arg
+            right = np.take_along_axis(C[DROP, s + 1:t + 1, t, :], np.clip(ia, 0, S), axis=1)
+            bad = (ia < 0) | (ib < 0) | (m_axis[None, :] < need[s, s2][:, None])
+            fwd = (ca_cum[s2] - ca_cum[s])[:, None]
+            child = KEEP if z.reads_output[s] else DROP  # after F_all at s, who owns a[s]
+            for v in (KEEP, DROP):
+                left = np.take_along_axis(C[v, s, s:t, :], np.clip(ib, 0, S), axis=1)
+                vals = right + left + fwd
+                vals[bad] = inf
+                r = np.argmin(vals, axis=0)
+                best = vals[r, m_axis]
+                arg = np.where(np.isfinite(best), s + 1 + r, -2).astype(np.int16)
+                # F_all at s.
+                rel = z.release[s] if v == DROP else 0
+                idx = m_axis - z.x[s] + rel
+                ok = (idx >= 0) & (m_axis >= z.pall[s]) & (m_axis + rel >= z.x[s] + z.delta[s + 1, t] + z.pb[s])
+                val = np.where(ok, C[child, s + 1, t, np.clip(idx, 0, S)], inf) + (z.call[s] + z.cb[s])
+                better = val < best
+                best[better], arg[better] = val[better], -1
+                C[v, s, t], choice[v, s, t] = best, arg
     return C, choice
 
 
 def rotor_operations(z: ChainSizes, choice: np.ndarray, S: int, m: int) -> list[tuple[str, int]]:
     """The operations ("advance" / "all" / "backward", stage) of the table's solution at ``m`` slots."""
     ops: list[tuple[str, int]] = []
-    L = choice.shape[0]
+    L = choice.shape[1]
 
-    def solve(s: int, t: int, m: int) -> None:
-        c = int(choice[s, t, m])
+    def solve(v: int, s: int, t: int, m: int) -> None:
+        c = int(choice[v, s, t, m])
         if c == -2:
             raise AssertionError("backtracking into an infeasible state")
         if c == -1:
             ops.append(("all", s))
             if s < t:
-                solve(s + 1, t, m - int(z.x[s]))
+                rel = int(z.release[s]) if v == DROP else 0
+                solve(KEEP if z.reads_output[s] else DROP, s + 1, t, min(S, m - int(z.x[s]) + rel))
             ops.append(("backward", s))
             return
         for k in range(s, c):
             ops.append(("advance", k))
-        solve(c, t, m - int(z.a[c - 1]))
-        solve(s, c - 1, min(S, m - int(z.delta[c, t])))
+        solve(DROP, c, t, m - int(z.a[c - 1]))
+        solve(v, s, c - 1, min(S, m - int(z.delta[c, t])))
 
-    solve(0, L - 1, m)
+    solve(DROP, 0, L - 1, m)
     return ops
 
 
@@ -218,13 +237,13 @@ def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_sta
         slot = max(1.0, top) / slots
         z = chain_sizes(chain, slot)
         C, choice = rotor_table(z, slots)
-        feasible = [m for m in range(slots + 1) if math.isfinite(C[0, L - 1, m])]
+        feasible = [m for m in range(slots + 1) if math.isfinite(C[DROP, 0, L - 1, m])]
         if feasible:
             break
     else:
         raise MethodFailed("rotor: no chain schedule within the memory of keeping everything")
     # Distinct solutions only: the table's value changes at these slots.
-    values = C[0, L - 1]
+    values = C[DROP, 0, L - 1]
     candidates = [m for m in feasible if m == feasible[0] or values[m] < values[m - 1]]
 
     def build(m: int) -> tuple[Schedule, float]:
