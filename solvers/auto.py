@@ -8,6 +8,10 @@
 
 When even that does not fit, the solution is returned as ``over_budget`` and
 `solvers.solve` raises `Infeasible`.
+
+A problem with a host link goes to method "offload", which runs this
+strategy on the same graph without the link at several budgets and pages
+values out to host memory on top.
 """
 from __future__ import annotations
 
@@ -35,6 +39,10 @@ def _relabel(sol: Solution, started: float) -> Solution:
 
 def solve_auto(problem: Problem, time_limit: Optional[float] = None) -> Solution:
     started = time.perf_counter()
+    if problem.has_host:
+        from .offload import solve_offload
+
+        return _relabel(solve_offload(problem, time_limit), started)
     m = problem.n_compute
     if m <= EXACT_NODES:
         sol = solve_exhaustive(problem, time_limit)

@@ -9,7 +9,9 @@ end the sinks are resident.
 graphs small enough for the exhaustive search, otherwise by binary search
 over budgets with the greedy and "select" (plus the budget-oblivious
 baselines' peaks).
-Every candidate is verified by the simulator.
+With a host link, the schedule found is then paged out to host memory as
+far as it goes (`offload.add_offloads`). Every candidate is verified by the
+simulator.
 """
 from __future__ import annotations
 
@@ -68,6 +70,13 @@ def min_budget(problem: Problem) -> tuple[int, Schedule]:
             lo = mid
     peak = simulate(problem, best[1]).peak
     assert peak == best[0]
+    if problem.has_host:
+        from .offload import add_offloads
+
+        paged = add_offloads(problem.with_budget(memory_lower_bound(problem)), best[1])
+        paged_peak = simulate(problem, paged).peak
+        if paged_peak < best[0]:
+            best = (paged_peak, paged)
     return best
 
 

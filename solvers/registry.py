@@ -9,6 +9,7 @@ from .auto import solve_auto
 from .checkmate import solve_checkmate_cpsat, solve_checkmate_default, solve_checkmate_highs, solve_checkmate_scip
 from .exhaustive import solve_exhaustive, solve_exhaustive_fixed, solve_exhaustive_stages
 from .greedy import solve_greedy
+from .offload import solve_offload
 from .problem import Problem
 from .recompute_all import solve_recompute_all
 from .select import solve_select
@@ -29,6 +30,7 @@ METHODS: dict[str, SolveFn] = {
     "recompute_all": solve_recompute_all,
     "sqrt_n": solve_sqrt_n,
     "greedy": solve_greedy,
+    "offload": solve_offload,
     "select": solve_select,
     "exhaustive": solve_exhaustive,
     "exhaustive_fixed": solve_exhaustive_fixed,

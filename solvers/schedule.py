@@ -140,6 +140,7 @@ class SimResult:
     wait: float = 0.0  # time the compute stream spent waiting for copies
     transferred: int = 0  # bytes copied over the host link, both directions
     host_peak: int = 0  # most bytes held in host memory at once
+    clock: Optional[np.ndarray] = None  # compute-stream time after each step, float64
 
     @property
     def fits(self) -> bool:
@@ -162,6 +163,7 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     add, remove = mem.add, mem.remove
     computes = [0] * problem.n
     timeline: list[int] = []
+    clocks: list[float] = []
     total_cost = 0.0
     over: Optional[int] = None
     # Time: the compute stream's clock and when each copy stream is next free.
@@ -249,6 +251,7 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
         # A free can raise memory too: dropping an alias base makes its views count.
         total = mem.total
         timeline.append(total)
+        clocks.append(clock)
         if total > peak:
             peak, peak_step = total, k
         if total > budget and over is None:
@@ -272,7 +275,8 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     return SimResult(peak=int(peak), cost=total_cost, timeline=np.array(timeline, dtype=np.int64),
                      initial=int(initial), final=int(mem.total), peak_step=peak_step, computes=counts,
                      recomputations=recomputations, over_budget_step=over, time=step_time, wait=wait,
-                     transferred=int(transferred), host_peak=int(host_peak))
+                     transferred=int(transferred), host_peak=int(host_peak),
+                     clock=np.array(clocks, dtype=np.float64))
 
 
 def simulate(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable]]) -> SimResult:

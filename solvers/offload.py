@@ -1,0 +1,304 @@
+"""Method "offload": joint keep / recompute / offload plans that minimise step time.
+
+Recomputation pays FLOPs for memory; offloading pays host-link time, which
+is free as long as the copies hide behind compute. The method works in two
+parts:
+
+* `add_offloads` pages values out of a schedule until it fits the budget.
+  At the schedule's peak it looks for values that sit idle across the peak
+  (used before it, next read after it) and own their storage; it offloads one
+  right after its last use, frees the device copy once the copy has had time
+  to finish, and prefetches it just early enough to land before the next
+  read. Views of it that are still held are freed with it and recomputed
+  from the prefetched base before their next read. Windows that hide both
+  copies behind compute are preferred; only when none covers the peak does it
+  accept a window that makes compute wait, the one costing the least waiting
+  per byte. Every change is replayed through the simulator, which has the
+  last word on memory and time.
+
+* `solve_offload` builds rematerialization plans at several budgets between
+  the target and store-all's peak (a looser budget means fewer
+  recomputations), adds offloads to each until it fits the target, and keeps
+  the plan with the shortest simulated step time. The plan at the target
+  budget itself, with no offloads, is among the candidates, so the result is
+  never slower than rematerialization alone when that fits.
+
+Values that cannot be offloaded: sources (parameters, inputs), views (their
+base is offloaded instead), and values a view of which must stay resident
+(a user output's reference).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from .memory import alias_trees
+from .problem import Problem
+from .schedule import Op, Schedule, ScheduleError, SimResult, Step, simulate
+from .solution import Solution, finish
+
+# Rematerialization plans are made at these points between the target budget (0)
+# and store-all's peak (1); each then gets offloads until it fits the target.
+BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
+MAX_ROUNDS = 5000
+
+
+@dataclass(frozen=True)
+class Window:
+    """Page ``value`` out across the steps ``[free_at, prefetch_at)`` of a schedule.
+
+    Positions are insertion points (an item inserted at ``j`` runs right
+    before the current step ``j``)."""
+
+    value: int
+    offload_at: Optional[int]  # None: a host copy already exists
+    free_at: int
+    prefetch_at: int
+    views: tuple[tuple[int, int], ...]  # (view, position of its recompute) for views freed with the value
+    saving: int  # bytes the window removes from the peak
+    wait: float  # estimated compute-stream waiting it adds
+
+
+class _Uses:
+    """Where each value is made resident, read and freed in a schedule."""
+
+    def __init__(self, problem: Problem, steps: list[Step]) -> None:
+        index, preds = problem.index, problem.preds
+        n = problem.n
+        self.starts: list[list[int]] = [[] for _ in range(n)]  # compute or prefetch positions
+        self.ends: list[list[int]] = [[] for _ in range(n)]  # free positions
+        self.reads: list[list[int]] = [[] for _ in range(n)]  # positions of computes that read it
+        self.offloaded: list[Optional[int]] = [None] * n  # position of its offload
+        for k, (op, node) in enumerate(steps):
+            v = index[node]
+            if op is Op.COMPUTE:
+                self.starts[v].append(k)
+                for p in preds[v]:
+                    self.reads[p].append(k)
+            elif op is Op.PREFETCH:
+                self.starts[v].append(k)
+            elif op is Op.FREE:
+                self.ends[v].append(k)
+            elif op is Op.OFFLOAD:
+                self.offloaded[v] = k
+
+    def interval(self, v: int, k: int, end: int) -> Optional[tuple[int, int]]:
+        """The residency ``[start, stop)`` of ``v`` that contains step ``k``, if any."""
+        starts = self.starts[v]
+        i = bisect.bisect_right(starts, k) - 1
+        if i < 0:
+            return None
+        start = starts[i]
+        ends = self.ends[v]
+        j = bisect.bisect_right(ends, start)
+        stop = ends[j] if j < len(ends) else end
+        return (start, stop) if start <= k < stop else None
+
+    def last_use(self, v: int, start: int, k: int) -> int:
+        """Last position in ``[start, k]`` where ``v`` is made resident or read."""
+        reads = self.reads[v]
+        i = bisect.bisect_right(reads, k) - 1
+        return max(start, reads[i]) if i >= 0 else start
+
+    def next_read(self, v: int, k: int, stop: int) -> Optional[int]:
+        """First position in ``(k, stop)`` where ``v`` is read."""
+        reads = self.reads[v]
+        i = bisect.bisect_right(reads, k)
+        return reads[i] if i < len(reads) and reads[i] < stop else None
+
+
+def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> list[Window]:
+    """Every way of paging one idle value out across step ``k``."""
+    uses = _Uses(problem, steps)
+    trees = alias_trees(problem)
+    clock = sim.clock
+    lists = problem.lists()
+    alias_of, recomputable, mem = lists.alias_of, lists.recomputable, lists.mem
+    end = len(steps)
+
+    def time_before(j: int) -> float:  # compute-stream time when the step at j starts
+        return float(clock[j - 1]) if j > 0 else 0.0
+
+    out: list[Window] = []
+    for v in range(problem.n):
+        if problem.is_source[v] or alias_of[v] >= 0:
+            continue
+        span = uses.interval(v, k, end)
+        if span is None:
+            continue
+        start, stop = span
+        a = uses.last_use(v, start, k)
+        if a >= k:
+            continue  # read by (or made at) the peak step itself
+        b = uses.next_read(v, k, stop)
+        if b is None:
+            continue  # held for nobody: a sink (or kept on purpose)
+        # Views of v still held across k go with it and are recomputed before their next read.
+        views: list[tuple[int, int]] = []
+        ok = True
+        members = trees.members.get(int(trees.root[v]), ())
+        for w in members:
+            if w == v or not _descends(alias_of, w, v):
+                continue
+            w_span = uses.interval(w, k, end)
+            if w_span is None:
+                continue
+            w_next = uses.next_read(w, k, w_span[1])
+            if w_next is None or not recomputable[w] or uses.last_use(w, w_span[0], k) >= k:
+                ok = False
+                break
+            views.append((w, w_next))
+            b = min(b, w_next)
+        if not ok:
+            continue
+        t = problem.transfer_time(v)
+        offload_at = None if uses.offloaded[v] is not None and uses.offloaded[v] < a else a + 1
+        # Free: the first point after the offload where the copy has had time to finish.
+        ready = time_before(a + 1) + (t if offload_at is not None else 0.0)
+        free_at, wait = k, 0.0
+        for j in range(a + 1, k + 1):
+            if time_before(j) >= ready:
+                free_at = j
+                break
+        else:
+            wait += ready - time_before(k)
+        # Prefetch: the last point after k from which the copy lands before the next read.
+        due = time_before(b)
+        prefetch_at = k + 1
+        for j in range(b, k, -1):
+            if time_before(j) + t <= due:
+                prefetch_at = j
+                break
+        else:
+            wait += time_before(prefetch_at) + t - due
+        out.append(Window(v, offload_at, free_at, prefetch_at, tuple(views), mem[v], max(0.0, wait)))
+    return out
+
+
+def _descends(alias_of: list[int], w: int, v: int) -> bool:
+    a = alias_of[w]
+    while a >= 0:
+        if a == v:
+            return True
+        a = alias_of[a]
+    return False
+
+
+def _apply(problem: Problem, steps: list[Step], w: Window) -> list[Step]:
+    names = problem.names
+    before: dict[int, list[Step]] = {}
+
+    def put(j: int, step: Step) -> None:
+        before.setdefault(j, []).append(step)
+
+    if w.offload_at is not None:
+        put(w.offload_at, Step(Op.OFFLOAD, names[w.value]))
+    for view in sorted((x for x, _ in w.views), reverse=True):  # views before their base
+        put(w.free_at, Step(Op.FREE, names[view]))
+    put(w.free_at, Step(Op.FREE, names[w.value]))
+    put(w.prefetch_at, Step(Op.PREFETCH, names[w.value]))
+    for view, at in sorted(w.views):  # bases before their views
+        put(at, Step(Op.COMPUTE, names[view]))
+    out: list[Step] = []
+    for j, step in enumerate(steps):
+        out.extend(before.get(j, ()))
+        out.append(step)
+    out.extend(before.get(len(steps), ()))
+    return out
+
+
+def _choose(windows: list[Window], excess: int) -> Optional[Window]:
+    """Hidden windows first: the smallest that removes the whole excess, else the
+    largest; otherwise the window with the least waiting per byte saved."""
+    hidden = [w for w in windows if w.wait <= 0.0]
+    if hidden:
+        enough = [w for w in hidden if w.saving >= excess]
+        return min(enough, key=lambda w: w.saving) if enough else max(hidden, key=lambda w: w.saving)
+    costly = [w for w in windows if w.saving > 0]
+    return min(costly, key=lambda w: w.wait / w.saving) if costly else None
+
+
+def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.inf) -> Schedule:
+    """Page values out of ``schedule`` until it fits ``problem.budget`` (or no
+    window helps). Returns the best schedule found: the first that fits, else
+    the one with the lowest peak."""
+    if not problem.has_host:
+        return schedule
+    steps = list(schedule.steps)
+    sim = simulate(problem, steps)
+    best = (sim.peak, steps)
+    rejected: set[tuple[int, int]] = set()
+    for _ in range(MAX_ROUNDS):
+        if sim.peak <= problem.budget or time.perf_counter() > deadline:
+            break
+        k = sim.peak_step
+        if k < 0:
+            break  # the sources alone exceed the budget
+        windows = [w for w in _windows(problem, steps, sim, k) if (w.value, w.free_at) not in rejected]
+        choice = _choose(windows, sim.peak - problem.budget)
+        if choice is None:
+            break
+        candidate = _apply(problem, steps, choice)
+        try:
+            after = simulate(problem, candidate)
+        except ScheduleError:
+            rejected.add((choice.value, choice.free_at))
+            continue
+        if after.peak_step == k and after.peak >= sim.peak:
+            rejected.add((choice.value, choice.free_at))
+            continue
+        steps, sim = candidate, after
+        if sim.peak < best[0]:
+            best = (sim.peak, steps)
+    if sim.peak <= problem.budget:
+        return Schedule(tuple(steps))
+    return Schedule(tuple(best[1]))
+
+
+def _store_all_peak(problem: Problem) -> int:
+    from .store_all import solve_store_all
+
+    return solve_store_all(problem.with_budget(2**62), None).peak
+
+
+def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    from .auto import solve_auto  # auto dispatches here for problems with a host link
+
+    started = time.perf_counter()
+    remat = problem.with_host(0.0, None)
+    if not problem.has_host:
+        sol = solve_auto(remat, time_limit)
+        return finish(problem, sol.schedule, "offload", started, lower_bound=sol.lower_bound,
+                      info={"base": sol.info.get("chosen", sol.method), "offloaded": 0})
+    limit = 60.0 if time_limit is None else time_limit
+    deadline = started + limit
+    top = _store_all_peak(remat)
+    targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
+    best: Optional[tuple[float, int, Schedule, dict]] = None  # (time, peak, schedule, info)
+    fallback: Optional[tuple[int, Schedule, dict]] = None
+    for i, target in enumerate(targets):
+        share = max(0.5, (deadline - time.perf_counter()) / (2 * (len(targets) - i)))
+        base = solve_auto(remat.with_budget(target), share)
+        schedule = add_offloads(problem, base.schedule, deadline)
+        result = simulate(problem, schedule)
+        info = {"base_budget": target, "base": base.info.get("chosen", base.method),
+                "offloaded": len(schedule.offloads()), "recomputations": result.recomputations}
+        if result.fits and (best is None or result.time < best[0]):
+            best = (result.time, result.peak, schedule, info)
+        if fallback is None or result.peak < fallback[0]:
+            fallback = (result.peak, schedule, info)
+        if time.perf_counter() > deadline and best is not None:
+            break
+    if best is None:
+        from .bounds import min_budget_cached
+
+        _, schedule = min_budget_cached(problem)
+        info = {"base": "min_budget_search", "offloaded": len(schedule.offloads())}
+        if simulate(problem, schedule).peak > fallback[0]:
+            _, schedule, info = fallback
+    else:
+        _, _, schedule, info = best
+    return finish(problem, schedule, "offload", started, lower_bound=problem.total_cost(), info=info)
