@@ -128,6 +128,9 @@ class OptimizedModule(nn.Module):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             profile = get_profile(self.device_profile, device)
             measure_on = device if self.options.get("profile") else None
+            # Offloading pays off where a host link runs beside compute: on by default on CUDA.
+            offload = self.options.get("offload")
+            offload = device.type == "cuda" if offload is None else bool(offload)
             if self.saved_plan is not None:
                 plan, program = make_plan_from_saved(
                     self.saved_plan, model, args, kwargs, self.budget, profile=profile, measure_on=measure_on
@@ -142,6 +145,7 @@ class OptimizedModule(nn.Module):
                     time_limit=self.time_limit,
                     profile=profile,
                     measure_on=measure_on,
+                    offload=offload,
                 )
             cap = plan.analysis.capture
             self._plans[sig] = (plan, program, cap.param_names, cap.buffer_names)
@@ -201,7 +205,10 @@ def optimize(
     parameters, buffers, inputs, activations, gradients and temporaries.
     Plans are made on the first call per input signature, or immediately
     for ``example_inputs``. ``profile=True`` times every op of the step on the
-    model's device instead of estimating it from ``device_profile``. Raises :class:`memplan.InfeasibleBudgetError`
+    model's device instead of estimating it from ``device_profile``. ``offload=True``
+    lets the plan page activations to host memory over the device's host link as
+    well as recompute them (default: on for CUDA models, off on CPU, where it is
+    a real copy into host-counted memory, for testing). Raises :class:`memplan.InfeasibleBudgetError`
     when no plan fits. ``plan=path`` reuses a plan written by ``Plan.save``
     (budget defaults to the saved one) after checking it was made for this
     model and these inputs and validating it under the budget.

@@ -45,8 +45,20 @@ class ValueDecision:
 
     name: str
     nbytes: int
-    decision: str  # "keep" | "recompute"
+    decision: str  # "keep" | "recompute" | "offload"
     computations: int
+
+
+@dataclass
+class Transfer:
+    """One value the plan pages out to host memory and back, with predicted times (seconds into the step)."""
+
+    name: str
+    nbytes: int
+    out_after: str  # the compute after which its copy to host starts
+    out_time: float
+    back_before: str | None  # the first compute that reads it after it comes back (None: never read again)
+    back_time: float | None  # when its copy back starts
 
 
 @dataclass
@@ -65,6 +77,9 @@ class Plan:
     decisions: list[ValueDecision]
     schedule: "solvers.Schedule" = field(repr=False)
     analysis: Analysis = field(repr=False)
+    transfers: list[Transfer] = field(default_factory=list)
+    predicted_wait: float = 0.0  # predicted time compute waits for host copies
+    host_bytes: int = 0  # most host memory the offloaded copies hold at once
 
     @property
     def predicted_overhead(self) -> float:
@@ -88,6 +103,7 @@ class Plan:
         a = self.analysis
         counts = Counter(d.decision for d in self.decisions)
         recomputed = sum(d.nbytes for d in self.decisions if d.decision == "recompute")
+        offloaded = sum(t.nbytes for t in self.transfers)
         lines = [
             "memplan plan",
             f"  parameters       {format_bytes(a.param_bytes)}",
@@ -99,14 +115,26 @@ class Plan:
             f"  method           {self.method} ({self.status}), solved in {self.solve_time:.2f} s"
             + (f", gap {self.gap:.1%}" if self.gap is not None else ""),
             f"  values           {counts.get('keep', 0)} kept, {counts.get('recompute', 0)} recomputed "
-            f"({format_bytes(recomputed)} not held across the step)",
+            f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
+            f"({format_bytes(offloaded)})",
         ]
+        if self.transfers:
+            lines.append(f"  host link        {format_bytes(self.host_bytes)} held on host at most; compute waits "
+                         f"{self.predicted_wait * 1e3:.2f} ms for copies (predicted)")
+            lines.append("  offloaded (largest first): value, size, out after [ms], back before [ms]")
+            for t in sorted(self.transfers, key=lambda t: -t.nbytes)[:10]:
+                back = f"{t.back_before} [{t.back_time * 1e3:.2f}]" if t.back_before is not None else "-"
+                lines.append(f"    {t.name:<28s} {format_bytes(t.nbytes):>10s}  {t.out_after} [{t.out_time * 1e3:.2f}]"
+                             f"  {back}")
+            if len(self.transfers) > 10:
+                lines.append(f"    ... and {len(self.transfers) - 10} more")
         return "\n".join(lines)
 
 
 def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDecision]:
     low = analysis.lowered
     computes = Counter(str(node) for op, node in schedule if op == "compute")
+    offloaded = {str(node) for op, node in schedule if op == "offload"}
     out = []
     for name, node in low.fx_nodes.items():
         if node.op != "call_function" or name.endswith(USER_SUFFIX) or name == BACKWARD:
@@ -114,7 +142,28 @@ def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDe
         n = computes.get(name, 0)
         if n == 0:
             continue
-        out.append(ValueDecision(name, analysis.costs.values[name].new_bytes, "recompute" if n > 1 else "keep", n))
+        decision = "offload" if name in offloaded else "recompute" if n > 1 else "keep"
+        out.append(ValueDecision(name, analysis.costs.values[name].new_bytes, decision, n))
+    return out
+
+
+def _transfers(problem: "solvers.Problem", schedule: "solvers.Schedule", clock) -> list[Transfer]:
+    """Each offloaded value: after which compute it leaves, before which it comes back, and when."""
+    steps = [(op.value, str(node)) for op, node in schedule]
+    out = []
+    for k, (op, name) in enumerate(steps):
+        if op != "offload":
+            continue
+        before = next((n for o, n in reversed(steps[:k]) if o == "compute"), "start")
+        back_at = next((j for j in range(k + 1, len(steps)) if steps[j] == ("prefetch", name)), None)
+        back_before, back_time = None, None
+        if back_at is not None:
+            reader = problem.index[name]
+            succs = {str(problem.names[s]) for s in problem.succs[reader]}
+            back_before = next((n for o, n in steps[back_at + 1:] if o == "compute" and n in succs), None)
+            back_time = float(clock[back_at - 1]) if back_at > 0 else 0.0
+        out_time = float(clock[k - 1]) if k > 0 else 0.0
+        out.append(Transfer(name, int(problem.mem[problem.index[name]]), before, out_time, back_before, back_time))
     return out
 
 
@@ -128,20 +177,33 @@ def make_plan(
     time_limit: float | None = None,
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
+    offload: bool = False,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
     ``measure_on``: time every op on that device instead of using the roofline.
+    ``offload``: let the plan page values to host memory over the profile's host link.
     """
     cap = capture(model, args, kwargs)
     analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs), measure_on)
-    plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit)
+    plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
     return plan, build_program(cap, analysis.lowered, plan.schedule)
 
 
-def solve_plan(analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None) -> Plan:
-    """Solve an analyzed step for one budget (a sweep solves one analysis many times)."""
-    problem = analysis.lowered.with_budget(budget)
+def host_bandwidth(analysis: Analysis) -> float:
+    """Bytes/s of the host link the analysis' device profile describes."""
+    profile = analysis.costs.profile
+    return profile.host_bandwidth if profile is not None else 0.0
+
+
+def solve_plan(
+    analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None, offload: bool = False
+) -> Plan:
+    """Solve an analyzed step for one budget (a sweep solves one analysis many times).
+
+    ``offload=True`` gives the solver the profile's host link: values may be
+    paged to host memory and back as well as kept or recomputed."""
+    problem = analysis.lowered.with_budget(budget, host_bandwidth(analysis) if offload else 0.0)
     start = time.perf_counter()
     try:
         sol = solvers.solve(problem, method=solver, time_limit=time_limit)
@@ -168,11 +230,12 @@ def plan_from_schedule(
     Peak and time come from the simulator, never from whoever made the schedule.
     Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
     """
-    result = solvers.validate(analysis.lowered.with_budget(budget), schedule)
+    problem = analysis.lowered.with_budget(budget, host_bandwidth(analysis) if schedule.has_transfers() else 0.0)
+    result = solvers.validate(problem, schedule)
     return Plan(
         budget=budget,
         predicted_peak=result.peak,
-        predicted_time=result.cost,
+        predicted_time=result.time,
         store_all_time=analysis.store_all.cost,
         store_all_peak=analysis.store_all.peak,
         method=method,
@@ -182,4 +245,7 @@ def plan_from_schedule(
         decisions=_decisions(analysis, schedule),
         schedule=schedule,
         analysis=analysis,
+        transfers=_transfers(problem, schedule, result.clock),
+        predicted_wait=result.wait,
+        host_bytes=result.host_peak,
     )

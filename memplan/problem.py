@@ -56,8 +56,9 @@ class Lowered:
     sources: list[str]  # primal placeholder names, in order
     rng_of: dict[str, str]  # random op -> the Problem node of its generator state
 
-    def with_budget(self, budget: int) -> "solvers.Problem":
-        return solvers.Problem.from_networkx(self.graph, budget)
+    def with_budget(self, budget: int, host_bandwidth: float = 0.0) -> "solvers.Problem":
+        """The Problem under ``budget``; ``host_bandwidth`` (bytes/s) > 0 allows offloading."""
+        return solvers.Problem.from_networkx(self.graph, budget, host_bandwidth=host_bandwidth)
 
 
 def value_name(node: fx.Node) -> str:

@@ -11,6 +11,15 @@ Both segments take their inputs "boxed" (one list, cleared on entry) so that
 a value carried from forward to backward dies at its last use in backward,
 not when the call returns.
 
+``offload`` steps copy a value to host memory (``host:<name>`` in the
+generated code) and ``prefetch`` steps copy it back; the copy is carried
+across the cut like any other value. On CUDA the copies run on two side
+streams (one per direction) into pinned host buffers: a copy waits for the
+compute issued before it, a read of a prefetched value waits for its copy
+(an event), and ``record_stream`` keeps the allocator from reusing a buffer
+while a copy still uses it. On CPU the host copy is a clone whose storage
+`memplan.measure` counts as host memory, so accounting is tested there.
+
 :class:`PlannedStep` is the ``autograd.Function`` that runs the two segments.
 """
 from __future__ import annotations
@@ -51,6 +60,84 @@ class Program:
     carried: list[str]  # names forward returns for backward (after outputs and updates)
     grad_outputs: list[str | None]  # per primal: fx name of its gradient, or None
     tangents_for_user: list[int | None]  # per user output: its tangent index, or None
+
+
+HOST_PREFIX = "host:"
+
+
+def host_name(value: str) -> str:
+    """The name of ``value``'s host copy in the generated code."""
+    return HOST_PREFIX + value
+
+
+@dataclass
+class HostCopy:
+    """A value's copy in host memory, and the event that marks its copy complete (CUDA)."""
+
+    host: torch.Tensor
+    device: torch.device
+    done: Any = None  # torch.cuda.Event on CUDA
+
+
+@dataclass
+class Arriving:
+    """A value on its way back to the device; ``arrive`` hands it out once the copy has landed."""
+
+    tensor: torch.Tensor
+    landed: Any = None  # torch.cuda.Event on CUDA
+
+
+_STREAMS: dict[int, tuple[Any, Any]] = {}
+
+
+def _copy_streams(device: torch.device) -> tuple[Any, Any]:
+    """The (device-to-host, host-to-device) side streams of a CUDA device, made once."""
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _STREAMS:
+        _STREAMS[key] = (torch.cuda.Stream(device=key), torch.cuda.Stream(device=key))
+    return _STREAMS[key]
+
+
+def offload(t: torch.Tensor) -> HostCopy:
+    """Start copying ``t`` to host memory; ``t`` may be dropped right away."""
+    if t.is_cuda:
+        d2h, _ = _copy_streams(t.device)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        d2h.wait_stream(torch.cuda.current_stream(t.device))  # t must have been computed
+        with torch.cuda.stream(d2h):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(d2h)  # no reuse of t's memory before the copy has read it
+        done = torch.cuda.Event()
+        done.record(d2h)
+        return HostCopy(host, t.device, done)
+    from memplan.measure import host_storage
+
+    with host_storage():
+        host = t.clone(memory_format=torch.preserve_format)
+    return HostCopy(host, t.device)
+
+
+def prefetch(copy: HostCopy) -> Arriving:
+    """Start copying a host copy back to its device."""
+    if copy.done is not None:
+        _, h2d = _copy_streams(copy.device)
+        out = torch.empty_like(copy.host, device=copy.device)
+        h2d.wait_stream(torch.cuda.current_stream(copy.device))  # `out` may reuse memory compute just freed
+        h2d.wait_event(copy.done)
+        with torch.cuda.stream(h2d):
+            out.copy_(copy.host, non_blocking=True)
+        out.record_stream(h2d)
+        landed = torch.cuda.Event()
+        landed.record(h2d)
+        return Arriving(out, landed)
+    return Arriving(copy.host.clone(memory_format=torch.preserve_format).to(copy.device))
+
+
+def arrive(value: Arriving) -> torch.Tensor:
+    """The prefetched tensor, once its copy has landed (compute waits on the copy's event)."""
+    if value.landed is not None:
+        torch.cuda.current_stream(value.tensor.device).wait_event(value.landed)
+    return value.tensor
 
 
 def _split(schedule: solvers.Schedule) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
@@ -123,13 +210,31 @@ def _build_segment(
             env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=_identifier(name))
     graph.call_function(_clear_box, (box,))
 
+    arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
+
+    def value(name: str) -> fx.Node:
+        if name in arriving:  # the first read waits for the copy
+            env[name] = graph.call_function(arrive, (arriving.pop(name),), name=_identifier(name))
+        return env[name]
+
     def arg(n: fx.Node) -> fx.Node:
         if n.op == "get_attr":
             setattr(root, n.target, getattr(constants, n.target))
             return graph.get_attr(n.target)
-        return env[n.name]
+        return value(n.name)
 
     for op, name in steps:
+        if op in ("offload", "prefetch"):
+            if name not in fx_nodes:  # bookkeeping values have no tensor to copy
+                raise ValueError(f"memplan runtime: cannot {op} {name!r}: it is not a value of the graph")
+            if op == "offload":
+                env[host_name(name)] = graph.call_function(offload, (value(name),),
+                                                           name=_identifier(host_name(name)))
+            else:
+                env.pop(name, None)
+                arriving[name] = graph.call_function(prefetch, (env[host_name(name)],),
+                                                     name=_identifier(f"arriving_{name}"))
+            continue
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
         node = fx_nodes[name]
@@ -146,18 +251,22 @@ def _build_segment(
             setattr(root, replay, _Replay(node.target, str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
-    graph.output(tuple(env[name] for name in outputs))
+    graph.output(tuple(value(name) for name in outputs))
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
 
 
 def _identifier(name: str) -> str:
-    return name.replace(":", "_")
+    return name.replace(":", "_").replace("@", "_")
 
 
 def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
     for op, name in steps:
+        if op == "prefetch":
+            reads.add(host_name(name))
+        elif op == "offload":
+            reads.add(name)
         if op == "compute" and name in low.fx_nodes:
             reads.update(i.name for i in low.fx_nodes[name].all_input_nodes)
             if name in low.rng_of:
@@ -184,10 +293,12 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
     # Resident at the cut: computed in forward and not freed there.
     resident: dict[str, None] = dict.fromkeys(low.sources)
     for op, name in fw_steps:
-        if op == "compute":
+        if op in ("compute", "prefetch"):
             resident[name] = None
         elif op == "free":
             resident.pop(name, None)
+        elif op == "offload":
+            resident[host_name(name)] = None  # host copies are never freed within the step
     bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None}
     computed: set[str] = set()
     # A generator state exists once its op has run; one whose op first runs in backward is made there.
