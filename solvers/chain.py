@@ -12,23 +12,28 @@ structure only (never node names):
    gradient sink per parameter, so backward values reach fewer sinks. And
    at the end of the forward pass every activation saved for the backward is
    live. The split value is, among the values reaching the most sinks, the
-   one with the most values live across it in the topological order (ties:
-   the latest). The backward part is everything that depends on the split
-   value; the forward part is the rest.
+   first one with the most values live across it in the topological order.
+   The backward part is everything that depends on the split value; the
+   forward part is the rest (values placed after the split that do not
+   depend on it, views made for the backward say, move up to right after
+   their forward inputs).
 2. **Stages.** In the forward order, a position is a cut when at most one
    recomputable forward value is live across it (produced at or before it,
    read by a forward value after it). That value is the stage output; sources
    and values that cannot be recomputed are ignored (they are "pinned", see
    below). Cuts are thinned to at most ``max_stages`` stages of about equal
-   weight.
+   weight (half cost share, half value count).
 3. **Backward stages.** A backward value belongs to the latest stage whose
    forward values it reads, but never to a later stage than the backward
    values it reads (those run first); values reading neither are placed with
    their earliest consumer. Backward stages then run ``L, L-1, ..., 1``.
-4. **Pinned values.** Values that cannot be recomputed, and forward values
-   read by a backward stage other than their own (or, for the stage output,
-   the next one), do not fit the chain model: they are computed once, on the
-   first forward pass over their stage, and kept until their last use. Their
+4. **Merging and pinning.** A forward value read by a backward stage other
+   than its own (or, for the stage output, the next one) does not fit the
+   chain model. When it is large the stages between the two are merged
+   (repeated until no such read is left); when it is small (at most
+   ``PIN_FRACTION`` of the forward memory, BatchNorm statistics say), it is
+   pinned, like values that cannot be recomputed: computed once, on the
+   first forward pass over its stage, and kept until its last use. Pinned
    memory is a constant reserved out of the budget.
 
 Per stage the chain records costs (advance = only what the output needs,
@@ -93,8 +98,8 @@ class Chain:
 
 # ------------------------------------------------------------------ helpers
 def _split_value(problem: Problem) -> int:
-    """Among the values reaching the most sinks, the one with the most values live
-    across it (ties: the latest); see the module doc."""
+    """Among the values reaching the most sinks, the first with the most values live
+    across it; see the module doc."""
     n = problem.n
     reach = [0] * n  # bitset of sinks reachable from each value
     is_sink, is_source, succs = problem.is_sink, problem.is_source, problem.succs
@@ -117,7 +122,7 @@ def _split_value(problem: Problem) -> int:
     live = np.cumsum(diff)[:n]
     candidates = np.flatnonzero(counts == counts.max())
     best = candidates[live[candidates] == live[candidates].max()]
-    return int(best[-1])
+    return int(best[0])
 
 
 def _descendants(problem: Problem, root: int) -> set[int]:

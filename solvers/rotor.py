@@ -38,7 +38,8 @@ DEFAULT_SLOTS = 400
 # The program's memory axis spans this multiple of the free memory: its model may be
 # pessimistic, and a schedule planned for more memory than the budget may still fit.
 HEADROOM = 1.5
-MAX_TRIES = 24  # simulations in the search over the program's free memory
+MAX_TRIES = 16  # simulations in the search over the program's free memory
+PROBES = 6  # of those, at most this many probe above the bisection's boundary
 
 
 @dataclass(frozen=True)
@@ -115,20 +116,28 @@ def rotor_table(z: ChainSizes, S: int) -> tuple[np.ndarray, np.ndarray]:
             if s2 < L:
                 worst = max(worst, z.a[s2 - 1] + z.pa[s2])
     ca_cum = np.concatenate([[0.0], np.cumsum(z.ca)])
-    for length in range(1, L):
-        for s in range(0, L - length):
-            t = s + length
-            # F_ck at s, advancing to s2 = s+1..t: the right part owns the checkpoint a[s2-1].
+    rows = np.arange(L)
+    # t ascending, s descending: C[., s2, t] (s2 > s) and C[., s, s2 - 1] (s2 - 1 < t) are ready.
+    for t in range(1, L):
+        # right[s2]: C[DROP, s2, t, m - a[s2 - 1]] once row s2 is done; ib[s2]: the left part's slots.
+        right = np.full((t + 1, S + 1), inf)
+        ia = m_axis[None, :] - z.a[np.maximum(rows[:t + 1] - 1, 0)][:, None]
+        ib_raw = m_axis[None, :] - z.delta[:t + 1, t][:, None]
+        ib = np.clip(ib_raw, 0, S)
+        ib_bad = ib_raw < 0
+
+        def shift_right(s2: int) -> None:
+            right[s2] = np.where(ia[s2] >= 0, C[DROP, s2, t, np.clip(ia[s2], 0, S)], inf)
+
+        shift_right(t)
+        for s in range(t - 1, -1, -1):
             s2 = np.arange(s + 1, t + 1)
-            ia = m_axis[None, :] - z.a[s2 - 1][:, None]
-            ib = m_axis[None, :] - z.delta[s2, t][:, None]
-            right = np.take_along_axis(C[DROP, s + 1:t + 1, t, :], np.clip(ia, 0, S), axis=1)
-            bad = (ia < 0) | (ib < 0) | (m_axis[None, :] < need[s, s2][:, None])
-            fwd = (ca_cum[s2] - ca_cum[s])[:, None]
+            bad = ib_bad[s + 1:t + 1] | (m_axis[None, :] < need[s, s2][:, None])
+            base = right[s + 1:t + 1] + (ca_cum[s2] - ca_cum[s])[:, None]
             child = KEEP if z.reads_output[s] else DROP  # after F_all at s, who owns a[s]
             for v in (KEEP, DROP):
-                left = np.take_along_axis(C[v, s, s:t, :], np.clip(ib, 0, S), axis=1)
-                vals = right + left + fwd
+                # F_ck at s, advancing to s2 = s+1..t: the right part owns the checkpoint a[s2-1].
+                vals = base + np.take_along_axis(C[v, s, s:t, :], ib[s + 1:t + 1], axis=1)
                 vals[bad] = inf
                 r = np.argmin(vals, axis=0)
                 best = vals[r, m_axis]
@@ -141,6 +150,7 @@ def rotor_table(z: ChainSizes, S: int) -> tuple[np.ndarray, np.ndarray]:
                 better = val < best
                 best[better], arg[better] = val[better], -1
                 C[v, s, t], choice[v, s, t] = best, arg
+            shift_right(s)
     return C, choice
 
 
@@ -216,10 +226,13 @@ def search_memory(problem: Problem, candidates: list[int], build, deadline: floa
             hi = mid
     # The simulated peak is not monotone in the program's memory: probe the untried
     # candidates above the boundary, nearest first, while tries and time remain.
+    probes = 0
     for i in range(lo + 1, len(candidates)):
-        if tries >= MAX_TRIES or time.perf_counter() >= deadline:
+        if tries >= MAX_TRIES or probes >= PROBES or time.perf_counter() >= deadline:
             break
-        attempt(i)
+        if i not in cache:
+            probes += 1
+            attempt(i)
     return best_fit, best_over, tries
 
 
