@@ -314,6 +314,15 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES) -> Cha
     bwd_of_stage: list[list[int]] = [[] for _ in range(L)]
     for v in backward:
         bwd_of_stage[bstage[v]].append(v)
+    # Forward values that neither the next stage, nor the backward, nor a pinned value
+    # needs (forward sinks, say) are computed once too: pin them.
+    for k in range(L):
+        members = fwd_of_stage[k]
+        mset = set(members)
+        roots = [v for v in members if v in pinned or v == outputs[k]]
+        roots += [p for w in bwd_of_stage[k] for p in preds[w] if p in mset]
+        needed = _ancestors(problem, roots, mset)
+        pinned.update(v for v in members if v not in needed)
     base = memory_of(problem, [])
     pinned_size = memory_of(problem, pinned) - base
 

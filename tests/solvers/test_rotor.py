@@ -199,3 +199,23 @@ def test_real_graphs(name):
             check(q, sol, (name, fraction, method.__name__))
             if name == "gpt12" and fraction >= 0.5:
                 assert sol.fits, (fraction, method.__name__)
+
+
+def test_any_dag_gives_a_schedule_or_method_failed():
+    # Graphs of every generator, chain-like or not: either MethodFailed or a schedule that replays.
+    from .test_methods import _graphs
+
+    outcomes = {"failed": 0, "fits": 0, "over_budget": 0}
+    for name, G in _graphs(70, 50, 0):
+        p = Problem.from_networkx(G, 0)
+        for fraction in (1.0, 0.6):
+            q = p.with_budget(int(store_all_peak(p) * fraction))
+            for method in (solve_rotor, solve_revolve):
+                try:
+                    sol = method(q, 1)
+                except MethodFailed:
+                    outcomes["failed"] += 1
+                    continue
+                check(q, sol, (name, fraction, method.__name__))
+                outcomes["fits" if sol.fits else "over_budget"] += 1
+    assert outcomes["fits"] > outcomes["failed"], outcomes
