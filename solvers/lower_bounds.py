@@ -4,8 +4,8 @@ Two bounds, with different scopes:
 
 * `lower_bound(problem)`: valid for EVERY schedule the simulator accepts
   (any order of computations, any number of recomputations, any frees), and
-  cheap: bit-set reachability plus one fractional knapsack per "moment";
-  about a second on graphs of thousands of values.
+  cheap: bit-set reachability, one fractional knapsack per "moment", and
+  two small LPs; a few seconds on graphs of thousands of values.
 * `lp_lower_bound(problem, time_limit)`: the LP relaxation of Checkmate's
   MILP (`solvers.checkmate`). It is a bound only for Checkmate's restricted
   space (first computations in the problem's fixed order, stage structure,
@@ -57,10 +57,23 @@ Fix a non-source value w and look at the instant of w's FIRST compute.
    any one item of weight >= D already suffices) gives a number every
    schedule's cost is at least, solved greedily by C/W.
 
-The bound is the maximum over all moments w. Moments are not added up:
-one recomputation of u after both moments serves both. When the forced
-memory alone exceeds the budget, or not enough can be dropped, no schedule
-fits and the bound is ``math.inf``.
+The bound is the maximum over all moments w of three relaxations:
+
+* the fractional knapsack of each moment (above);
+* an LP over the moments with the largest knapsack bounds that share one
+  variable per value, y_u = "u is computed twice or more" (`_combined`):
+  moments cannot simply be added up, since one recomputation of u after
+  both moments serves both, but an LP with shared y is exact about that;
+* a cascade LP on a few of those moments (`_cascade_rows`): a value
+  computed after the moment needs its inputs resident then, so each input
+  is resident at the moment or computed after it too, and so on up the
+  graph. This charges recomputing a cheap value whose expensive input was
+  not kept.
+
+Every schedule gives an integer solution of each LP, so their optima (dual
+bounds, shaved by 1e-7 relative against solver tolerances) are bounds too.
+When the forced memory alone exceeds the budget, or not enough can be
+dropped, no schedule fits and the bound is ``math.inf``.
 """
 from __future__ import annotations
 
@@ -171,81 +184,276 @@ def _knapsack(weights: np.ndarray, costs: np.ndarray, deficit: float) -> float:
     return float(c[:k].sum() + c[k] * (deficit - before) / w[k]) if w[k] > 0 else float(c[:k].sum())
 
 
-def moments(problem: Problem, time_limit: Optional[float] = None) -> list[Moment]:
-    """The knapsack bound of every moment (argument 1-6 of the module docstring)."""
-    started = time.perf_counter()
-    n = problem.n
-    st = _storage(problem)
-    anc, desc, read_after = _reach(problem)
-    sink_bits = sum(1 << v for v in problem.sinks)
-    drop_bits = sum(1 << v for v in range(n) if problem.is_source[v] or st.covered[v])
-    base = memory_of(problem, ())
-    mem, cost = problem.mem.astype(np.int64), problem.cost
-    rec = problem.recomputable
-    out: list[Moment] = []
-    for w in problem.non_sources:
-        if time_limit is not None and time.perf_counter() - started > time_limit:
-            break
-        preds = problem.preds[w]
+@dataclass(frozen=True)
+class _Items:
+    """A moment's knapsack items. Item i weighs ``weight[i]`` bytes; dropping it means
+    recomputing every value ``value[j]`` with ``item[j] == i`` (the ancestors of w in
+    its storage's K_T ∪ {r}); ``must[i]``: it cannot be dropped."""
+
+    weight: np.ndarray
+    must: np.ndarray
+    item: np.ndarray
+    value: np.ndarray
+    deficit: int  # bytes that must be dropped (<= 0: none)
+
+
+class _Context:
+    """Per-problem data shared by all moments."""
+
+    def __init__(self, problem: Problem) -> None:
+        n = problem.n
+        self.p = problem
+        self.st = _storage(problem)
+        self.anc, self.desc, self.read_after = _reach(problem)
+        self.sink_bits = sum(1 << v for v in problem.sinks)
+        self.drop_bits = sum(1 << v for v in range(n) if problem.is_source[v] or self.st.covered[v])
+        self.base = memory_of(problem, ())
+        self.mem = problem.mem.astype(np.int64)
+
+    def items(self, w: int) -> tuple[int, Optional[_Items]]:
+        """Forced bytes at w's first compute, and the knapsack items (None: nothing needed after)."""
+        p, st, n = self.p, self.st, self.p.n
+        preds = p.preds[w]
         # Needed after the moment and not a descendant of w (nor w, nor an input of w).
-        k_bits = (read_after[w] | sink_bits) & ~desc[w] & ~drop_bits & ~(1 << w)
-        for p in preds:
-            k_bits &= ~(1 << p)
-        forced, touched = _forced_memory(problem, st, base, list(preds) + [w])
-        cap = problem.budget - forced
+        k_bits = (self.read_after[w] | self.sink_bits) & ~self.desc[w] & ~self.drop_bits & ~(1 << w)
+        for q in preds:
+            k_bits &= ~(1 << q)
+        forced, touched = _forced_memory(p, st, self.base, list(preds) + [w])
         if k_bits == 0:
-            out.append(Moment(w, 0.0 if cap >= 0 else math.inf, forced, 0))
-            continue
+            return forced, None
         K = np.flatnonzero(_to_mask(k_bits, n))
-        before = _to_mask(anc[w], n)  # computed before the moment in every schedule
+        before = _to_mask(self.anc[w], n)  # computed before the moment in every schedule
+        rec = p.recomputable
         tre = st.treed[K]
         # Values in no alias tree: one item each, when computed before the moment
         # (otherwise dropping them may cost nothing).
         plain = K[~tre & before[K]]
-        weights = [mem[plain]]
-        costs = [cost[plain]]
-        must = [~rec[plain]]
+        weights, must = [self.mem[plain]], [~rec[plain]]
+        items, values = [np.arange(len(plain))], [plain]
         # Alias trees: one item per tree not touched by the forced set.
         members = K[tre]
+        if len(members) and touched:
+            members = members[~np.isin(st.root[members], np.fromiter(touched, dtype=np.int64))]
         if len(members):
             roots = st.root[members]
-            if touched:
-                keep = ~np.isin(roots, np.fromiter(touched, dtype=np.int64))
-                members, roots = members[keep], roots[keep]
-        if len(members):
             uniq, inv = np.unique(roots, return_inverse=True)
             w_t = np.full(len(uniq), np.iinfo(np.int64).max, dtype=np.int64)
             np.minimum.at(w_t, inv, st.chain_min[members])
             old = before[members]  # only recomputing what was computed before costs extra
-            c_t = np.bincount(inv, weights=np.where(old, cost[members], 0.0), minlength=len(uniq))
             root_in_k = np.zeros(len(uniq), dtype=bool)
             root_in_k[inv[members == roots]] = True
-            c_t = c_t + np.where(~root_in_k & before[uniq], cost[uniq], 0.0)
+            root_old = ~root_in_k & before[uniq]
             m_t = ~rec[uniq] & before[uniq]
             np.logical_or.at(m_t, inv, ~rec[members] & old)
+            offset = len(plain)
             weights.append(w_t)
-            costs.append(c_t)
             must.append(m_t)
+            items += [offset + inv[old], offset + np.flatnonzero(root_old)]
+            values += [members[old], uniq[root_old]]
         W = np.concatenate(weights)
-        C = np.concatenate(costs)
         M = np.concatenate(must)
         forced_all = forced + int(W[M].sum())
-        demand = int(W.sum())
-        deficit = forced_all + int(W[~M].sum()) - problem.budget
-        extra = math.inf if forced_all > problem.budget else _knapsack(W[~M], C[~M], float(deficit))
-        out.append(Moment(w, extra, forced_all, demand))
+        deficit = forced_all + int(W[~M].sum()) - p.budget
+        return forced_all, _Items(W, M, np.concatenate(items), np.concatenate(values), deficit)
+
+
+def moments(problem: Problem, time_limit: Optional[float] = None, keep_items: bool = False,
+            ctx: Optional[_Context] = None) -> list[tuple[Moment, Optional[_Items]]] | list[Moment]:
+    """The knapsack bound of every moment (argument 1-6 of the module docstring)."""
+    started = time.perf_counter()
+    ctx = ctx or _Context(problem)
+    cost = problem.cost
+    out: list = []
+    for w in problem.non_sources:
+        if time_limit is not None and time.perf_counter() - started > time_limit:
+            break
+        forced, its = ctx.items(w)
+        if its is None:
+            m = Moment(w, 0.0 if forced <= problem.budget else math.inf, forced, 0)
+        else:
+            C = np.bincount(its.item, weights=cost[its.value], minlength=len(its.weight))
+            extra = math.inf if forced > problem.budget else \
+                _knapsack(its.weight[~its.must], C[~its.must], float(its.deficit))
+            m = Moment(w, extra, forced, int(its.weight.sum()))
+        out.append((m, its) if keep_items else m)
     return out
 
 
-def lower_bound(problem: Problem, time_limit: Optional[float] = None) -> float:
+def _combined(problem: Problem, chosen: list[_Items], time_limit: Optional[float]) -> float:
+    """LP over several moments sharing one "recomputed at least twice" variable per
+    value: y_u in [0, 1] costs cost[u]; at moment m, dropping item i (d_mi in [0, 1])
+    needs d_mi <= y_u for each value u of the item, and the dropped (capped) weight
+    covers the deficit. Every schedule gives an integer solution (y_u = u computed
+    twice or more, d_mi = item i not resident at moment m), so the LP optimum is a
+    bound on its extra cost. Returns the LP's dual bound (0 when it fails)."""
+    from ortools.math_opt.python import mathopt
+
+    from .milp_backends import RAW_INFEASIBLE, MathOptBuilder
+
+    b = MathOptBuilder(mathopt.SolverType.HIGHS)
+    y: dict[int, int] = {}
+    for its in chosen:
+        D = float(its.deficit)
+        drop = np.flatnonzero(~its.must)
+        d = {int(i): b.num_var(0.0, 1.0) for i in drop}
+        row = [(d[i], min(float(its.weight[i]), D) / D) for i in d]
+        b.add(row, 1.0, math.inf)
+        for i, u in zip(its.item.tolist(), its.value.tolist()):
+            if i not in d:
+                continue
+            if u not in y:
+                y[u] = b.num_var(0.0, 1.0 if problem.recomputable[u] else 0.0)
+            b.add([(d[i], 1.0), (y[u], -1.0)], -math.inf, 0.0)
+    b.minimize([(h, float(problem.cost[u])) for u, h in y.items()], 0.0)
+    raw = b.solve(time_limit, 1)
+    if raw.status == RAW_INFEASIBLE:
+        return math.inf
+    return raw.bound if math.isfinite(raw.bound) else 0.0
+
+
+def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int]) -> bool:
+    """Add one moment's cascade LP to builder ``b`` (shared y: "computed twice").
+
+    Extends argument 3-6 of the module docstring: a value computed after the
+    moment needs each input resident at that later time, so each input is
+    resident at the moment or computed after it too. Per value x in L (the
+    values needed after the moment, closed under inputs): res_x (resident at
+    the moment) and a_x (computed after it), in [0, 1]:
+
+    * x needed after the moment (the set K):   res_x + a_x >= 1;
+    * x computed after needs each input q in L: res_q + a_q >= a_x;
+    * a_x <= y_x when x is an ancestor of w (a second compute), a_x = 0 when
+      x is moreover not recomputable; a_x costs nothing otherwise;
+    * memory: a value in no alias tree weighs mem[x] when resident; an alias
+      tree T weighs W_T = least chain_min over its members in L when any of
+      them is resident (res_T >= res_x); trees touched by w and its inputs are
+      already in the forced memory and free. With D = forced + all weights -
+      budget, the dropped weight (each coefficient capped at D) is >= D.
+
+    Any schedule gives an integer solution (res, a, y read off the schedule),
+    so the LP optimum bounds its extra cost. Returns False when the moment
+    needs nothing dropped."""
+    p, st, n = ctx.p, ctx.st, ctx.p.n
+    preds = p.preds[w]
+    forced_bits = sum(1 << q for q in preds) | (1 << w)
+    k_bits = (ctx.read_after[w] | ctx.sink_bits) & ~ctx.desc[w] & ~ctx.drop_bits & ~forced_bits
+    if not k_bits:
+        return False
+    forced, touched = _forced_memory(p, st, ctx.base, list(preds) + [w])
+    K = np.flatnonzero(_to_mask(k_bits, n))
+    closure = k_bits
+    for x in K.tolist():
+        closure |= ctx.anc[x]
+    closure &= ~ctx.drop_bits & ~forced_bits
+    L = np.flatnonzero(_to_mask(closure, n))
+    before = _to_mask(ctx.anc[w], n)
+    in_k = _to_mask(k_bits, n)
+    # Memory items: plain values, and alias trees not touched by the forced set.
+    treed = st.treed[L]
+    roots = st.root[L]
+    free_tree = treed & np.isin(roots, np.fromiter(touched, dtype=np.int64)) if touched else np.zeros(len(L), bool)
+    plain = L[~treed]
+    tree_members = L[treed & ~free_tree]
+    uniq, inv = np.unique(st.root[tree_members], return_inverse=True)
+    w_t = np.full(len(uniq), np.iinfo(np.int64).max, dtype=np.int64)
+    if len(uniq):
+        np.minimum.at(w_t, inv, st.chain_min[tree_members])
+    demand = int(ctx.mem[plain].sum()) + int(w_t.sum())
+    D = float(forced + demand - p.budget)
+    if D <= 0:
+        return False
+    res = {int(x): b.num_var(0.0, 1.0) for x in L}
+    act = {}
+    for x in L.tolist():
+        ancestor = bool(before[x])
+        act[x] = b.num_var(0.0, 0.0 if ancestor and not p.recomputable[x] else 1.0)
+        if in_k[x]:
+            b.add([(res[x], 1.0), (act[x], 1.0)], 1.0, math.inf)
+        if ancestor:
+            if x not in y:
+                y[x] = b.num_var(0.0, 1.0 if p.recomputable[x] else 0.0)
+            b.add([(act[x], 1.0), (y[x], -1.0)], -math.inf, 0.0)
+    for x in L.tolist():
+        for q in p.preds[x]:
+            if q in res:
+                b.add([(res[q], 1.0), (act[q], 1.0), (act[x], -1.0)], 0.0, math.inf)
+    row = []
+    for x in plain.tolist():
+        c = min(float(ctx.mem[x]), D) / D
+        if c:
+            row.append((res[x], -c))
+    res_t = [b.num_var(0.0, 1.0) for _ in range(len(uniq))]
+    for x, t in zip(tree_members.tolist(), inv.tolist()):
+        b.add([(res_t[t], 1.0), (res[x], -1.0)], 0.0, math.inf)
+    for t, wt in enumerate(w_t.tolist()):
+        c = min(float(wt), D) / D
+        if c:
+            row.append((res_t[t], -c))
+    const = sum(-c for _, c in row)  # sum of capped weights
+    b.add(row, 1.0 - const, math.inf)  # sum c (1 - res) >= 1
+    return True
+
+
+def _cascade(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float]) -> float:
+    """Optimum of the cascade LPs of moments ``ws`` sharing y (a bound on the extra cost)."""
+    from ortools.math_opt.python import mathopt
+
+    from .milp_backends import RAW_INFEASIBLE, MathOptBuilder
+
+    b = MathOptBuilder(mathopt.SolverType.HIGHS)
+    y: dict[int, int] = {}
+    if not any([_cascade_rows(ctx, w, b, y) for w in ws]):
+        return 0.0
+    b.minimize([(h, float(problem.cost[u])) for u, h in y.items()], 0.0)
+    raw = b.solve(time_limit, 1)
+    if raw.status == RAW_INFEASIBLE:
+        return math.inf
+    return raw.bound if math.isfinite(raw.bound) else 0.0
+
+
+COMBINE = 24  # moments combined in the knapsack LP (the ones with the largest single bounds)
+CASCADE_SIZE = 12_000  # values (summed over moments) in the cascade LP
+CASCADE_MOMENTS = 4  # at most this many moments in it
+
+
+def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: int = COMBINE,
+                cascade: bool = True) -> float:
     """A lower bound on the cost of every schedule of ``problem`` (see the module
     docstring), at least ``problem.total_cost()``; ``math.inf`` when no schedule
     can fit the budget. With ``time_limit``, moments not reached in time are skipped
-    (the bound stays valid, only weaker)."""
+    (the bound stays valid, only weaker). ``combine`` > 1 also solves the LP that
+    combines that many moments (`_combined`); ``cascade`` the LP that follows the
+    inputs of recomputed values (`_cascade_rows`) on the best moments. The largest
+    of these bounds is returned."""
+    started = time.perf_counter()
     total = problem.total_cost()
     if memory_of(problem, ()) > problem.budget:
         return math.inf
-    best = max((m.extra for m in moments(problem, time_limit)), default=0.0)
+    ctx = _Context(problem)
+    found = moments(problem, time_limit, keep_items=True, ctx=ctx)
+    best = max((m.extra for m, _ in found), default=0.0)
+    if not math.isfinite(best):
+        return math.inf
+    ranked = sorted((pair for pair in found if pair[0].extra > 0 and pair[1] is not None),
+                    key=lambda pair: -pair[0].extra)
+
+    def left() -> Optional[float]:
+        return None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
+
+    # LP tolerances: shave a relative 1e-7 so rounding never overstates a bound.
+    shave = lambda x: x - 1e-7 * max(1.0, abs(x))  # noqa: E731
+    if combine > 1 and len(ranked) > 1:
+        best = max(best, shave(_combined(problem, [its for _, its in ranked[:combine]], left())))
+    if time_limit is not None and time.perf_counter() - started > time_limit / 2:
+        cascade = False  # building the cascade LP takes as long as everything before
+    if cascade and ranked:
+        chosen, size = [], 0
+        for m, _ in ranked:
+            size += bin(ctx.anc[m.node]).count("1")
+            if chosen and (size > CASCADE_SIZE or len(chosen) >= CASCADE_MOMENTS):
+                break
+            chosen.append(m.node)
+        best = max(best, shave(_cascade(problem, ctx, chosen, left())))
     return total + best
 
 

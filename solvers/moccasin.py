@@ -23,17 +23,24 @@ intervals, in integer units (`checkmate.memory_scale`: sizes rounded up, the
 budget down, the sources taken out). Objective: the cost of the instances
 beyond the first.
 
-Alias accounting is conservative: a view counts its full size unless its
-alias chain reaches a source (then 0, exactly as simulated). The simulator's
-memory of any resident set is at most the sum of those sizes, so a decoded
-schedule never holds more than the model counted.
+Alias accounting never undercounts. A view whose alias chain reaches a
+source counts 0 (exactly as simulated). Any other view instance counts its
+full size, unless a Boolean "covered" is set, which requires one instance of
+its alias parent to be retained over the view's whole interval (parent
+start <= view start, parent end >= view end): then the parent's storage is
+resident whenever the view is, and the simulator counts the view as 0. The
+simulator's memory of any resident set is at most the sum of the sizes the
+model counts for it.
 
-Decoding: present instances sorted by start give a compute order;
-`plan.schedule_from_sequence` frees each instance after its last read, which
-is never later than the model's end (the instance a compute reads is the
-latest one of its input, because instances do not overlap). `finish`
-simulates the result. If it does not fit, or costs more than the warm start,
-the warm start is returned.
+Decoding: present instances sorted by start give a compute order. First
+`plan.schedule_from_sequence` (frees after the last read, never later than
+the model's end, because the instance a compute reads is the latest one of
+its input: instances do not overlap); if that schedule does not fit (freeing
+a parent early can uncover a view the model counted as covered), the
+schedule that frees every instance exactly at the end of its interval
+(views before their parents), which holds exactly what the model counted.
+`finish` simulates the result. If it does not fit, or costs more than the
+warm start, the warm start is returned.
 
 Bounds. CP-SAT's bound holds only for the model's space (fixed order of
 first computations, at most C_v instances, conservative views, rounding);
@@ -42,6 +49,7 @@ it goes to ``info["model_bound"]``. The reported ``lower_bound`` is
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from dataclasses import dataclass
@@ -55,11 +63,11 @@ from .milp_backends import default_threads
 from .plan import schedule_from_sequence
 from .portfolio import best_constructive
 from .problem import Problem
-from .schedule import Op, Schedule, simulate
+from .schedule import Op, Schedule, Step, simulate
 from .solution import FEASIBLE, Solution, finish
 
 COPIES = 2  # instances per recomputable value (more when the warm start needs them)
-MAX_COPIES = 4  # never more than this, even for a warm start that recomputes more often
+MAX_COPIES = 8  # never more than this, even for a warm start that recomputes more often
 THREADS: Optional[int] = None  # None: default_threads()
 MEMORY_UNITS_LIMIT = 2**30
 BOUND_TIME_SHARE = 0.2  # at most this share of the time limit for the global lower bound
@@ -105,6 +113,7 @@ class _Model:
         H = sum(copies.values())
         self.H = H
         self.inst: dict[int, list[_Instance]] = {}
+        self.counted: dict[tuple[int, int], cp_model.IntVar] = {}
         position = {v: k for k, v in enumerate(order)}
         intervals, demands, units = [], [], []
         n_first = len(order)
@@ -124,11 +133,6 @@ class _Model:
                 lit = [] if c == 0 else [present]
                 units.append(m.new_optional_fixed_size_interval_var(start, 1, True if c == 0 else present, ""))
                 m.add(end >= start)
-                if size[v] > 0:
-                    length = m.new_int_var(1, H, "")
-                    intervals.append(m.new_optional_interval_var(start, length, end + 1, True if c == 0 else present,
-                                                                 ""))
-                    demands.append(size[v])
                 if c > 0:
                     prev = row[c - 1]
                     if c > 1:
@@ -138,6 +142,39 @@ class _Model:
                     m.add(start == H - 1).only_enforce_if(~present)
                     m.add(end == H - 1).only_enforce_if(~present)
             self.inst[v] = row
+        # Memory. A view instance whose whole retention lies inside one retained
+        # instance of its alias parent is covered: its storage is already counted.
+        self.covered: dict[tuple[int, int], tuple[cp_model.IntVar, list[tuple[int, cp_model.IntVar]]]] = {}
+        for v in order:
+            if size[v] <= 0:
+                continue
+            a = int(problem.alias_of[v])
+            parent = self.inst.get(a) if a >= 0 else None
+            for inst in self.inst[v]:
+                counted: cp_model.IntVar | bool = True if inst.copy == 0 else inst.present
+                if parent is not None:
+                    cov = m.new_bool_var("")
+                    options = []
+                    for src in parent:
+                        g = m.new_bool_var("")
+                        if src.copy > 0:
+                            m.add_implication(g, src.present)
+                        m.add(src.start <= inst.start).only_enforce_if(g)
+                        m.add(src.end >= inst.end).only_enforce_if(g)
+                        options.append((src.copy, g))
+                    m.add_bool_or([g for _, g in options]).only_enforce_if(cov)
+                    counted = m.new_bool_var("")
+                    # present -> counted or covered; counted -> present.
+                    if inst.copy == 0:
+                        m.add_bool_or([counted, cov])
+                    else:
+                        m.add_bool_or([counted, cov]).only_enforce_if(inst.present)
+                        m.add_implication(counted, inst.present)
+                    self.covered[v, inst.copy] = (cov, options)
+                    self.counted[v, inst.copy] = counted
+                length = m.new_int_var(1, H, "")
+                intervals.append(m.new_optional_interval_var(inst.start, length, inst.end + 1, counted, ""))
+                demands.append(size[v])
         if not free_order:
             for a, b in zip(order, order[1:]):
                 m.add(self.inst[b][0].start >= self.inst[a][0].start + 1)
@@ -218,6 +255,29 @@ class _Model:
                     if not isinstance(z, int):
                         m.add_hint(z, copy == live)
             current[v] = c
+        # Coverage of views by an instance of their alias parent.
+        def span(v: int, c: int) -> tuple[int, int]:
+            st, en = spans[v][c]
+            return st, H - 1 if en < 0 else en
+        for (v, c), (cov, options) in self.covered.items():
+            counted = self.counted[v, c]
+            if c >= len(spans[v]):
+                m.add_hint(cov, False)
+                m.add_hint(counted, False)
+                for _, g in options:
+                    m.add_hint(g, False)
+                continue
+            sv, ev = span(v, c)
+            a = int(self.p.alias_of[v])
+            hit = None
+            for copy, g in options:
+                if hit is None and copy < len(spans[a]):
+                    sa, ea = span(a, copy)
+                    if sa <= sv and ea >= ev:
+                        hit = copy
+                m.add_hint(g, copy == hit)
+            m.add_hint(cov, hit is not None)
+            m.add_hint(counted, hit is None)
         # Instances of a value the hint never computes a second time read nothing: hint them "no".
         for (v, c, u), choices in self.reads.items():
             if c >= len(spans[v]):
@@ -225,14 +285,32 @@ class _Model:
                     if not isinstance(z, int):
                         m.add_hint(z, False)
 
-    def decode(self, solver: cp_model.CpSolver) -> list[int]:
-        steps = []
+    def decode(self, solver: cp_model.CpSolver) -> tuple[list[int], Schedule]:
+        """The compute order, and the schedule that frees each instance right
+        after the last compute within its retention interval (views before
+        their bases), which holds exactly what the model counted."""
+        starts, ends = [], []
         for v, row in self.inst.items():
             for inst in row:
                 if inst.copy == 0 or solver.boolean_value(inst.present):
-                    steps.append((solver.value(inst.start), v))
-        steps.sort()
-        return [v for _, v in steps]
+                    starts.append((solver.value(inst.start), v))
+                    ends.append((solver.value(inst.end), v))
+        starts.sort()
+        order = [v for _, v in starts]
+        names = self.p.names
+        frees: dict[int, list[int]] = {}  # position in order -> values freed after it
+        positions = [t for t, _ in starts]
+        for e, v in ends:
+            if e >= self.H - 1:
+                continue  # retained to the end
+            k = bisect.bisect_right(positions, e) - 1
+            frees.setdefault(k, []).append(v)
+        steps: list[Step] = []
+        for k, v in enumerate(order):
+            steps.append(Step(Op.COMPUTE, names[v]))
+            for u in sorted(frees.get(k, ()), reverse=True):
+                steps.append(Step(Op.FREE, names[u]))
+        return order, Schedule(tuple(steps))
 
 
 def solve_moccasin(problem: Problem, time_limit: Optional[float] = None, copies: int = COPIES,
@@ -281,8 +359,12 @@ def solve_moccasin(problem: Problem, time_limit: Optional[float] = None, copies:
     info["schedule_from"] = "hint"
     if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         info["model_bound"] = problem.total_cost() + solver.best_objective_bound / factor
-        decoded = schedule_from_sequence(problem, model.decode(solver))
+        order, by_interval = model.decode(solver)
+        decoded = schedule_from_sequence(problem, order)
         result = simulate(problem, decoded)
+        if not result.fits:  # frees after last use can uncover a view the model counted as covered
+            decoded, result = by_interval, simulate(problem, by_interval)
+            info["decoded_by"] = "intervals"
         if result.fits and (not warm.fits or result.cost < warm.cost):
             schedule = decoded
             info["schedule_from"] = "model"

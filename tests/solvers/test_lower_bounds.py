@@ -132,3 +132,18 @@ def test_lp_bound_is_below_the_checkmate_milp_optimum():
                 assert lp <= milp.cost + 1e-6 * max(1.0, milp.cost), (name, budget, lp, milp.cost)
                 compared += 1
     assert compared > 20
+
+
+def test_cascade_follows_the_inputs_of_a_recomputed_value():
+    # u (6) must be dropped at w's compute (x, m1 and w leave 5 bytes), and recomputing
+    # u later needs q, which does not fit either: the knapsack charges only u's cost,
+    # the cascade LP also charges part of q's.
+    G = graph({"x": (1, 0.0), "q": (6, 5.0), "u": (6, 0.1), "m1": (15, 1.0), "w": (10, 1.0), "z": (1, 1.0)},
+              [("x", "q"), ("q", "u"), ("u", "m1"), ("m1", "w"), ("w", "z"), ("u", "z")])
+    p = Problem.from_networkx(G, 31)
+    opt = METHODS["exhaustive"](p, None)
+    assert opt.fits and math.isclose(opt.cost, p.total_cost() + 5.1)
+    knapsack = lower_bound(p, cascade=False)
+    cascade = lower_bound(p)
+    assert math.isclose(knapsack, p.total_cost() + 0.1)
+    assert knapsack + 0.5 < cascade <= opt.cost + TOL
