@@ -233,9 +233,13 @@ def _backward_stages(problem: Problem, backward: list[int], stage_of: dict[int, 
     return bstage
 
 
-def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES) -> Chain:
+def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_skips: bool = False) -> Chain:
     """The chain of ``problem`` (see the module doc). Raises `MethodFailed` when
-    there is no backward part or fewer than two stages."""
+    there is no backward part or fewer than two stages.
+
+    ``pin_skips``: also pin forward values read far ahead in the forward part (more
+    than 1/16 of it later: the skip connections of a U-Net, say), which otherwise
+    leave no cut in between; they then stay resident from the forward to their last use."""
     lists = problem.lists()
     preds, succs, is_source = problem.preds, problem.succs, lists.is_source
     recomputable = lists.recomputable
@@ -251,6 +255,12 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES) -> Cha
 
     # Cuts: positions crossed by at most one recomputable forward value.
     pinned: set[int] = {v for v in forward if not recomputable[v]}
+    if pin_skips:
+        span = max(4, nf // 16)
+        for v in forward:
+            uses = [pos[w] for w in succs[v] if w in pos]
+            if uses and max(uses) - pos[v] > span:
+                pinned.add(v)
     crossing = np.zeros(nf + 1, dtype=np.int64)
     last_fwd_use = {}
     for v in forward:

@@ -29,7 +29,7 @@ from .chain import DEFAULT_MAX_STAGES, Chain, SequenceBuilder, extract_chain
 from .plan import schedule_from_sequence
 from .problem import Problem
 from .rotor import search_memory
-from .schedule import Schedule
+from .schedule import Schedule, simulate
 from .solution import MethodFailed, Solution, finish
 
 
@@ -86,12 +86,7 @@ def _sequence(chain: Chain, ops: list[tuple[str, int]]) -> list[int]:
     return b.seq
 
 
-def solve_revolve(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
-                  snapshots: Optional[int] = None) -> Solution:
-    """``snapshots`` fixes the number of snapshots instead of searching for the largest that fits."""
-    started = time.perf_counter()
-    deadline = started + (time_limit if time_limit is not None else math.inf)
-    chain = extract_chain(problem, max_stages)
+def _revolve_on_chain(problem: Problem, chain: Chain, snapshots: Optional[int], deadline: float) -> tuple[tuple, dict]:
     L = chain.length
     T, J = binomial_table(L)
 
@@ -99,14 +94,34 @@ def solve_revolve(problem: Problem, time_limit: Optional[float] = None, *, max_s
         return schedule_from_sequence(problem, _sequence(chain, revolve_operations(J, L, c))), float(T[L, c])
 
     if snapshots is not None:
-        if not 1 <= snapshots:
-            raise MethodFailed("revolve needs at least one snapshot")
         c = min(snapshots, L)
         schedule, advances = build(c)
-        tries = 1
+        result = simulate(problem, schedule)
+        fits, score, tries = result.fits, (result.cost if result.fits else result.peak), 1
     else:
         # c >= L - 1 already stores every stage input: more changes nothing.
         best_fit, best_over, tries = search_memory(problem, list(range(1, max(2, L))), build, deadline)
-        _, c, schedule, advances = best_fit if best_fit is not None else best_over
+        fits = best_fit is not None
+        score, c, schedule, advances = best_fit if fits else best_over
     info = {"stages": L, "snapshots": c, "advances": advances, "pinned": len(chain.pinned), "tries": tries}
+    return (fits, score, schedule), info
+
+
+def solve_revolve(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
+                  snapshots: Optional[int] = None) -> Solution:
+    """``snapshots`` fixes the number of snapshots instead of searching for the largest that fits."""
+    started = time.perf_counter()
+    deadline = started + (time_limit if time_limit is not None else math.inf)
+    if snapshots is not None and snapshots < 1:
+        raise MethodFailed("revolve needs at least one snapshot")
+    (fits, score, schedule), info = _revolve_on_chain(problem, extract_chain(problem, max_stages), snapshots, deadline)
+    if not fits and snapshots is None:
+        # Long skips (U-Nets) leave few cuts: try again with them pinned, keep the better.
+        try:
+            other, other_info = _revolve_on_chain(problem, extract_chain(problem, max_stages, pin_skips=True), None,
+                                                  math.inf)
+        except MethodFailed:
+            other = None
+        if other is not None and (other[0] or other[1] < score):
+            (fits, score, schedule), info = other, {**other_info, "pin_skips": True}
     return finish(problem, schedule, "revolve", started, lower_bound=problem.total_cost(), info=info)

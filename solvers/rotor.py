@@ -236,11 +236,8 @@ def search_memory(problem: Problem, candidates: list[int], build, deadline: floa
     return best_fit, best_over, tries
 
 
-def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
-                slots: int = DEFAULT_SLOTS) -> Solution:
-    started = time.perf_counter()
-    deadline = started + (time_limit if time_limit is not None else math.inf)
-    chain = extract_chain(problem, max_stages)
+def rotor_on_chain(problem: Problem, chain: Chain, slots: int, deadline: float) -> tuple[tuple, dict]:
+    """Best schedule of the rotor table over ``chain``: ``((fits, cost or peak, schedule), info)``."""
     free = problem.budget - chain.base - chain.pinned_size
     st = chain.stages
     # Keeping everything bounds the memory any chain schedule needs.
@@ -264,8 +261,25 @@ def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_sta
         return schedule_from_sequence(problem, seq), float(values[m])
 
     best_fit, best_over, tries = search_memory(problem, candidates, build, deadline)
-    chosen = best_fit if best_fit is not None else best_over
-    _, m, schedule, dp_value = chosen
+    fits = best_fit is not None
+    score, m, schedule, dp_value = best_fit if fits else best_over
     info = {"stages": L, "slots": slots, "slot_bytes": slot, "dp_slots": m, "dp_value": dp_value,
             "pinned": len(chain.pinned), "pinned_bytes": chain.pinned_size, "tries": tries}
+    return (fits, score, schedule), info
+
+
+def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
+                slots: int = DEFAULT_SLOTS) -> Solution:
+    started = time.perf_counter()
+    deadline = started + (time_limit if time_limit is not None else math.inf)
+    (fits, score, schedule), info = rotor_on_chain(problem, extract_chain(problem, max_stages), slots, deadline)
+    if not fits:
+        # Long skips (U-Nets) leave few cuts: try again with them pinned, keep the better.
+        try:
+            other, other_info = rotor_on_chain(problem, extract_chain(problem, max_stages, pin_skips=True), slots,
+                                               math.inf)
+        except MethodFailed:
+            other = None
+        if other is not None and (other[0] or other[1] < score):
+            (fits, score, schedule), info = other, {**other_info, "pin_skips": True}
     return finish(problem, schedule, "rotor", started, lower_bound=problem.total_cost(), info=info)

@@ -197,8 +197,12 @@ def test_real_graphs(name):
         for method in (solve_rotor, solve_revolve):
             sol = method(q, 10)
             check(q, sol, (name, fraction, method.__name__))
-            if name == "gpt12" and fraction >= 0.5:
+            # Measured: both fit gpt12 at 70% and 50%; rotor fits the U-Net there only with
+            # its skip connections pinned (the second chain it tries).
+            if fraction >= 0.5 and (name == "gpt12" or method is solve_rotor):
                 assert sol.fits, (fraction, method.__name__)
+            if name == "unet" and method is solve_rotor and fraction >= 0.5:
+                assert sol.info.get("pin_skips"), sol.info
 
 
 def test_any_dag_gives_a_schedule_or_method_failed():
