@@ -21,8 +21,8 @@ structure only (never node names):
    recomputable forward value is live across it (produced at or before it,
    read by a forward value after it). That value is the stage output; sources
    and values that cannot be recomputed are ignored (they are "pinned", see
-   below). Cuts are thinned to at most ``max_stages`` stages of about equal
-   weight (half cost share, half value count).
+   below). Past ``max_stages`` stages, cuts are thinned to stages of about
+   equal weight (half cost share, half value count).
 3. **Backward stages.** A backward value belongs to the latest stage whose
    forward values it reads, but never to a later stage than the backward
    values it reads (those run first); values reading neither are placed with
@@ -195,11 +195,12 @@ def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep
 
 def _choose_cuts(candidates: list[tuple[int, int]], position: dict[int, int], weight: np.ndarray,
                  max_stages: int) -> list[tuple[int, int]]:
-    """Keep at most ``max_stages - 1`` of the (position, output) cuts, about equally spaced in
-    cumulative weight. A cut whose output was produced before the previous kept cut is skipped:
+    """Keep at most ``max_stages - 1`` of the (position, output) cuts: all of them when there are
+    fewer, else cuts about equally spaced in cumulative weight. A cut whose output was produced before the previous kept cut is skipped:
     a stage must produce its own output."""
     total = float(weight.sum())
-    target = total / max_stages
+    # Few enough candidates: keep them all (only the own-output rule applies).
+    target = total / max_stages if len(candidates) >= max_stages else 0.0
     cum = np.concatenate([[0.0], np.cumsum(weight)])
     kept: list[tuple[int, int]] = []
     last_pos = -1
