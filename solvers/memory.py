@@ -7,6 +7,12 @@ resident, and counts its own ``mem`` when none is. Values linked by
 ``alias_of`` form trees ("alias trees"); the memory of a tree is the sum of
 ``mem`` over its resident members that have no resident alias ancestor.
 
+"The same storage" means the same *instance*: computing (or prefetching) a
+value that owns its storage again makes a new storage, so a view made from an
+earlier instance of its base no longer lives inside the resident one and
+counts on its own. Each add of a storage owner gets a fresh instance number;
+a view takes its base's current one.
+
 `Residency` tracks a resident set incrementally. Values outside any alias
 tree (the common case) cost O(1) per change; a change inside a tree
 re-evaluates that tree only, which is O(tree size).
@@ -68,6 +74,8 @@ class Residency:
         self._alias_of = lists.alias_of
         self.resident = bytearray(problem.n)
         self.mask = np.frombuffer(self.resident, dtype=bool)
+        self._instance = [0] * problem.n  # storage instance of each value's latest add (0: never added)
+        self._instances_made = 0
         self._tree_total: dict[int, int] = {r: 0 for r in self._trees.members}
         self.total = 0
         for v in problem.sources:
@@ -80,13 +88,15 @@ class Residency:
         return bool(self.resident[v])
 
     def _tree_memory(self, r: int) -> int:
-        # Walk members parent-first; `covered` = some alias ancestor is resident.
+        # Walk members parent-first; `covered` = v lives in the storage of a resident
+        # alias ancestor (the instance it was made from).
         resident, alias_of, mem = self.resident, self._alias_of, self._mem
+        instance = self._instance
         covered: dict[int, bool] = {}
         total = 0
         for v in self._trees.members[r]:
             a = int(alias_of[v])
-            cov = a >= 0 and bool(resident[a] or covered[a])
+            cov = a >= 0 and instance[v] == instance[a] and bool(resident[a] or covered[a])
             covered[v] = cov
             if resident[v] and not cov:
                 total += mem[v]
@@ -94,6 +104,13 @@ class Residency:
 
     def _set(self, v: int, value: bool) -> None:
         self.resident[v] = value
+        if value:
+            a = self._alias_of[v]
+            if a >= 0 and self._instance[a]:
+                self._instance[v] = self._instance[a]  # a view lives in its base's current storage
+            else:
+                self._instances_made += 1
+                self._instance[v] = self._instances_made
         if not self._in_tree[v]:
             self.total += self._mem[v] if value else -self._mem[v]
             return
@@ -116,19 +133,32 @@ class Residency:
         """Memory after adding ``v``, without changing the set."""
         if not self._in_tree[v]:
             return self.total + self._mem[v]
+        instance = self._instance[v]
         self._set(v, True)
         after = self.total
         self._set(v, False)
+        self._instance[v] = instance
+        self._refresh(v)
         return after
 
     def total_if_removed(self, v: int) -> int:
         """Memory after removing ``v``, without changing the set."""
         if not self._in_tree[v]:
             return self.total - self._mem[v]
+        instance = self._instance[v]
         self._set(v, False)
         after = self.total
         self._set(v, True)
+        self._instance[v] = instance
+        self._refresh(v)
         return after
+
+    def _refresh(self, v: int) -> None:
+        """Recount v's tree after its generation was restored by hand."""
+        r = int(self._trees.root[v])
+        new = self._tree_memory(r)
+        self.total += new - self._tree_total[r]
+        self._tree_total[r] = new
 
     def copy(self) -> "Residency":
         other = object.__new__(Residency)
@@ -136,6 +166,8 @@ class Residency:
         other._in_tree = self._in_tree
         other.resident = bytearray(self.resident)
         other.mask = np.frombuffer(other.resident, dtype=bool)
+        other._instance = list(self._instance)
+        other._instances_made = self._instances_made
         other._tree_total = dict(self._tree_total)
         other.total = self.total
         return other
