@@ -24,13 +24,13 @@ budget down, the sources taken out). Objective: the cost of the instances
 beyond the first.
 
 Alias accounting never undercounts. A view whose alias chain reaches a
-source counts 0 (exactly as simulated). Any other view instance counts its
-full size, unless a Boolean "covered" is set, which requires one instance of
-its alias parent to be retained over the view's whole interval (parent
-start <= view start, parent end >= view end): then the parent's storage is
-resident whenever the view is, and the simulator counts the view as 0. The
-simulator's memory of any resident set is at most the sum of the sizes the
-model counts for it.
+source counts 0 (exactly as simulated). Any other view instance is covered
+while the instance of its alias parent that it read (its parent is one of
+its inputs) is still retained, and counts its full size from the step after
+that parent instance's end to its own end (not at all if the parent outlives
+it). Whenever the model says "covered", an alias ancestor is resident and
+the simulator counts the view as 0; so the simulator's memory of a resident
+set is at most what the model counts for it.
 
 Decoding: present instances sorted by start give a compute order. First
 `plan.schedule_from_sequence` (frees after the last read, never later than
@@ -113,7 +113,6 @@ class _Model:
         H = sum(copies.values())
         self.H = H
         self.inst: dict[int, list[_Instance]] = {}
-        self.counted: dict[tuple[int, int], cp_model.IntVar] = {}
         position = {v: k for k, v in enumerate(order)}
         intervals, demands, units = [], [], []
         n_first = len(order)
@@ -142,45 +141,10 @@ class _Model:
                     m.add(start == H - 1).only_enforce_if(~present)
                     m.add(end == H - 1).only_enforce_if(~present)
             self.inst[v] = row
-        # Memory. A view instance whose whole retention lies inside one retained
-        # instance of its alias parent is covered: its storage is already counted.
-        self.covered: dict[tuple[int, int], tuple[cp_model.IntVar, list[tuple[int, cp_model.IntVar]]]] = {}
-        for v in order:
-            if size[v] <= 0:
-                continue
-            a = int(problem.alias_of[v])
-            parent = self.inst.get(a) if a >= 0 else None
-            for inst in self.inst[v]:
-                counted: cp_model.IntVar | bool = True if inst.copy == 0 else inst.present
-                if parent is not None:
-                    cov = m.new_bool_var("")
-                    options = []
-                    for src in parent:
-                        g = m.new_bool_var("")
-                        if src.copy > 0:
-                            m.add_implication(g, src.present)
-                        m.add(src.start <= inst.start).only_enforce_if(g)
-                        m.add(src.end >= inst.end).only_enforce_if(g)
-                        options.append((src.copy, g))
-                    m.add_bool_or([g for _, g in options]).only_enforce_if(cov)
-                    counted = m.new_bool_var("")
-                    # present -> counted or covered; counted -> present.
-                    if inst.copy == 0:
-                        m.add_bool_or([counted, cov])
-                    else:
-                        m.add_bool_or([counted, cov]).only_enforce_if(inst.present)
-                        m.add_implication(counted, inst.present)
-                    self.covered[v, inst.copy] = (cov, options)
-                    self.counted[v, inst.copy] = counted
-                length = m.new_int_var(1, H, "")
-                intervals.append(m.new_optional_interval_var(inst.start, length, inst.end + 1, counted, ""))
-                demands.append(size[v])
         if not free_order:
             for a, b in zip(order, order[1:]):
                 m.add(self.inst[b][0].start >= self.inst[a][0].start + 1)
         m.add_no_overlap(units)
-        if intervals:
-            m.add_cumulative(intervals, demands, capacity)
         # Inputs retained across every compute.
         self.reads: dict[tuple[int, int, int], list[tuple[int, cp_model.IntVar | int]]] = {}
         for v in order:
@@ -210,6 +174,37 @@ class _Model:
                     else:
                         m.add_bool_or([z for _, z in choices]).only_enforce_if(inst.present)
                     self.reads[v, inst.copy, u] = choices
+        # Memory. A view is covered while the instance of its alias parent that it
+        # read is retained: it counts from the step after that instance's end
+        # (``count_from``), or not at all when the parent outlives it.
+        self.count_from: dict[tuple[int, int], tuple[cp_model.IntVar, cp_model.IntVar]] = {}
+        for v in order:
+            if size[v] <= 0:
+                continue
+            a = int(problem.alias_of[v])
+            for inst in self.inst[v]:
+                lit = [] if inst.copy == 0 else [inst.present]
+                if a < 0 or a not in self.inst:
+                    length = m.new_int_var(1, H, "")
+                    intervals.append(m.new_optional_interval_var(inst.start, length, inst.end + 1,
+                                                                 True if inst.copy == 0 else inst.present, ""))
+                    demands.append(size[v])
+                    continue
+                count_from = m.new_int_var(0, H, "")
+                counted = m.new_bool_var("")
+                m.add(count_from >= inst.start)
+                for copy, z in self.reads[v, inst.copy, a]:
+                    parent_end = self.inst[a][copy].end
+                    m.add(count_from <= parent_end + 1).only_enforce_if(lit if isinstance(z, int) else [z])
+                if inst.copy > 0:
+                    m.add_implication(counted, inst.present)
+                m.add(count_from >= inst.end + 1).only_enforce_if(~counted)
+                length = m.new_int_var(0, H, "")
+                intervals.append(m.new_optional_interval_var(count_from, length, inst.end + 1, counted, ""))
+                demands.append(size[v])
+                self.count_from[v, inst.copy] = (count_from, counted)
+        if intervals:
+            m.add_cumulative(intervals, demands, capacity)
         # Sinks: the last present instance is retained to the end.
         for v in problem.sinks:
             row = self.inst[v]
@@ -255,29 +250,21 @@ class _Model:
                     if not isinstance(z, int):
                         m.add_hint(z, copy == live)
             current[v] = c
-        # Coverage of views by an instance of their alias parent.
-        def span(v: int, c: int) -> tuple[int, int]:
-            st, en = spans[v][c]
-            return st, H - 1 if en < 0 else en
-        for (v, c), (cov, options) in self.covered.items():
-            counted = self.counted[v, c]
+        # Views count from the step after the end of the parent instance they read.
+        for (v, c), (count_from, counted) in self.count_from.items():
             if c >= len(spans[v]):
-                m.add_hint(cov, False)
+                m.add_hint(count_from, H)
                 m.add_hint(counted, False)
-                for _, g in options:
-                    m.add_hint(g, False)
                 continue
-            sv, ev = span(v, c)
+            sv, ev = spans[v][c]
+            ev = H - 1 if ev < 0 else ev
             a = int(self.p.alias_of[v])
-            hit = None
-            for copy, g in options:
-                if hit is None and copy < len(spans[a]):
-                    sa, ea = span(a, copy)
-                    if sa <= sv and ea >= ev:
-                        hit = copy
-                m.add_hint(g, copy == hit)
-            m.add_hint(cov, hit is not None)
-            m.add_hint(counted, hit is None)
+            live = max(k for k, (sa, _) in enumerate(spans[a]) if sa < sv)
+            ea = spans[a][live][1]
+            ea = H - 1 if ea < 0 else ea
+            cf = max(sv, ea + 1)
+            m.add_hint(count_from, cf)
+            m.add_hint(counted, cf <= ev)
         # Instances of a value the hint never computes a second time read nothing: hint them "no".
         for (v, c, u), choices in self.reads.items():
             if c >= len(spans[v]):
