@@ -151,8 +151,8 @@ def _forward_order(problem: Problem, forward: list[int], split: int) -> list[int
     return sorted(forward, key=keys.__getitem__)
 
 
-def _ancestors(problem: Problem, roots: Iterable[int], allowed: set[int], stop: set[int] = frozenset()) -> set[int]:
-    """``roots`` (those in ``allowed``) and their ancestors inside ``allowed``, not walking through ``stop``."""
+def _ancestors(problem: Problem, roots: Iterable[int], allowed: set[int]) -> set[int]:
+    """``roots`` (those in ``allowed``) and their ancestors inside ``allowed``."""
     out: set[int] = set()
     stack = [r for r in roots if r in allowed]
     preds = problem.preds
@@ -161,17 +161,15 @@ def _ancestors(problem: Problem, roots: Iterable[int], allowed: set[int], stop: 
         if v in out:
             continue
         out.add(v)
-        if v in stop:
-            continue
         for p in preds[v]:
             if p in allowed and p not in out:
                 stack.append(p)
     return out
 
 
-def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep: set[int]) -> tuple[int, int]:
-    """Peak and final memory above ``start`` while computing ``seq`` alone; each value
-    (start ones included) is freed after its last read in ``seq`` unless it is in ``keep``."""
+def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep: set[int]) -> int:
+    """Peak memory above ``start`` while computing ``seq`` alone; each value (start ones
+    included) is freed after its last read in ``seq`` unless it is in ``keep``."""
     res = Residency(problem, start)
     base = res.total
     last: dict[int, int] = {}
@@ -190,14 +188,14 @@ def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep
                 res.remove(q)
         if v not in keep and v not in last and res.resident[v]:
             res.remove(v)
-    return peak, res.total - base
+    return peak
 
 
 def _choose_cuts(candidates: list[tuple[int, int]], position: dict[int, int], weight: np.ndarray,
                  max_stages: int) -> list[tuple[int, int]]:
-    """Keep at most ``max_stages - 1`` of the (position, output) cuts: all of them when there are
-    fewer, else cuts about equally spaced in cumulative weight. A cut whose output was produced before the previous kept cut is skipped:
-    a stage must produce its own output."""
+    """Keep at most ``max_stages - 1`` of the (position, output) cuts: all of them when there
+    are fewer, else cuts about equally spaced in cumulative weight. A cut whose output was
+    produced before the previous kept cut is skipped: a stage must produce its own output."""
     total = float(weight.sum())
     # Few enough candidates: keep them all (only the own-output rule applies).
     target = total / max_stages if len(candidates) >= max_stages else 0.0
@@ -357,9 +355,9 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
         handed = {p for j in range(k) for w in bwd_of_stage[j] for p in preds[w] if p in bstage and bstage[p] >= k}
         sinks = {v for v in bwd if problem.is_sink[v]}
         out_keep = {out} if out != -1 and out not in pinned else set()
-        peak_adv, _ = _local_peak(problem, prev_in, advance, set(prev_in) | out_keep)
-        peak_all, _ = _local_peak(problem, prev_in, full, set(prev_in) | kept)
-        peak_b, _ = _local_peak(problem, set(prev_in) | kept | grad_in, bwd, set(prev_in) | handed | sinks)
+        peak_adv = _local_peak(problem, prev_in, advance, set(prev_in) | out_keep)
+        peak_all = _local_peak(problem, prev_in, full, set(prev_in) | kept)
+        peak_b = _local_peak(problem, set(prev_in) | kept | grad_in, bwd, set(prev_in) | handed | sinks)
         kept_size = memory_of(problem, kept) - base
         stages.append(Stage(
             forward=tuple(members), first=tuple(first), advance=tuple(advance), full=tuple(full),
