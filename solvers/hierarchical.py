@@ -37,6 +37,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .bounds import min_budget_cached
+from .checkmate import solve_checkmate
 from .coarsen import Coarsening, coarsen
 from .memory import memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
@@ -44,15 +45,21 @@ from .plan import schedule_from_sequence
 from .portfolio import best_constructive
 from .problem import Problem
 from .schedule import Op, Schedule, simulate
+from .exhaustive import solve_exhaustive
 from .greedy import solve_greedy
 from .select import solve_select
 from .solution import FEASIBLE, MethodFailed, Solution, finish
 from .store_all import solve_store_all
 
 DEFAULT_TIME_LIMIT = 30.0
-CLUSTER_GAP_FRACTION = 1 / 50  # uses further apart than this share of the groups start a new cluster
+# (cluster gap as a share of the coarse graph, chains modelled) for each run of the drop search:
+# uses further apart than the gap start a new cluster.
+VARIANTS = ((1 / 50, False), (1 / 50, True), (1 / 100, False), (1 / 25, False), (1 / 100, True), (1 / 25, True))
+SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
 ROWS_PER_ROUND = 40  # violated stages added to the ILP per round of row generation
 MAX_FEEDBACK_ROUNDS = 60
+EXACT_NODES = 8  # exhaustive search up to this many values to compute
+CHECKMATE_NODES = 60  # Checkmate on the fine (else coarse) graph up to this many values
 SHORTFALL_PENALTY = 1e4  # objective per unit of uncovered need (needs are scaled to <= 1)
 
 
@@ -64,6 +71,7 @@ class Evaluation:
     cost: float
     peak: int
     stage_peak: np.ndarray  # fine memory peak per coarse stage (coarse index)
+    peak_step: int
 
     def fits(self, budget: int) -> bool:
         return self.peak <= budget
@@ -96,7 +104,11 @@ class DropPlanner:
                 else:
                     groups.append((u, u))
             self.clusters[g] = groups
-            self.recompute_points[g] = [a for a, _ in groups[1:]]
+            # Only clusters with a direct use are sure to recompute a dropped group; passing on
+            # the others would make every value upstream of a residual stream "used" everywhere.
+            direct = sorted(cp.succs[g])
+            self.recompute_points[g] = [a for a, b in groups[1:]
+                                        if bisect_right(direct, b) > bisect_right(direct, a - 1)]
         self.last_direct = [max(cp.succs[g], default=g) for g in range(cp.n)]
         self.firsts = [[a for a, _ in cs] for cs in self.clusters]
 
@@ -154,15 +166,19 @@ class DropPlanner:
         stage_peak = np.full(self.cp.n, result.initial, dtype=np.int64)
         np.maximum.at(stage_peak, step_stage, result.timeline)
         return Evaluation(dropped=dropped, schedule=schedule, cost=result.cost, peak=result.peak,
-                          stage_peak=stage_peak)
+                          stage_peak=stage_peak, peak_step=result.peak_step)
 
 
 # -------------------------------------------------------------- covering ILP
 @dataclass
 class Candidate:
     group: int
-    cost: float  # extra compute when dropped (one recomputation per extra cluster)
+    cost: float  # extra compute when dropped: one recomputation per later cluster with a direct use
     gaps: list[tuple[int, int, int]]  # (first stage, last stage, bytes released) per gap
+    # Clusters made only of recomputation points of consumers, as (first stage, last stage,
+    # bytes, consumers): a dropped group is recomputed (and held) there only when one of
+    # those consumers is dropped too.
+    potential: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -175,7 +191,9 @@ class Penalty:
     size: int
 
 
-def candidates(planner: DropPlanner) -> tuple[list[Candidate], list[Penalty]]:
+def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidate], list[Penalty]]:
+    """Droppable groups and the penalties of keeping inputs of dropped ones. ``chains``: model the
+    clusters made only of consumers' recomputation points as conditional (else as real uses)."""
     c, cp = planner.c, planner.cp
     fine = c.fine
     base = memory_of(fine, [])
@@ -188,20 +206,37 @@ def candidates(planner: DropPlanner) -> tuple[list[Candidate], list[Penalty]]:
         if len(cs) < 2 or not planner.droppable[g]:
             continue
         members = c.members[g]
+        direct = sorted(cp.succs[g])
+        # Clusters with a direct use always recompute a dropped group; the others (made of
+        # consumers' recomputation points only) only when one of those consumers is dropped too.
+        real: list[tuple[int, int]] = []
+        maybe: list[tuple[int, int, list[int]]] = []
+        for a, b in cs:
+            k = bisect_right(direct, b) - 1
+            if not real or not chains or (k >= 0 and direct[k] >= a):
+                real.append((a, b))
+            else:
+                maybe.append((a, b, [h for h in cp.succs[g] if planner.droppable[h]
+                                     and any(a <= u <= b for u in planner.recompute_points[h])]))
         gaps = []
-        for k in range(len(cs) - 1):
-            start, stop = cs[k][1] + 1, cs[k + 1][0] - 1
+        for k in range(len(real) - 1):
+            start, stop = real[k][1] + 1, real[k + 1][0] - 1
             if start > stop:
                 continue
             # Members still read after the gap (directly or by a recomputation) are what keeping holds.
             later = [v for v in members
-                     if any(last_read[group_of[w]] >= cs[k + 1][0] for w in fine.succs[v] if group_of[w] != g)]
+                     if any(last_read[group_of[w]] >= real[k + 1][0] for w in fine.succs[v] if group_of[w] != g)]
             size = memory_of(fine, later) - base
             if size > 0:
                 gaps.append((start, stop, size))
         if gaps:
+            held = max(s for _, _, s in gaps)
             index[g] = len(out)
-            out.append(Candidate(group=g, cost=float(cp.cost[g]) * (len(cs) - 1), gaps=gaps))
+            out.append(Candidate(group=g, cost=float(cp.cost[g]) * (len(real) - 1), gaps=gaps,
+                                 potential=[(a, b, held, hs) for a, b, hs in maybe]))
+    for cd in out:  # consumers as candidate indices (a consumer that is no candidate is never dropped)
+        cd.potential = [(a, b, s, [index[h] for h in hs if h in index]) for a, b, s, hs in cd.potential]
+        cd.potential = [p for p in cd.potential if p[3]]
     penalties: list[Penalty] = []
     for h, i in index.items():
         points = planner.recompute_points[h]
@@ -226,14 +261,19 @@ class CoverModel:
     Released bytes: the gaps of dropped candidates, minus what a kept input of
     a dropped candidate holds until its recomputations (``z >= x_h - x_g``)."""
 
-    def __init__(self, cands: list[Candidate], penalties: list[Penalty], n_stages: int) -> None:
+    def __init__(self, cands: list[Candidate], penalties: list[Penalty], n_stages: int, cost: np.ndarray) -> None:
         self.cands = cands
+        self.cost_of = cost
         self.penalties = penalties
         self.n_stages = n_stages
         self.starts = np.array([s for cd in cands for s, _, _ in cd.gaps], dtype=np.int64)
         self.stops = np.array([e for cd in cands for _, e, _ in cd.gaps], dtype=np.int64)
         self.sizes = np.array([b for cd in cands for _, _, b in cd.gaps], dtype=np.float64)
         self.owner = np.array([i for i, cd in enumerate(cands) for _ in cd.gaps], dtype=np.int64)
+        pots = [(i, a, b, s, hs) for i, cd in enumerate(cands) for a, b, s, hs in cd.potential]
+        self.pots = pots
+        self.q_starts = np.array([a for _, a, _, _, _ in pots], dtype=np.int64)
+        self.q_stops = np.array([b for _, _, b, _, _ in pots], dtype=np.int64)
         self.p_starts = np.array([p.start for p in penalties], dtype=np.int64)
         self.p_stops = np.array([p.stop for p in penalties], dtype=np.int64)
         self.p_sizes = np.array([p.size for p in penalties], dtype=np.float64)
@@ -251,6 +291,10 @@ class CoverModel:
             act = (x[self.p_dropped] > 0.5) & ~kept_dropped
             np.add.at(diff, self.p_starts[act], -self.p_sizes[act])
             np.add.at(diff, self.p_stops[act] + 1, self.p_sizes[act])
+        for i, a, b_, s, hs in self.pots:
+            if x[i] > 0.5 and any(x[h] > 0.5 for h in hs):
+                diff[a] -= s
+                diff[b_ + 1] += s
         return np.cumsum(diff)[: self.n_stages]
 
     def solve(self, rows: dict[int, float], time_limit: float, hint: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -259,12 +303,22 @@ class CoverModel:
         xs = [b.bool_var() for _ in self.cands]
         zs: dict[int, int] = {}
         slacks: list[int] = []
+        # w >= x_g + x_h - 1: a dropped group recomputed (and held) for a dropped consumer.
+        ws: list[int] = []
+        for i, a, b_, s, hs in self.pots:
+            w = b.num_var(0.0, 1.0)
+            ws.append(w)
+            for h in hs:
+                b.add([(w, 1.0), (xs[i], -1.0), (xs[h], -1.0)], -1.0, math.inf)
         scale = max(rows.values(), default=1.0) or 1.0
         for t, need in rows.items():
             terms: dict[int, float] = {}
             hit = np.flatnonzero((self.starts <= t) & (self.stops >= t))
             for i, v in zip(self.owner[hit].tolist(), self.sizes[hit].tolist()):
                 terms[xs[i]] = terms.get(xs[i], 0.0) + v / scale
+            if self.pots:
+                for k in np.flatnonzero((self.q_starts <= t) & (self.q_stops >= t)).tolist():
+                    terms[ws[k]] = terms.get(ws[k], 0.0) - self.pots[k][3] / scale
             if len(self.penalties):
                 for k in np.flatnonzero((self.p_starts <= t) & (self.p_stops >= t)).tolist():
                     p = self.penalties[k]
@@ -281,9 +335,11 @@ class CoverModel:
             slacks.append(short)
             terms[short] = 1.0
             b.add(list(terms.items()), need / scale, math.inf)
-        cmax = max((cd.cost for cd in self.cands), default=1.0) or 1.0
+        cmax = max((float(self.cost_of[cd.group]) for cd in self.cands), default=1.0) or 1.0
         # A tiny cost per drop keeps zero-cost groups from being dropped for nothing.
         objective = [(xs[i], cd.cost / cmax + 1e-6) for i, cd in enumerate(self.cands)]
+        for k, (i, _, _, _, _) in enumerate(self.pots):
+            objective.append((ws[k], float(self.cost_of[self.cands[i].group]) / cmax))
         objective += [(s, SHORTFALL_PENALTY) for s in slacks]
         b.minimize(objective, 0.0)
         raw = b.solve(max(0.05, time_limit), 1)
@@ -300,12 +356,13 @@ class SearchLog:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
-def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog) -> Optional[Evaluation]:
+def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
+                chains: bool = True) -> Optional[Evaluation]:
     """Covering ILP with simulator feedback; the cheapest fitting evaluation found."""
-    cands, penalties = candidates(planner)
+    cands, penalties = candidates(planner, chains)
     if not cands:
         return None
-    model = CoverModel(cands, penalties, planner.cp.n)
+    model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost)
     keep_all = planner.evaluate(frozenset())
     log.simulations += 1
     if keep_all.fits(budget):
@@ -314,6 +371,8 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
     extra = np.zeros(planner.cp.n, dtype=np.float64)  # measured error of the linear model, per stage
     rows: dict[int, float] = {}
     best: Optional[Evaluation] = None
+    closest: Optional[Evaluation] = None  # lowest peak among plans that do not fit
+    seen: set[frozenset[int]] = set()
     x: Optional[np.ndarray] = None
     for _ in range(MAX_FEEDBACK_ROUNDS):
         if time.perf_counter() >= deadline:
@@ -342,6 +401,9 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         if x is None:
             break
         dropped = frozenset(cands[i].group for i in np.flatnonzero(x))
+        if dropped in seen:
+            break  # the ILP repeats itself: the linear model has nothing more to say
+        seen.add(dropped)
         ev = planner.evaluate(dropped)
         log.simulations += 1
         log.history.append({"dropped": len(dropped), "peak": ev.peak, "cost": ev.cost})
@@ -349,17 +411,52 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             if best is None or ev.cost < best.cost:
                 best = ev
             break
+        if closest is None or ev.peak < closest.peak:
+            closest = ev
         over = np.flatnonzero(ev.stage_peak > budget)
         for t in over.tolist():
             extra[t] += float(ev.stage_peak[t] - budget)
             rows[t] = max(rows.get(t, 0.0), float(base[t] + extra[t] - budget))
+    if best is None and closest is not None:
+        best = repair(planner, closest, cands, budget, deadline, log)
     return best
+
+
+def repair(planner: DropPlanner, ev: Evaluation, cands: list[Candidate], budget: int, deadline: float,
+           log: SearchLog) -> Optional[Evaluation]:
+    """Drop more, guided by the simulator: groups resident at the peak, most bytes per cost first."""
+    c = planner.c
+    fine = c.fine
+    by_group = {cd.group: cd for cd in cands}
+    while not ev.fits(budget) and time.perf_counter() < deadline:
+        resident: set[int] = set()
+        for op, node in ev.schedule.steps[: ev.peak_step + 1]:
+            v = fine.index[node]
+            if op is Op.COMPUTE:
+                resident.add(v)
+            else:
+                resident.discard(v)
+        groups = {int(c.group_of[v]) for v in resident} - ev.dropped
+        scored = sorted((g for g in groups if g in by_group),
+                        key=lambda g: -max(s for _, _, s in by_group[g].gaps) / (by_group[g].cost + 1e-12))
+        if not scored:
+            return None
+        excess, freed, extra = ev.peak - budget, 0, set()
+        for g in scored:
+            extra.add(g)
+            freed += max(s for _, _, s in by_group[g].gaps)
+            if freed >= excess:
+                break
+        ev = planner.evaluate(ev.dropped | extra)
+        log.simulations += 1
+        log.history.append({"repair": len(extra), "peak": ev.peak, "cost": ev.cost})
+    return ev if ev.fits(budget) else None
 
 
 def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: float, log: SearchLog) -> Evaluation:
     """Undo drops, costliest first, while the simulator still fits."""
     cp = planner.cp
-    order = sorted(best.dropped, key=lambda g: -float(cp.cost[g]) * (len(planner.clusters[g]) - 1))
+    order = sorted(best.dropped, key=lambda g: -float(cp.cost[g]))
     for g in order:
         if time.perf_counter() >= deadline:
             break
@@ -415,14 +512,35 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> 
     c = coarsen(problem)
     info["coarse_nodes"] = c.coarse.n_compute
     info["coarsen_time"] = round(time.perf_counter() - t0, 3)
-    gap = max(1, int(c.coarse.n * CLUSTER_GAP_FRACTION))
-    planner = DropPlanner(c, gap)
+    # A small portfolio of models: cluster gaps and the two readings of recomputation chains.
+    # Each run is cheap; the cheapest fitting plan is then polished by `keep_again`.
     log = SearchLog()
     t0 = time.perf_counter()
-    found = drop_search(planner, budget, deadline, log)
+    results: list[tuple[DropPlanner, Evaluation, str]] = []
+    planners: dict[int, DropPlanner] = {}
+    tried = []
+    search_end = started + SEARCH_SHARE * (deadline - started)
+    for fraction, chains in VARIANTS:
+        now = time.perf_counter()
+        if now >= search_end:
+            break
+        gap = max(1, int(c.coarse.n * fraction))
+        if gap not in planners:
+            planners[gap] = DropPlanner(c, gap)
+        planner = planners[gap]
+        share = max(0.5, (search_end - now) / 2)  # later variants get what the earlier ones leave
+        found = drop_search(planner, budget, min(search_end, now + share), log, chains=chains)
+        label = f"gap={gap},chains={int(chains)}"
+        tried.append({"variant": label, "cost": None if found is None else found.cost,
+                      "time": round(time.perf_counter() - now, 2)})
+        if found is not None:
+            results.append((planner, found, label))
+    info["variants"] = tried
     info["ilp_time"] = round(time.perf_counter() - t0, 3)
-    if found is not None:
+    if results:
+        planner, found, label = min(results, key=lambda r: r[1].cost)
         info["ilp_cost"] = found.cost
+        info["variant"] = label
         t0 = time.perf_counter()
         found = keep_again(planner, found, budget, deadline, log)
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
@@ -430,6 +548,29 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> 
         if found.cost < best_cost:
             best_schedule, best_cost, chosen = found.schedule, found.cost, "drop_ilp"
     info.update(rounds=log.rounds, ilp_solves=log.ilp_solves, simulations=log.simulations)
+
+    # Small graphs: the exact search, or Checkmate on the fine or coarse graph, with the time left.
+    exact_bound = -math.inf
+    remaining = deadline - time.perf_counter()
+    if problem.n_compute <= EXACT_NODES:
+        try:
+            sol = solve_exhaustive(problem, remaining)
+            info["exact"] = sol.status
+            if sol.fits and sol.cost < best_cost:
+                best_schedule, best_cost, chosen = sol.schedule, sol.cost, "exhaustive"
+            if sol.fits and sol.lower_bound is not None:
+                exact_bound = sol.lower_bound
+        except MethodFailed:
+            pass
+    elif remaining > 0.5 and min(problem.n_compute, c.coarse.n_compute) <= CHECKMATE_NODES:
+        on_fine = problem.n_compute <= CHECKMATE_NODES
+        target = problem if on_fine else c.coarse
+        sol = solve_checkmate(target, remaining)
+        schedule = sol.schedule if on_fine else c.fine_schedule_of(sol.schedule)
+        result = simulate(problem, schedule)
+        info["checkmate"] = {"graph": "fine" if on_fine else "coarse", "status": sol.status, "cost": result.cost}
+        if result.fits and result.cost < best_cost:
+            best_schedule, best_cost, chosen = schedule, result.cost, "checkmate_" + ("fine" if on_fine else "coarse")
 
     if best_schedule is None:
         fallback = best_constructive(problem)
@@ -441,6 +582,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> 
             # else: over budget, and the caller sees it
     info["chosen"] = chosen
     bound, bound_source = _bound(problem, max(0.1, started + limit - time.perf_counter()))
+    if exact_bound > bound:
+        bound, bound_source = exact_bound, "exhaustive"
     info["bound_from"] = bound_source
     sol = finish(problem, best_schedule, "hierarchical", started, lower_bound=bound, status=FEASIBLE, info=info)
     return sol
