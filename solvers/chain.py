@@ -29,10 +29,10 @@ structure only (never node names):
    their earliest consumer. Backward stages then run ``L, L-1, ..., 1``.
 4. **Merging and pinning.** A forward value read by a backward stage other
    than its own (or, for the stage output, the next one) does not fit the
-   chain model. When it is large the stages between the two are merged
-   (repeated until no such read is left); when it is small (at most
-   ``PIN_FRACTION`` of the forward memory, BatchNorm statistics say), it is
-   pinned, like values that cannot be recomputed: computed once, on the
+   chain model. When it is large, or the two stages are close, the stages
+   between them are merged (repeated until no such read is left); when it is
+   small (at most ``PIN_FRACTION`` of the forward memory, BatchNorm statistics
+   say) and read far away, it is pinned, like values that cannot be recomputed: computed once, on the
    first forward pass over its stage, and kept until its last use. Pinned
    memory is a constant reserved out of the budget.
 
@@ -50,7 +50,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .memory import Residency, memory_of
+from .memory import Residency, alias_trees, memory_of
 from .problem import Problem
 from .solution import MethodFailed
 
@@ -271,6 +271,20 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
             crossing[pos[v]] += 1
             crossing[max(uses)] -= 1
     crossing = np.cumsum(crossing)[:nf]  # crossing[k]: values live across the cut after position k
+    # A storage shared by views must not be split between stages (each stage would count it):
+    # no cut inside the span of an alias tree's forward members.
+    roots = alias_trees(problem).root
+    span: dict[int, list[int]] = {}
+    for k, v in enumerate(forward):
+        r = int(roots[v])
+        if r != v or problem.alias_of[v] >= 0 or r in span:
+            span.setdefault(r, [k, k])[1] = k
+    in_tree = np.zeros(nf + 1, dtype=np.int64)
+    for r, (lo, hi) in span.items():
+        if hi > lo:
+            in_tree[lo] += 1
+            in_tree[hi] -= 1
+    crossing = crossing + np.cumsum(in_tree)[:nf] * 2  # a tree spanning k makes k no cut
     candidates: list[tuple[int, int]] = []
     live: set[int] = set()
     ends: dict[int, list[int]] = {}
@@ -306,8 +320,8 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
                 j = bstage.get(w)
                 if j is None or j == k or (j == k + 1 and v == outputs[k]) or v in pinned:
                     continue
-                if problem.mem[v] <= small:
-                    extra.add(v)
+                if problem.mem[v] <= small and abs(j - k) > 2:
+                    extra.add(v)  # far apart: pinning a small value beats merging many stages
                 else:
                     lo, hi = min(j, k), max(j, k)
                     merge[lo] += 1
