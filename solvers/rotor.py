@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -187,17 +187,29 @@ def sequence_of(chain: Chain, ops: list[tuple[str, int]]) -> list[int]:
     return b.seq
 
 
-def search_memory(problem: Problem, candidates: list[int], build, deadline: float) -> tuple[Optional[tuple], Optional[tuple], int]:
+def _least_over(over: list[tuple]) -> Optional[tuple]:
+    """Among over-budget results ``(peak, cost, c, schedule, extra)``, the cheapest of those
+    within 0.1% of the least peak, as ``(peak, c, schedule, extra)``."""
+    if not over:
+        return None
+    least = min(o[0] for o in over)
+    peak, _, c, schedule, extra = min((o for o in over if o[0] <= least * 1.001), key=lambda o: o[1])
+    return peak, c, schedule, extra
+
+
+def search_memory(problem: Problem, candidates: list[int], build: Callable[[int], tuple[Schedule, float]],
+                  deadline: float) -> tuple[Optional[tuple], Optional[tuple], int]:
     """Bisect over ``candidates`` (increasing) for the largest one whose schedule fits.
-    ``build(c)`` returns ``(schedule, extra)``. Returns the best fitting ``(cost, c, schedule, extra)``,
-    the over-budget one of least peak ``(peak, c, schedule, extra)``, and the number of tries."""
+    ``build(c)`` returns ``(schedule, extra)``. Returns the cheapest fitting result
+    ``(cost, c, schedule, extra)``, the over-budget one of least peak (`_least_over`),
+    and the number of simulations."""
     best_fit = None
-    best_over = None
+    over: list[tuple] = []
     tries = 0
     cache: dict[int, bool] = {}
 
     def attempt(i: int) -> bool:
-        nonlocal best_fit, best_over, tries
+        nonlocal best_fit, tries
         if i in cache:
             return cache[i]
         tries += 1
@@ -208,15 +220,15 @@ def search_memory(problem: Problem, candidates: list[int], build, deadline: floa
         if fits:
             if best_fit is None or result.cost < best_fit[0]:
                 best_fit = (result.cost, c, schedule, extra)
-        elif best_over is None or result.peak < best_over[0]:
-            best_over = (result.peak, c, schedule, extra)
+        else:
+            over.append((result.peak, result.cost, c, schedule, extra))
         cache[i] = fits
         return fits
 
     lo, hi = -1, len(candidates)  # candidates[lo] fits (or lo = -1), candidates[hi] does not (or hi = len)
     # Start at the top (the most memory): when that fits there is nothing to search.
     if attempt(len(candidates) - 1):
-        return best_fit, best_over, tries
+        return best_fit, _least_over(over), tries
     hi = len(candidates) - 1
     while hi - lo > 1 and tries < MAX_TRIES and time.perf_counter() < deadline:
         mid = (lo + hi) // 2
@@ -233,7 +245,7 @@ def search_memory(problem: Problem, candidates: list[int], build, deadline: floa
         if i not in cache:
             probes += 1
             attempt(i)
-    return best_fit, best_over, tries
+    return best_fit, _least_over(over), tries
 
 
 def rotor_on_chain(problem: Problem, chain: Chain, slots: int, deadline: float) -> tuple[tuple, dict]:
