@@ -167,11 +167,11 @@ def _ancestors(problem: Problem, roots: Iterable[int], allowed: set[int]) -> set
     return out
 
 
-def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep: set[int]) -> int:
-    """Peak memory above ``start`` while computing ``seq`` alone; each value (start ones
-    included) is freed after its last read in ``seq`` unless it is in ``keep``."""
-    res = Residency(problem, start)
-    base = res.total
+def _run(problem: Problem, res: Residency, seq: Sequence[int], keep: set[int]) -> int:
+    """Compute ``seq`` on ``res`` (changing it), each value freed after its last read in
+    ``seq`` unless it is in ``keep``; return the peak above the memory at the start.
+    Running the sequence (rather than adding up a set) gives views their base's storage."""
+    start = res.total
     last: dict[int, int] = {}
     preds = problem.preds
     for i, v in enumerate(seq):
@@ -182,7 +182,7 @@ def _local_peak(problem: Problem, start: Iterable[int], seq: Sequence[int], keep
     for i, v in enumerate(seq):
         if not res.resident[v]:
             res.add(v)
-        peak = max(peak, res.total - base)
+        peak = max(peak, res.total - start)
         for q in preds[v]:
             if last.get(q) == i and q not in keep and not is_source[q] and res.resident[q]:
                 res.remove(q)
@@ -276,9 +276,7 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
     roots = alias_trees(problem).root
     span: dict[int, list[int]] = {}
     for k, v in enumerate(forward):
-        r = int(roots[v])
-        if r != v or problem.alias_of[v] >= 0 or r in span:
-            span.setdefault(r, [k, k])[1] = k
+        span.setdefault(int(roots[v]), [k, k])[1] = k  # positions increase: the last one is the max
     in_tree = np.zeros(nf + 1, dtype=np.int64)
     for r, (lo, hi) in span.items():
         if hi > lo:
@@ -369,10 +367,16 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
         handed = {p for j in range(k) for w in bwd_of_stage[j] for p in preds[w] if p in bstage and bstage[p] >= k}
         sinks = {v for v in bwd if problem.is_sink[v]}
         out_keep = {out} if out != -1 and out not in pinned else set()
-        peak_adv = _local_peak(problem, prev_in, advance, set(prev_in) | out_keep)
-        peak_all = _local_peak(problem, prev_in, full, set(prev_in) | kept)
-        peak_b = _local_peak(problem, set(prev_in) | kept | grad_in, bwd, set(prev_in) | handed | sinks)
-        kept_size = memory_of(problem, kept) - base
+        peak_adv = _run(problem, Residency(problem, prev_in), advance, set(prev_in) | out_keep)
+        res = Residency(problem, prev_in)
+        before = res.total
+        peak_all = _run(problem, res, full, set(prev_in) | kept)
+        kept_size = res.total - before
+        # The backward starts from the kept set as F_all left it, plus the gradient it reads.
+        for v in sorted(grad_in):
+            if not res.resident[v]:
+                res.add(v)
+        peak_b = _run(problem, res, bwd, set(prev_in) | handed | sinks)
         stages.append(Stage(
             forward=tuple(members), first=tuple(first), advance=tuple(advance), full=tuple(full),
             backward=tuple(bwd), output=out if out not in pinned else -1,

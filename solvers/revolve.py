@@ -28,7 +28,7 @@ import numpy as np
 from .chain import DEFAULT_MAX_STAGES, Chain, SequenceBuilder, extract_chain
 from .plan import schedule_from_sequence
 from .problem import Problem
-from .rotor import search_memory
+from .rotor import search_memory, solve_on_chains
 from .schedule import Schedule, simulate
 from .solution import MethodFailed, Solution, finish
 
@@ -114,14 +114,10 @@ def solve_revolve(problem: Problem, time_limit: Optional[float] = None, *, max_s
     deadline = started + (time_limit if time_limit is not None else math.inf)
     if snapshots is not None and snapshots < 1:
         raise MethodFailed("revolve needs at least one snapshot")
-    (fits, score, schedule), info = _revolve_on_chain(problem, extract_chain(problem, max_stages), snapshots, deadline)
-    if not fits and snapshots is None:
-        # Long skips (U-Nets) leave few cuts: try again with them pinned, keep the better.
-        try:
-            other, other_info = _revolve_on_chain(problem, extract_chain(problem, max_stages, pin_skips=True), None,
-                                                  math.inf)
-        except MethodFailed:
-            other = None
-        if other is not None and (other[0] or other[1] < score):
-            (fits, score, schedule), info = other, {**other_info, "pin_skips": True}
+    if snapshots is not None:
+        (fits, score, schedule), info = _revolve_on_chain(problem, extract_chain(problem, max_stages), snapshots,
+                                                          deadline)
+    else:
+        (fits, score, schedule), info = solve_on_chains(
+            problem, max_stages, deadline, lambda chain, until: _revolve_on_chain(problem, chain, None, until))
     return finish(problem, schedule, "revolve", started, lower_bound=problem.total_cost(), info=info)

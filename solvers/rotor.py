@@ -248,24 +248,19 @@ def search_memory(problem: Problem, candidates: list[int], build: Callable[[int]
     return best_fit, _least_over(over), tries
 
 
-def rotor_on_chain(problem: Problem, chain: Chain, slots: int, deadline: float) -> tuple[tuple, dict]:
-    """Best schedule of the rotor table over ``chain``: ``((fits, cost or peak, schedule), info)``."""
-    free = problem.budget - chain.base - chain.pinned_size
-    st = chain.stages
-    # Keeping everything bounds the memory any chain schedule needs.
-    keep_all = sum(s.kept_size + s.sink_size + s.grad_size for s in st) + max(s.peak_backward + s.peak_all for s in st)
+def _table_search(problem: Problem, chain: Chain, slots: int, top: float,
+                  deadline: float) -> Optional[tuple[Optional[tuple], Optional[tuple], int, float, bool]]:
+    """Rotor table with ``slots`` slots up to ``top`` bytes, searched for the schedule that fits:
+    ``(best_fit, best_over, tries, slot, top_fits)``, or None when nothing on the axis is feasible."""
     L = chain.length
-    for top in (min(HEADROOM * free, keep_all), keep_all):
-        slot = max(1.0, top) / slots
-        z = chain_sizes(chain, slot)
-        C, choice = rotor_table(z, slots)
-        feasible = [m for m in range(slots + 1) if math.isfinite(C[DROP, 0, L - 1, m])]
-        if feasible:
-            break
-    else:
-        raise MethodFailed("rotor: no chain schedule within the memory of keeping everything")
-    # Distinct solutions only: the table's value changes at these slots.
+    slot = max(1.0, top) / slots
+    z = chain_sizes(chain, slot)
+    C, choice = rotor_table(z, slots)
     values = C[DROP, 0, L - 1]
+    feasible = [m for m in range(slots + 1) if math.isfinite(values[m])]
+    if not feasible:
+        return None
+    # Distinct solutions only: the table's value changes at these slots.
     candidates = [m for m in feasible if m == feasible[0] or values[m] < values[m - 1]]
 
     def build(m: int) -> tuple[Schedule, float]:
@@ -273,25 +268,68 @@ def rotor_on_chain(problem: Problem, chain: Chain, slots: int, deadline: float) 
         return schedule_from_sequence(problem, seq), float(values[m])
 
     best_fit, best_over, tries = search_memory(problem, candidates, build, deadline)
+    top_fits = best_fit is not None and best_fit[1] == candidates[-1]
+    return best_fit, best_over, tries, slot, top_fits
+
+
+def rotor_on_chain(problem: Problem, chain: Chain, slots: int, deadline: float) -> tuple[tuple, dict]:
+    """Best schedule of the rotor table over ``chain``: ``((fits, cost or peak, schedule), info)``."""
+    free = problem.budget - chain.base - chain.pinned_size
+    st = chain.stages
+    # Keeping everything bounds the memory any chain schedule needs.
+    keep_all = sum(s.kept_size + s.sink_size + s.grad_size for s in st) + max(s.peak_backward + s.peak_all for s in st)
+    top = min(HEADROOM * free, keep_all) if free > 0 else keep_all
+    found = _table_search(problem, chain, slots, top, deadline)
+    if found is None and top < keep_all:
+        top = keep_all
+        found = _table_search(problem, chain, slots, top, deadline)
+    if found is None:
+        raise MethodFailed("rotor: no chain schedule within the memory of keeping everything")
+    # The program's model is pessimistic: when even the top of its axis fits, widen the axis.
+    while found[4] and top < keep_all and time.perf_counter() < deadline:
+        top = min(2 * top, keep_all)
+        wider = _table_search(problem, chain, slots, top, deadline)
+        if wider is None or wider[0] is None or wider[0][0] >= found[0][0]:
+            break
+        found = wider
+    best_fit, best_over, tries, slot, _ = found
     fits = best_fit is not None
     score, m, schedule, dp_value = best_fit if fits else best_over
-    info = {"stages": L, "slots": slots, "slot_bytes": slot, "dp_slots": m, "dp_value": dp_value,
+    info = {"stages": chain.length, "slots": slots, "slot_bytes": slot, "dp_slots": m, "dp_value": dp_value,
             "pinned": len(chain.pinned), "pinned_bytes": chain.pinned_size, "tries": tries}
     return (fits, score, schedule), info
+
+
+def better(a: tuple, b: tuple) -> bool:
+    """Whether result ``a = (fits, cost or peak, ...)`` beats ``b``: fitting first, then the score."""
+    return (a[0], -a[1]) > (b[0], -b[1])
+
+
+def solve_on_chains(problem: Problem, max_stages: int, deadline: float,
+                    solve_chain: Callable[[Chain, float], tuple[tuple, dict]]) -> tuple[tuple, dict]:
+    """``solve_chain`` on the chain of ``problem`` and, when it pins anything more, on the chain
+    with long skips pinned (U-Nets leave few cuts otherwise): the better result. The second
+    chain is tried when the first result does not fit, or when time remains for it."""
+    t0 = time.perf_counter()
+    chain = extract_chain(problem, max_stages)
+    result, info = solve_chain(chain, deadline)
+    took = time.perf_counter() - t0
+    try:
+        other_chain = extract_chain(problem, max_stages, pin_skips=True)
+    except MethodFailed:
+        return result, info
+    if other_chain.pinned == chain.pinned or (result[0] and time.perf_counter() + took > deadline):
+        return result, info
+    other, other_info = solve_chain(other_chain, deadline if result[0] else math.inf)
+    if better(other, result):
+        return other, {**other_info, "pin_skips": True}
+    return result, info
 
 
 def solve_rotor(problem: Problem, time_limit: Optional[float] = None, *, max_stages: int = DEFAULT_MAX_STAGES,
                 slots: int = DEFAULT_SLOTS) -> Solution:
     started = time.perf_counter()
     deadline = started + (time_limit if time_limit is not None else math.inf)
-    (fits, score, schedule), info = rotor_on_chain(problem, extract_chain(problem, max_stages), slots, deadline)
-    if not fits:
-        # Long skips (U-Nets) leave few cuts: try again with them pinned, keep the better.
-        try:
-            other, other_info = rotor_on_chain(problem, extract_chain(problem, max_stages, pin_skips=True), slots,
-                                               math.inf)
-        except MethodFailed:
-            other = None
-        if other is not None and (other[0] or other[1] < score):
-            (fits, score, schedule), info = other, {**other_info, "pin_skips": True}
+    (fits, score, schedule), info = solve_on_chains(
+        problem, max_stages, deadline, lambda chain, until: rotor_on_chain(problem, chain, slots, until))
     return finish(problem, schedule, "rotor", started, lower_bound=problem.total_cost(), info=info)
