@@ -25,10 +25,10 @@ from typing import Optional
 
 import numpy as np
 
-from .chain import DEFAULT_MAX_STAGES, Chain, SequenceBuilder, extract_chain
+from .chain import DEFAULT_MAX_STAGES, Chain, extract_chain
 from .plan import schedule_from_sequence
 from .problem import Problem
-from .rotor import search_memory, solve_on_chains
+from .rotor import search_memory, sequence_of, solve_on_chains
 from .schedule import Schedule, simulate
 from .solution import MethodFailed, Solution, finish
 
@@ -78,20 +78,14 @@ def revolve_operations(J: np.ndarray, L: int, c: int) -> list[tuple[str, int]]:
     return ops
 
 
-def _sequence(chain: Chain, ops: list[tuple[str, int]]) -> list[int]:
-    b = SequenceBuilder(chain)
-    run = {"advance": b.advance, "all": b.forward_all, "backward": b.backward}
-    for op, k in ops:
-        run[op](k)
-    return b.seq
-
-
 def _revolve_on_chain(problem: Problem, chain: Chain, snapshots: Optional[int], deadline: float) -> tuple[tuple, dict]:
+    """Revolve over ``chain`` with ``snapshots`` snapshots, or the most that fit:
+    ``((fits, cost or peak, schedule), info)``."""
     L = chain.length
     T, J = binomial_table(L)
 
     def build(c: int) -> tuple[Schedule, float]:
-        return schedule_from_sequence(problem, _sequence(chain, revolve_operations(J, L, c))), float(T[L, c])
+        return schedule_from_sequence(problem, sequence_of(chain, revolve_operations(J, L, c))), float(T[L, c])
 
     if snapshots is not None:
         c = min(snapshots, L)
