@@ -12,12 +12,20 @@ slots) chooses, for the first stage of every sub-chain, between
   keeping only the output of ``s'-1``, solve ``s'..t``, then solve
   ``s..s'-1`` again from the kept input.
 
+Each sub-chain comes in two variants: its input either belongs to the
+caller (kept for the caller's backward) or is a checkpoint the sub-chain may
+free once stage ``s`` no longer needs it, which is what lets a checkpoint
+die as soon as the next stage has run when nothing else reads it.
+
 The resulting operations become a compute order of the problem's values and,
 through `plan.schedule_from_sequence`, a Schedule. The program's memory model
-(stage sizes measured on each stage alone, gradients and gradient sinks
-accumulating during the backward, pinned values reserved up front) is not the
-simulator's, so the free memory handed to the program is searched: the
-largest one whose schedule the simulator finds within the budget.
+(stage sizes measured by running each stage alone, gradients and gradient
+sinks accumulating during the backward, pinned values reserved up front) is
+not the simulator's, so the free memory handed to the program is searched:
+the table is built once for every amount of memory up to a top, and its
+solutions are simulated, bisecting for the cheapest that fits (the top is
+widened when even it fits). When the graph also has a chain with its long
+skips pinned (`chain.extract_chain`), rotor runs on both and keeps the better.
 """
 from __future__ import annotations
 
@@ -158,24 +166,27 @@ def rotor_operations(z: ChainSizes, choice: np.ndarray, S: int, m: int) -> list[
     """The operations ("advance" / "all" / "backward", stage) of the table's solution at ``m`` slots."""
     ops: list[tuple[str, int]] = []
     L = choice.shape[1]
-
-    def solve(v: int, s: int, t: int, m: int) -> None:
+    # Explicit stack of pending work, last first: ("solve", v, s, t, m) or ("op", name, k).
+    stack: list[tuple] = [("solve", DROP, 0, L - 1, m)]
+    while stack:
+        item = stack.pop()
+        if item[0] == "op":
+            ops.append((item[1], item[2]))
+            continue
+        _, v, s, t, m = item
         c = int(choice[v, s, t, m])
         if c == -2:
             raise AssertionError("backtracking into an infeasible state")
         if c == -1:
             ops.append(("all", s))
+            stack.append(("op", "backward", s))
             if s < t:
                 rel = int(z.release[s]) if v == DROP else 0
-                solve(KEEP if z.reads_output[s] else DROP, s + 1, t, min(S, m - int(z.x[s]) + rel))
-            ops.append(("backward", s))
-            return
-        for k in range(s, c):
-            ops.append(("advance", k))
-        solve(DROP, c, t, m - int(z.a[c - 1]))
-        solve(v, s, c - 1, min(S, m - int(z.delta[c, t])))
-
-    solve(DROP, 0, L - 1, m)
+                stack.append(("solve", KEEP if z.reads_output[s] else DROP, s + 1, t, min(S, m - int(z.x[s]) + rel)))
+            continue
+        ops.extend(("advance", k) for k in range(s, c))
+        stack.append(("solve", v, s, c - 1, min(S, m - int(z.delta[c, t]))))
+        stack.append(("solve", DROP, c, t, m - int(z.a[c - 1])))
     return ops
 
 
