@@ -36,18 +36,17 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .bounds import min_budget_cached
 from .checkmate import solve_checkmate
 from .coarsen import Coarsening, coarsen
-from .memory import memory_of
+from .memory import Residency, memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .plan import schedule_from_sequence
-from .portfolio import best_constructive
 from .problem import Problem
 from .schedule import Op, Schedule, simulate
 from .exhaustive import solve_exhaustive
 from .greedy import solve_greedy
 from .select import solve_select
+from .sqrt_n import solve_sqrt_n
 from .solution import FEASIBLE, MethodFailed, Solution, finish
 from .store_all import solve_store_all
 
@@ -58,6 +57,7 @@ VARIANTS = ((1 / 50, False), (1 / 50, True), (1 / 100, False), (1 / 25, False), 
 SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
 ROWS_PER_ROUND = 40  # violated stages added to the ILP per round of row generation
 MAX_FEEDBACK_ROUNDS = 60
+MAX_MARGIN_STEPS = 4  # times the model's target may be lowered when stuck over budget
 EXACT_NODES = 8  # exhaustive search up to this many values to compute
 CHECKMATE_NODES = 60  # Checkmate on the fine (else coarse) graph up to this many values
 SHORTFALL_PENALTY = 1e4  # objective per unit of uncovered need (needs are scaled to <= 1)
@@ -72,6 +72,7 @@ class Evaluation:
     peak: int
     stage_peak: np.ndarray  # fine memory peak per coarse stage (coarse index)
     peak_step: int
+    charge: dict[int, float]  # recomputation cost charged to each dropped group
 
     def fits(self, budget: int) -> bool:
         return self.peak <= budget
@@ -117,13 +118,17 @@ class DropPlanner:
         cs = self.clusters[g]
         return cs[k][1] if cs else position
 
-    def sequence(self, dropped: frozenset[int]) -> tuple[list[int], list[int]]:
-        """Coarse compute sequence and the stage (coarse index served) of each compute."""
+    def sequence(self, dropped: frozenset[int]) -> tuple[list[int], list[int], dict[int, float]]:
+        """Coarse compute sequence, the stage (coarse index served) of each compute, and the
+        recomputation cost charged to each dropped group (a stage's recomputations are split
+        between the dropped inputs its compute asked for)."""
         cp = self.cp
         preds, is_source = cp.preds, cp.lists().is_source
         alive_until: dict[int, int] = {}
         seq: list[int] = []
         stage: list[int] = []
+        charge: dict[int, float] = {}
+        cost = cp.lists().cost
         for v in cp.non_sources:
             missing: list[int] = []
             stack = [q for q in preds[v] if q in dropped and alive_until.get(q, -1) < v]
@@ -136,6 +141,11 @@ class DropPlanner:
                         seen.add(q)
                         stack.append(q)
             missing.sort()  # index order is topological
+            if missing:
+                roots = [q for q in preds[v] if q in seen]
+                share = sum(cost[u] for u in missing) / len(roots)
+                for r in roots:
+                    charge[r] = charge.get(r, 0.0) + share
             for u in missing:
                 seq.append(u)
                 stage.append(v)
@@ -144,11 +154,11 @@ class DropPlanner:
             stage.append(v)
             if v in dropped:
                 alive_until[v] = self._cluster_end(v, v + 1) if self.clusters[v] else v
-        return seq, stage
+        return seq, stage, charge
 
     def evaluate(self, dropped: frozenset[int]) -> Evaluation:
         c = self.c
-        seq, stage = self.sequence(dropped)
+        seq, stage, charge = self.sequence(dropped)
         fine_seq: list[int] = []
         fine_stage: list[int] = []
         for g, s in zip(seq, stage):
@@ -166,10 +176,32 @@ class DropPlanner:
         stage_peak = np.full(self.cp.n, result.initial, dtype=np.int64)
         np.maximum.at(stage_peak, step_stage, result.timeline)
         return Evaluation(dropped=dropped, schedule=schedule, cost=result.cost, peak=result.peak,
-                          stage_peak=stage_peak, peak_step=result.peak_step)
+                          stage_peak=stage_peak, peak_step=result.peak_step, charge=charge)
 
 
 # -------------------------------------------------------------- covering ILP
+def held_memory(problem: Problem, values: list[int], base: int) -> int:
+    """Bytes ``values`` hold beyond the sources, views made from their resident bases (as they
+    are when a group is computed in one go): add the alias ancestors first, then drop them."""
+    if not values:
+        return 0
+    alias_of = problem.alias_of
+    closure = set(values)
+    for v in values:
+        a = int(alias_of[v])
+        while a >= 0 and a not in closure:
+            closure.add(a)
+            a = int(alias_of[a])
+    res = Residency(problem)
+    for v in sorted(closure):
+        if v not in res:
+            res.add(v)
+    for v in closure.difference(values):
+        if v in res and not problem.is_source[v]:
+            res.remove(v)
+    return res.total - base
+
+
 @dataclass
 class Candidate:
     group: int
@@ -199,6 +231,10 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
     base = memory_of(fine, [])
     group_of = c.group_of
     last_read = [max(planner.recompute_points[h], default=h) if planner.droppable[h] else h for h in range(cp.n)]
+    # Per fine value: the stage of its last reader outside its group. A kept input of a dropped
+    # group is freed after that in the keep-all schedule, but must stay until the recomputation.
+    last_use = [max((int(group_of[w]) for w in fine.succs[v] if group_of[w] != group_of[v]), default=-1)
+                for v in range(fine.n)]
     out: list[Candidate] = []
     index: dict[int, int] = {}
     for g in cp.non_sources:
@@ -226,11 +262,18 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
             # Members still read after the gap (directly or by a recomputation) are what keeping holds.
             later = [v for v in members
                      if any(last_read[group_of[w]] >= real[k + 1][0] for w in fine.succs[v] if group_of[w] != g)]
-            size = memory_of(fine, later) - base
+            size = held_memory(fine, later, base)
             if size > 0:
                 gaps.append((start, stop, size))
         if gaps:
             held = max(s for _, _, s in gaps)
+            # Recomputing the group brings back all its members for a moment, also those that
+            # keep-all would already have freed by then (a multi-output op's big output).
+            for a, _ in real[1:]:
+                alive = [v for v in members if last_use[v] >= a]
+                extra = int(cp.mem[g]) - held_memory(fine, alive, base)
+                if extra > 0:
+                    gaps.append((a, a, -extra))
             index[g] = len(out)
             out.append(Candidate(group=g, cost=float(cp.cost[g]) * (len(real) - 1), gaps=gaps,
                                  potential=[(a, b, held, hs) for a, b, hs in maybe]))
@@ -242,16 +285,18 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
         points = planner.recompute_points[h]
         if not points:
             continue
+        point = max(points)
         for g in cp.preds[h]:
             if cp.is_source[g] or cp.is_sink[g]:
                 continue  # always resident anyway
-            end = planner.last_direct[g]
-            if max(points) <= end:
+            late = [v for v in c.members[g]
+                    if last_use[v] < point and any(group_of[w] == h for w in fine.succs[v])]
+            if not late:
                 continue
-            read = [v for v in c.members[g] if any(group_of[w] == h for w in fine.succs[v])]
-            size = memory_of(fine, read) - base
+            size = held_memory(fine, late, base)
             if size > 0:
-                penalties.append(Penalty(dropped=i, kept=index.get(g, -1), start=end + 1, stop=max(points), size=size))
+                start = min(last_use[v] for v in late) + 1
+                penalties.append(Penalty(dropped=i, kept=index.get(g, -1), start=start, stop=point, size=size))
     return out, penalties
 
 
@@ -354,6 +399,7 @@ class SearchLog:
     ilp_solves: int = 0
     simulations: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    closest: Optional[Evaluation] = None  # lowest peak seen among plans that do not fit
 
 
 def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
@@ -363,6 +409,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
     if not cands:
         return None
     model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost)
+    modelled = [cd.cost for cd in cands]
     keep_all = planner.evaluate(frozenset())
     log.simulations += 1
     if keep_all.fits(budget):
@@ -374,6 +421,8 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
     closest: Optional[Evaluation] = None  # lowest peak among plans that do not fit
     seen: set[frozenset[int]] = set()
     x: Optional[np.ndarray] = None
+    target = budget  # what the linear model aims at; lowered when the ILP is stuck over budget
+    margin_steps = 0
     for _ in range(MAX_FEEDBACK_ROUNDS):
         if time.perf_counter() >= deadline:
             break
@@ -381,7 +430,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         # Row generation against the linear model (rows changed by the feedback force a solve).
         dirty = x is not None
         while time.perf_counter() < deadline:
-            need = base + extra - budget
+            need = base + extra - target
             have = model.released(x) if x is not None else np.zeros_like(need)
             short = need - have
             violated = np.array([t for t in np.flatnonzero(short > 0.5).tolist()
@@ -402,7 +451,15 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             break
         dropped = frozenset(cands[i].group for i in np.flatnonzero(x))
         if dropped in seen:
-            break  # the ILP repeats itself: the linear model has nothing more to say
+            # The ILP repeats itself: the stages over budget cannot be covered locally. Aim
+            # lower everywhere by the last overshoot (a few times), then give up.
+            if best is not None or closest is None or margin_steps >= MAX_MARGIN_STEPS:
+                break
+            margin_steps += 1
+            target -= closest.peak - budget + budget // 1000
+            for t in list(rows):
+                rows[t] = float(base[t] + extra[t] - target)
+            continue
         seen.add(dropped)
         ev = planner.evaluate(dropped)
         log.simulations += 1
@@ -410,13 +467,19 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         if ev.fits(budget):
             if best is None or ev.cost < best.cost:
                 best = ev
-            break
+            # Cost feedback: a dropped group costs what its recomputations cost in the simulation
+            # (chains of dropped inputs included); solve again with those costs.
+            for i, cd in enumerate(cands):
+                cd.cost = max(modelled[i], ev.charge.get(cd.group, 0.0)) if cd.group in dropped else modelled[i]
+            continue  # x is set: the next round solves again
         if closest is None or ev.peak < closest.peak:
             closest = ev
+        if log.closest is None or ev.peak < log.closest.peak:
+            log.closest = ev
         over = np.flatnonzero(ev.stage_peak > budget)
         for t in over.tolist():
             extra[t] += float(ev.stage_peak[t] - budget)
-            rows[t] = max(rows.get(t, 0.0), float(base[t] + extra[t] - budget))
+            rows[t] = max(rows.get(t, 0.0), float(base[t] + extra[t] - target))
     if best is None and closest is not None:
         best = repair(planner, closest, cands, budget, deadline, log)
     return best
@@ -573,15 +636,25 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> 
             best_schedule, best_cost, chosen = schedule, result.cost, "checkmate_" + ("fine" if on_fine else "coarse")
 
     if best_schedule is None:
-        fallback = best_constructive(problem)
-        best_schedule, chosen = fallback.schedule, fallback.method
-        if not fallback.fits:
-            min_b, schedule = min_budget_cached(problem)
-            if min_b <= budget:
-                best_schedule, chosen = schedule, "min_budget_search"
-            # else: over budget, and the caller sees it
+        # Nothing fits yet: the other constructive baselines if time allows, then the lowest peak.
+        pool: list[tuple[int, float, Schedule, str]] = [(s.peak, s.cost, s.schedule, s.method) for s in quick]
+        if log.closest is not None:
+            pool.append((log.closest.peak, log.closest.cost, log.closest.schedule, "drop_ilp (closest)"))
+        for name, solve in (("sqrt_n", solve_sqrt_n),):  # recompute_all: minutes on gpt12, never better
+            if time.perf_counter() >= started + 0.5 * limit:
+                break  # seconds on large graphs
+            try:
+                s = solve(problem, None)
+            except MethodFailed:
+                continue
+            pool.append((s.peak, s.cost, s.schedule, name))
+        fitting = [e for e in pool if e[0] <= budget]
+        pick = min(fitting, key=lambda e: e[1]) if fitting else min(pool, key=lambda e: (e[0], e[1]))
+        best_schedule, chosen = pick[2], pick[3]  # over budget when nothing fits: the caller sees it
     info["chosen"] = chosen
+    t0 = time.perf_counter()
     bound, bound_source = _bound(problem, max(0.1, started + limit - time.perf_counter()))
+    info["bound_time"] = round(time.perf_counter() - t0, 3)
     if exact_bound > bound:
         bound, bound_source = exact_bound, "exhaustive"
     info["bound_from"] = bound_source
