@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import math
+import multiprocessing
 import platform
+import queue
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from solvers import METHODS, Problem, validate
+from solvers import METHODS, Problem, Solution, validate
 from solvers.hierarchical import solve_hierarchical
 from solvers.memory import memory_of
 
@@ -32,6 +35,7 @@ TARGETS = {"gpt12": 30.0, "gpt48": 120.0, "resnet50": 20.0, "unet": 20.0}
 FRACTIONS = (0.5, 0.3)
 BASE_METHODS = ("greedy", "select", "auto", "checkmate", "hierarchical")
 OPTIONAL_METHODS = ("rotor", "revolve", "moccasin")  # other workers' solvers, when registered
+WALL_FACTOR = 2  # a method still running after WALL_FACTOR * time limit + 30 s is killed
 
 
 def load(name: str) -> Problem:
@@ -57,20 +61,54 @@ def instance_bound(problem: Problem, time_limit: float) -> tuple[float, str]:
     return max(value, problem.total_cost()), "lower_bounds"
 
 
-def run_method(name: str, problem: Problem, time_limit: float) -> dict:
-    solve = solve_hierarchical if name == "hierarchical" else METHODS[name]
+def find_method(name: str) -> Optional[Callable[..., Solution]]:
+    """A method by name: the registry first, else ``solvers.<name>.solve_<name>`` (not registered yet)."""
+    if name == "hierarchical":
+        return solve_hierarchical
+    if name in METHODS:
+        return METHODS[name]
+    try:
+        module = importlib.import_module(f"solvers.{name}")
+    except ImportError:
+        return None
+    return getattr(module, f"solve_{name}", None)
+
+
+def _run(name: str, problem: Problem, time_limit: float, out) -> None:
+    solve = find_method(name)
+    assert solve is not None
     started = time.perf_counter()
     try:
         sol = solve(problem, time_limit)
     except Exception as e:  # a benchmark row, not a crash: report what broke
-        return {"method": name, "time": time.perf_counter() - started, "error": f"{type(e).__name__}: {e}"}
+        out.put({"method": name, "time": time.perf_counter() - started, "error": f"{type(e).__name__}: {e}"})
+        return
     elapsed = time.perf_counter() - started
     fits = False
     if sol.fits:
         validate(problem, sol.schedule)  # the one simulator decides
         fits = True
-    return {"method": name, "time": elapsed, "cost": sol.cost, "fits": fits, "bound": sol.lower_bound,
-            "info": sol.info}
+    info = {k: v for k, v in sol.info.items() if isinstance(v, (str, int, float))}
+    out.put({"method": name, "time": elapsed, "cost": sol.cost, "fits": fits, "bound": sol.lower_bound,
+             "peak": sol.peak, "info": info})
+
+
+def run_method(name: str, problem: Problem, time_limit: float) -> dict:
+    """Solve in a child process, so that a method far past its time limit is cut off (reported as such)."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_run, args=(name, problem, time_limit, out))
+    started = time.perf_counter()
+    proc.start()
+    wall = WALL_FACTOR * time_limit + 30
+    try:
+        result = out.get(timeout=wall)
+    except queue.Empty:
+        proc.kill()
+        result = {"method": name, "time": time.perf_counter() - started,
+                  "error": f"no answer after {wall:.0f} s (killed)"}
+    proc.join()
+    return result
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -81,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     graphs = args.graphs or (["unet", "gpt12"] if args.quick else list(TARGETS))
-    methods = args.methods or [m for m in BASE_METHODS] + [m for m in OPTIONAL_METHODS if m in METHODS]
+    methods = args.methods or [m for m in BASE_METHODS] + [m for m in OPTIONAL_METHODS if find_method(m)]
     scale = 1 / 3 if args.quick else 1.0
 
     lines = [

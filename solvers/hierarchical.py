@@ -1,30 +1,40 @@
 """Method "hierarchical": near-optimal drop plans for graphs of thousands of values.
 
-Three layers, each cheap on its own:
+Layers, each cheap on its own:
 
-1. `coarsen` folds views and cheap chains into their producers (gpt12:
-   1957 values to compute become 793 groups). Decisions are taken per group.
-2. A plan is a *drop set* of groups: values are computed in the problem's
-   order; a dropped group is released after each cluster of its uses and
-   recomputed (with any dropped input that is not available) right before
-   the next cluster. Kept groups live until their last use. Expanded to the
-   fine problem and placed by `plan.schedule_from_sequence`, every plan is
-   a valid schedule; the fine simulator measures its peak and cost.
-3. Which groups to drop is a covering ILP (HiGHS): dropping group g costs
-   its recomputations and lowers the memory by its size over the gaps
-   between its use clusters; every stage where the keep-all schedule is over
-   the budget must be brought down to it. The ILP sees a linear picture
-   (no transient memory of recomputations, no chains of recomputed inputs),
-   so its answer is replayed by the simulator, and the stages still over the
-   budget get the measured excess added to their requirement (row
-   generation on the measured error), until the simulator accepts the plan.
-   A final pass keeps again dropped groups whose recomputation costs the
-   most, while the simulator still fits.
+1. `coarsen` folds views and single-consumer chains into their producers
+   (gpt12: 1957 values to compute become 793 groups); decisions are per group.
+2. A plan is a *drop set* of groups (`DropPlanner`): values are computed in
+   the problem's order; a dropped group is released after each cluster of its
+   uses and recomputed (with any dropped input that is not available) right
+   before the next cluster. A group's uses include the points where a
+   droppable consumer would be recomputed, since that reads it again.
+   Expanded to the fine problem and placed by `plan.schedule_from_sequence`,
+   every plan is a valid schedule; the fine simulator measures peak and cost.
+3. Which groups to drop is a covering ILP (HiGHS, `CoverModel`): dropping
+   group g costs its recomputations and frees its held bytes over the gaps
+   between its clusters, minus the transient of recomputing it whole, minus
+   what its kept inputs must then hold until its recomputation; with
+   ``chains`` a cluster made only of a consumer's recomputation points costs
+   (and holds) only when that consumer is dropped too. Every stage where the
+   keep-all schedule is over the budget must come down to it (rows added as
+   the linear model violates them, soft so that the ILP always answers).
+4. The simulator closes the loop: stages still over budget get the measured
+   excess added to their requirement; a plan that fits feeds back what each
+   dropped group's recomputations really cost (chains included); when the
+   ILP repeats itself, the target is lowered; a plan still over budget is
+   repaired by dropping, most bytes per cost first, what is resident at the
+   peak. `keep_again` then undoes drops, costliest first, while it fits.
+5. A small portfolio of cluster gaps and chain models shares the time; the
+   cheapest fitting plan wins. Graphs small enough get the exhaustive search
+   (<= 8 values) or Checkmate on the fine or coarse graph (<= 60).
 
-The result is always a simulated schedule: when nothing in this search
-fits, the best constructive baseline (or the minimum-budget schedule) is
-returned. ``lower_bound``: `solvers.lower_bounds.lower_bound` when that
-module is present (valid for every schedule), else the sum of all costs.
+The result is always a simulated schedule: the fast baselines (store_all,
+greedy, select; sqrt_n when time is left) are the fallback, and when nothing
+fits the lowest peak found is returned (status ``over_budget``).
+``lower_bound``: `solvers.lower_bounds.lower_bound` when that module is
+present (valid for every schedule), else the sum of all costs (`_bound` is
+the plug-in point).
 """
 from __future__ import annotations
 
@@ -546,7 +556,8 @@ def _bound(problem: Problem, time_limit: float) -> tuple[float, str]:
     return max(value, problem.total_cost()), "lower_bounds.lower_bound"
 
 
-def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, exact: bool = True) -> Solution:
+    """``exact=False`` leaves out the exact phase for small graphs (to measure the drop search alone)."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
     deadline = started + 0.9 * limit  # leave room for the final simulation and the bound
@@ -615,7 +626,9 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None) -> 
     # Small graphs: the exact search, or Checkmate on the fine or coarse graph, with the time left.
     exact_bound = -math.inf
     remaining = deadline - time.perf_counter()
-    if problem.n_compute <= EXACT_NODES:
+    if not exact:
+        pass
+    elif problem.n_compute <= EXACT_NODES:
         try:
             sol = solve_exhaustive(problem, remaining)
             info["exact"] = sol.status
