@@ -325,10 +325,17 @@ def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int]) -> bool:
     * a_x <= y_x when x is an ancestor of w (a second compute), a_x = 0 when
       x is moreover not recomputable; a_x costs nothing otherwise;
     * memory: a value in no alias tree weighs mem[x] when resident; an alias
-      tree T weighs W_T = least chain_min over its members in L when any of
-      them is resident (res_T >= res_x); trees touched by w and its inputs are
-      already in the forced memory and free. With D = forced + all weights -
-      budget, the dropped weight (each coefficient capped at D) is >= D.
+      tree T weighs at least chain_min[x] for each resident member x (that
+      member's topmost resident alias ancestor is on its chain), so a
+      variable tree_w_T >= chain_min[x] * res_x; trees touched by w and its
+      inputs are already in the forced memory and free. With D = forced +
+      all maximal weights - budget, the dropped weight is >= D, where the
+      coefficients of plain values (0/1 in any schedule) are capped at D;
+      tree terms are not capped (fractional in real schedules). Also, a
+      member x needed after the moment (in K, or computed after it) whose
+      root is not computed after it has a resident value on its alias chain
+      (argument 4): tree_w_T >= chain_min[x] * (1 - a_root), resp.
+      chain_min[x] * (a_x - a_root).
 
     Any schedule gives an integer solution (res, a, y read off the schedule),
     so the LP optimum bounds its extra cost. Returns False when the moment
@@ -355,9 +362,9 @@ def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int]) -> bool:
     plain = L[~treed]
     tree_members = L[treed & ~free_tree]
     uniq, inv = np.unique(st.root[tree_members], return_inverse=True)
-    w_t = np.full(len(uniq), np.iinfo(np.int64).max, dtype=np.int64)
+    w_t = np.zeros(len(uniq), dtype=np.int64)  # the most a tree can be made to weigh
     if len(uniq):
-        np.minimum.at(w_t, inv, st.chain_min[tree_members])
+        np.maximum.at(w_t, inv, st.chain_min[tree_members])
     demand = int(ctx.mem[plain].sum()) + int(w_t.sum())
     D = float(forced + demand - p.budget)
     if D <= 0:
@@ -382,15 +389,26 @@ def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int]) -> bool:
         c = min(float(ctx.mem[x]), D) / D
         if c:
             row.append((res[x], -c))
-    res_t = [b.num_var(0.0, 1.0) for _ in range(len(uniq))]
-    for x, t in zip(tree_members.tolist(), inv.tolist()):
-        b.add([(res_t[t], 1.0), (res[x], -1.0)], 0.0, math.inf)
-    for t, wt in enumerate(w_t.tolist()):
-        c = min(float(wt), D) / D
-        if c:
-            row.append((res_t[t], -c))
     const = sum(-c for _, c in row)  # sum of capped weights
-    b.add(row, 1.0 - const, math.inf)  # sum c (1 - res) >= 1
+    # A tree weighs at least chain_min[x] for each resident member x (in units of D).
+    # Its term is not capped: its weight takes fractional values in real schedules.
+    tree_w = [b.num_var(0.0, float(wt) / D) for wt in w_t.tolist()]
+    for x, t in zip(tree_members.tolist(), inv.tolist()):
+        cm = float(st.chain_min[x]) / D
+        b.add([(tree_w[t], 1.0), (res[x], -cm)], 0.0, math.inf)
+        # If x is needed after the moment (or computed after it: its alias parent is
+        # then needed) and the root is not computed after it, some value on x's
+        # alias chain is resident at the moment: the tree weighs chain_min[x].
+        # (Without these rows the LP spreads res thinly along a chain of views.)
+        r = int(st.root[x])
+        if r == x or r not in act:
+            continue
+        if in_k[x]:
+            b.add([(tree_w[t], 1.0), (act[r], cm)], cm, math.inf)
+        b.add([(tree_w[t], 1.0), (act[x], -cm), (act[r], cm)], 0.0, math.inf)
+    row += [(h, -1.0) for h in tree_w]
+    const += float(w_t.sum()) / D
+    b.add(row, 1.0 - const, math.inf)  # sum c (1 - res) + sum (W_T - tree_w) >= 1
     return True
 
 

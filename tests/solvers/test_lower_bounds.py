@@ -147,3 +147,32 @@ def test_cascade_follows_the_inputs_of_a_recomputed_value():
     cascade = lower_bound(p)
     assert math.isclose(knapsack, p.total_cost() + 0.1)
     assert knapsack + 0.5 < cascade <= opt.cost + TOL
+
+
+def test_cascade_never_exceeds_the_optimum_where_it_is_tighter():
+    # Every budget from the minimum to store-all's peak on small chains, DAGs, layered
+    # graphs and U-Nets: wherever the cascade LP beats the knapsack, check it against
+    # the exhaustive optimum (those are the cases that exercise its rows).
+    tighter = 0
+    for i in range(1500):
+        rng = random.Random(i)
+        opts = {"view_prob": rng.choice([0.0, 0.3, 0.6]), "nonrecomputable_prob": rng.choice([0.0, 0.0, 0.2])}
+        n = rng.randint(4, 9)
+        G = [lambda: gen.chain(n, seed=i, **opts),
+             lambda: gen.random_dag(n, seed=i, n_sources=1, edge_prob=0.5, **opts),
+             lambda: gen.layered(n, seed=i, width=2, **opts),
+             lambda: gen.unet(max(1, n // 5), seed=i, **opts)][i % 4]()
+        p = Problem.from_networkx(G, 0)
+        if p.n_compute > 9:
+            continue
+        need, _ = min_budget(p)
+        peak = METHODS["store_all"](p.with_budget(2**40), None).peak
+        for budget in range(need, peak + 1):
+            q = p.with_budget(budget)
+            cascade = lower_bound(q)
+            if cascade <= lower_bound(q, cascade=False) + TOL:
+                continue
+            tighter += 1
+            opt = METHODS["exhaustive"](q, None)
+            assert opt.fits and cascade <= opt.cost + TOL * max(1.0, opt.cost), (i, budget, cascade, opt.cost)
+    assert tighter > 30
