@@ -30,7 +30,8 @@ Layers, each cheap on its own:
    (<= 8 values) or Checkmate on the fine or coarse graph (<= 60).
 
 The result is always a simulated schedule: the fast baselines (store_all,
-greedy, select; sqrt_n when time is left) are the fallback, and when nothing
+greedy, select, and rotor's chain DP when `solvers.rotor` is present; sqrt_n
+when time is left) compete with the drop plans and are the fallback; when nothing
 fits the lowest peak found is returned (status ``over_budget``).
 ``lower_bound``: `solvers.lower_bounds.lower_bound` when that module is
 present (valid for every schedule), else the sum of all costs (`_bound` is
@@ -42,7 +43,7 @@ import math
 import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -63,7 +64,9 @@ from .store_all import solve_store_all
 DEFAULT_TIME_LIMIT = 30.0
 # (cluster gap as a share of the coarse graph, chains modelled) for each run of the drop search:
 # uses further apart than the gap start a new cluster.
-VARIANTS = ((1 / 50, False), (1 / 50, True), (1 / 100, False), (1 / 25, False), (1 / 100, True), (1 / 25, True))
+VARIANTS = ((1 / 50, False), (1 / 50, True), (1 / 100, False), (1 / 25, False), (1 / 100, True), (1 / 25, True),
+            (1 / 200, False), (1 / 12, False), (1 / 200, True), (1 / 12, True), (1 / 400, False), (1 / 400, True))
+POLISHED = 3  # best plans (of different variants) polished by keep_again, time permitting
 SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
 ROWS_PER_ROUND = 40  # violated stages added to the ILP per round of row generation
 MAX_FEEDBACK_ROUNDS = 60
@@ -541,6 +544,16 @@ def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: fl
 
 
 # ------------------------------------------------------------------- method
+def _peers() -> tuple[tuple[str, Callable[[Problem, Optional[float]], Solution]], ...]:
+    """Fast peer methods joined to the baselines when their modules are present: rotor's chain
+    dynamic program is strong where the graph is close to a chain (ResNet, U-Net)."""
+    try:
+        from .rotor import solve_rotor
+    except ImportError:
+        return ()
+    return (("rotor", solve_rotor),)
+
+
 def _bound(problem: Problem, time_limit: float) -> tuple[float, str]:
     """Best available lower bound valid for every schedule: the plug-in point for tighter bounds."""
     try:
@@ -566,7 +579,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
 
     # Fast baselines first: a schedule to return whatever happens next.
     quick: list[Solution] = []
-    for name, solve in (("store_all", solve_store_all), ("greedy", solve_greedy), ("select", solve_select)):
+    for name, solve in (("store_all", solve_store_all), ("greedy", solve_greedy), ("select", solve_select)) + _peers():
         try:
             quick.append(solve(problem, max(0.5, 0.1 * limit)))
         except MethodFailed:
@@ -612,15 +625,18 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     info["variants"] = tried
     info["ilp_time"] = round(time.perf_counter() - t0, 3)
     if results:
-        planner, found, label = min(results, key=lambda r: r[1].cost)
-        info["ilp_cost"] = found.cost
-        info["variant"] = label
+        results.sort(key=lambda r: r[1].cost)
+        info["ilp_cost"] = results[0][1].cost
         t0 = time.perf_counter()
-        found = keep_again(planner, found, budget, deadline, log)
+        for planner, found, label in results[:POLISHED]:
+            if time.perf_counter() >= deadline:
+                break
+            found = keep_again(planner, found, budget, deadline, log)
+            if found.cost < best_cost:
+                best_schedule, best_cost, chosen = found.schedule, found.cost, "drop_ilp"
+                info["variant"] = label
+                info["keep_again_cost"] = found.cost
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
-        info["keep_again_cost"] = found.cost
-        if found.cost < best_cost:
-            best_schedule, best_cost, chosen = found.schedule, found.cost, "drop_ilp"
     info.update(rounds=log.rounds, ilp_solves=log.ilp_solves, simulations=log.simulations)
 
     # Small graphs: the exact search, or Checkmate on the fine or coarse graph, with the time left.

@@ -73,7 +73,7 @@ def test_hierarchical_fits_training_graphs(seed, base):
     hi = METHODS["store_all"](problem, None).peak
     for budget in (lo + (hi - lo) // 4, (lo + hi) // 2):
         p = problem.with_budget(budget)
-        sol = solve_hierarchical(p, 5.0)
+        sol = solve_hierarchical(p, 2.0)
         result = validate(p, sol.schedule)  # raises when invalid or over budget
         assert sol.fits and result.cost == pytest.approx(sol.cost)
         assert sol.lower_bound is not None and sol.lower_bound <= sol.cost * (1 + 1e-9)
@@ -88,7 +88,7 @@ def test_hierarchical_fits_training_graphs(seed, base):
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_hierarchical_on_unet(fraction):
     p = _fraction_budget(_load("unet"), fraction)
-    sol = solve_hierarchical(p, 10.0)
+    sol = solve_hierarchical(p, 5.0)
     validate(p, sol.schedule)
     assert sol.fits and sol.status == "feasible"
     assert sol.info["coarse_nodes"] < p.n_compute
