@@ -71,7 +71,8 @@ The bound is the maximum over all moments w of three relaxations:
   not kept.
 
 Every schedule gives an integer solution of each LP, so their optima (dual
-bounds, shaved by 1e-7 relative against solver tolerances) are bounds too.
+bounds, with costs scaled to at most 1 and shaved by 1e-6 against solver
+tolerances) are bounds too.
 When the forced memory alone exceeds the budget, or not enough can be
 dropped, no schedule fits and the bound is ``math.inf``.
 """
@@ -288,7 +289,7 @@ def _combined(problem: Problem, chosen: list[_Items], time_limit: Optional[float
     bound on its extra cost. Returns the LP's dual bound (0 when it fails)."""
     from ortools.math_opt.python import mathopt
 
-    from .milp_backends import RAW_INFEASIBLE, MathOptBuilder
+    from .milp_backends import MathOptBuilder
 
     b = MathOptBuilder(mathopt.SolverType.HIGHS)
     y: dict[int, int] = {}
@@ -304,11 +305,7 @@ def _combined(problem: Problem, chosen: list[_Items], time_limit: Optional[float
             if u not in y:
                 y[u] = b.num_var(0.0, 1.0 if problem.recomputable[u] else 0.0)
             b.add([(d[i], 1.0), (y[u], -1.0)], -math.inf, 0.0)
-    b.minimize([(h, float(problem.cost[u])) for u, h in y.items()], 0.0)
-    raw = b.solve(time_limit, 1)
-    if raw.status == RAW_INFEASIBLE:
-        return math.inf
-    return raw.bound if math.isfinite(raw.bound) else 0.0
+    return _solve_lp(problem, b, y, time_limit)
 
 
 def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int]) -> bool:
@@ -416,17 +413,35 @@ def _cascade(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optiona
     """Optimum of the cascade LPs of moments ``ws`` sharing y (a bound on the extra cost)."""
     from ortools.math_opt.python import mathopt
 
-    from .milp_backends import RAW_INFEASIBLE, MathOptBuilder
+    from .milp_backends import MathOptBuilder
 
     b = MathOptBuilder(mathopt.SolverType.HIGHS)
     y: dict[int, int] = {}
     if not any([_cascade_rows(ctx, w, b, y) for w in ws]):
         return 0.0
-    b.minimize([(h, float(problem.cost[u])) for u, h in y.items()], 0.0)
+    return _solve_lp(problem, b, y, time_limit)
+
+
+def _solve_lp(problem: Problem, b, y: dict[int, int], time_limit: Optional[float]) -> float:
+    """Minimise sum cost[u] * y_u; return a safe lower bound on the optimum (0 if none).
+
+    Costs are scaled to at most 1 first: with costs of 1e-5 (seconds), the
+    solver's absolute tolerances (1e-7) would be large relative errors. The
+    dual bound is shaved by 1e-6 (scaled) against the remaining tolerances.
+    An "infeasible" LP gives 0, not infinity: a tolerance call must never
+    claim that no schedule exists."""
+    from .milp_backends import RAW_INFEASIBLE
+
+    if not y:
+        return 0.0
+    scale = max((float(problem.cost[u]) for u in y), default=0.0)
+    if scale <= 0:
+        return 0.0
+    b.minimize([(h, float(problem.cost[u]) / scale) for u, h in y.items()], 0.0)
     raw = b.solve(time_limit, 1)
-    if raw.status == RAW_INFEASIBLE:
-        return math.inf
-    return raw.bound if math.isfinite(raw.bound) else 0.0
+    if raw.status == RAW_INFEASIBLE or not math.isfinite(raw.bound):
+        return 0.0
+    return max(0.0, raw.bound - 1e-6 * max(1.0, abs(raw.bound))) * scale
 
 
 COMBINE = 24  # moments combined in the knapsack LP (the ones with the largest single bounds)
@@ -458,10 +473,8 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
     def left() -> Optional[float]:
         return None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
 
-    # LP tolerances: shave a relative 1e-7 so rounding never overstates a bound.
-    shave = lambda x: x - 1e-7 * max(1.0, abs(x))  # noqa: E731
     if combine > 1 and len(ranked) > 1:
-        best = max(best, shave(_combined(problem, [its for _, its in ranked[:combine]], left())))
+        best = max(best, _combined(problem, [its for _, its in ranked[:combine]], left()))
     if time_limit is not None and time.perf_counter() - started > time_limit / 2:
         cascade = False  # building the cascade LP takes as long as everything before
     if cascade and ranked:
@@ -471,7 +484,7 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
             if chosen and (size > CASCADE_SIZE or len(chosen) >= CASCADE_MOMENTS):
                 break
             chosen.append(m.node)
-        best = max(best, shave(_cascade(problem, ctx, chosen, left())))
+        best = max(best, _cascade(problem, ctx, chosen, left()))
     return total + best
 
 
@@ -504,10 +517,15 @@ def lp_lower_bound(problem: Problem, time_limit: Optional[float] = None) -> floa
     if scale is None:
         return math.inf
     builder = _Relaxed(mathopt.SolverType.HIGHS)
-    _Formulation(problem, builder, scale, 1.0)
+    # Costs scaled to at most 1, so that the solver's absolute tolerances stay small
+    # relative to them (costs in seconds are around 1e-5).
+    top = float(problem.cost.max()) if problem.n else 0.0
+    factor = 1.0 / top if top > 0 else 1.0
+    _Formulation(problem, builder, scale, factor)
     raw = builder.solve(time_limit, None)
     if raw.status == RAW_INFEASIBLE:
         return math.inf
-    bound = raw.bound if math.isfinite(raw.bound) else total
-    # LP tolerances: shave a relative 1e-7 so a rounding error never overstates the bound.
-    return max(total, bound - 1e-7 * max(1.0, abs(bound)))
+    if not math.isfinite(raw.bound):
+        return total
+    # LP tolerances: shave 1e-6 (scaled) so a rounding error never overstates the bound.
+    return max(total, (raw.bound - 1e-6 * max(1.0, abs(raw.bound))) / factor)

@@ -382,8 +382,14 @@ def solve_moccasin(problem: Problem, time_limit: Optional[float] = None, copies:
             info["decoded_over_budget"] = result.peak
     elif code == cp_model.INFEASIBLE:
         info["model_bound"] = math.inf
-    if not simulate(problem, schedule).fits:
+    final = simulate(problem, schedule)
+    if not final.fits:
         lower = None  # a bound for fitting schedules says nothing about this one
+    elif lower is not None and lower > final.cost * (1 + 1e-9):
+        # Cannot happen if lower_bounds is right (its tests check it against exact
+        # optima); never let it turn a good schedule into a crash.
+        info["bound_error"] = lower
+        lower = problem.total_cost()
     return finish(problem, schedule, method, started, lower_bound=lower, info=info)
 
 
