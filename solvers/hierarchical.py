@@ -607,17 +607,25 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     planners: dict[int, DropPlanner] = {}
     tried = []
     search_end = started + SEARCH_SHARE * (deadline - started)
-    for fraction, chains in VARIANTS:
+    # Second pass (first two variants again, from scratch, with all the time left) only when
+    # nothing fits yet: polishing is worth nothing without a plan.
+    for k, (fraction, chains) in enumerate(list(VARIANTS) + list(VARIANTS[:2])):
         now = time.perf_counter()
-        if now >= search_end:
+        second_pass = k >= len(VARIANTS)
+        if second_pass and results:
             break
+        end = deadline if (second_pass or not results) and now >= search_end else search_end
+        if now >= end:
+            if second_pass or results:
+                break
+            continue
         gap = max(1, int(c.coarse.n * fraction))
         if gap not in planners:
             planners[gap] = DropPlanner(c, gap)
         planner = planners[gap]
-        share = max(0.5, (search_end - now) / 2)  # later variants get what the earlier ones leave
-        found = drop_search(planner, budget, min(search_end, now + share), log, chains=chains)
-        label = f"gap={gap},chains={int(chains)}"
+        share = max(0.5, (end - now) / 2)  # later variants get what the earlier ones leave
+        found = drop_search(planner, budget, min(end, now + share), log, chains=chains)
+        label = f"gap={gap},chains={int(chains)}" + (",again" if second_pass else "")
         tried.append({"variant": label, "cost": None if found is None else found.cost,
                       "time": round(time.perf_counter() - now, 2)})
         if found is not None:
