@@ -562,8 +562,8 @@ def _bound(problem: Problem, time_limit: float) -> tuple[float, str]:
         return problem.total_cost(), "total_cost"
     try:
         value = float(lower_bound(problem, time_limit))
-    except TypeError:
-        value = float(lower_bound(problem))
+    except Exception:  # another module's failure must not sink a valid schedule
+        return problem.total_cost(), "total_cost"
     if not math.isfinite(value):
         return problem.total_cost(), "total_cost"
     return max(value, problem.total_cost()), "lower_bounds.lower_bound"
@@ -573,7 +573,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     """``exact=False`` leaves out the exact phase for small graphs (to measure the drop search alone)."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    deadline = started + 0.9 * limit  # leave room for the final simulation and the bound
+    deadline = started + 0.85 * limit  # leave room for the final simulation and the bound
     info: dict[str, Any] = {}
     budget = problem.budget
 
@@ -690,10 +690,14 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         best_schedule, chosen = pick[2], pick[3]  # over budget when nothing fits: the caller sees it
     info["chosen"] = chosen
     t0 = time.perf_counter()
-    bound, bound_source = _bound(problem, max(0.1, started + limit - time.perf_counter()))
+    bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, started + limit - time.perf_counter())))
     info["bound_time"] = round(time.perf_counter() - t0, 3)
     if exact_bound > bound:
         bound, bound_source = exact_bound, "exhaustive"
+    cost = simulate(problem, best_schedule).cost
+    if bound > cost * (1 + 1e-6):  # a bound above a simulated schedule is wrong: do not pass it on
+        info["bound_rejected"] = bound
+        bound, bound_source = problem.total_cost(), "total_cost"
     info["bound_from"] = bound_source
     sol = finish(problem, best_schedule, "hierarchical", started, lower_bound=bound, status=FEASIBLE, info=info)
     return sol
