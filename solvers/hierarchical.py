@@ -49,16 +49,16 @@ import numpy as np
 
 from .checkmate import solve_checkmate
 from .coarsen import Coarsening, coarsen
+from .exhaustive import solve_exhaustive
+from .greedy import solve_greedy
 from .memory import Residency, memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .plan import schedule_from_sequence
 from .problem import Problem
 from .schedule import Op, Schedule, simulate
-from .exhaustive import solve_exhaustive
-from .greedy import solve_greedy
 from .select import solve_select
-from .sqrt_n import solve_sqrt_n
 from .solution import FEASIBLE, MethodFailed, Solution, finish
+from .sqrt_n import solve_sqrt_n
 from .store_all import solve_store_all
 
 DEFAULT_TIME_LIMIT = 30.0
@@ -355,7 +355,7 @@ class CoverModel:
                 diff[b_ + 1] += s
         return np.cumsum(diff)[: self.n_stages]
 
-    def solve(self, rows: dict[int, float], time_limit: float, hint: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    def solve(self, rows: dict[int, float], time_limit: float) -> Optional[np.ndarray]:
         """Best 0/1 choice covering ``rows`` (stage -> bytes needed), or None (infeasible / no answer)."""
         b = BACKENDS["highs"]()
         xs = [b.bool_var() for _ in self.cands]
@@ -455,7 +455,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             for t in top.tolist():
                 rows[t] = max(rows.get(t, 0.0), float(need[t]))
             remaining = deadline - time.perf_counter()
-            x_new = model.solve(rows, min(remaining, max(1.0, remaining / 4)), x)
+            x_new = model.solve(rows, min(remaining, max(1.0, remaining / 4)))
             log.ilp_solves += 1
             if x_new is None:
                 return best
