@@ -10,7 +10,6 @@ the ``InfeasibleBudgetError`` a 1-byte budget raises, then a plan at it).
 """
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Callable
 
@@ -149,18 +148,9 @@ def memplan_cells(mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: flo
     return _memplan_cells(MEMPLAN, mut, budgets, memplan_time_limit)
 
 
-def offload_available() -> bool:
-    """Whether memplan's planner takes ``offload`` (the option is accepted, and ignored, before that)."""
-    from memplan.plan import make_plan
-
-    return "offload" in inspect.signature(make_plan).parameters
-
-
 def memplan_offload_cells(
     mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_
 ) -> list[Cell]:
-    if not offload_available():
-        return _unavailable(MEMPLAN_OFFLOAD, budgets, "n/a", "offload not implemented")
     return _memplan_cells(MEMPLAN_OFFLOAD, mut, budgets, memplan_time_limit, offload=True)
 
 

@@ -249,18 +249,7 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
 
 
 def _solve_options(args: argparse.Namespace) -> dict:
-    from memplan.plan import solve_plan
-
-    options: dict[str, Any] = {"solver": args.solver, "time_limit": args.time_limit}
-    if getattr(args, "offload", False):
-        # Offload goes through as an option as soon as the planner takes one.
-        if "offload" not in inspect.signature(solve_plan).parameters:
-            raise CLIError(
-                "--offload is not supported by this planner yet: it keeps or recomputes every activation",
-                hint="run without --offload",
-            )
-        options["offload"] = True
-    return options
+    return {"solver": args.solver, "time_limit": args.time_limit, "offload": bool(getattr(args, "offload", False))}
 
 
 # --------------------------------------------------------------------------- #

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 import solvers
 from memplan.capture import Capture
@@ -98,8 +99,7 @@ def _copy_streams(device: torch.device) -> tuple[Any, Any]:
     return _STREAMS[key]
 
 
-def offload(t: torch.Tensor) -> HostCopy:
-    """Start copying ``t`` to host memory; ``t`` may be dropped right away."""
+def _offload_tensor(t: torch.Tensor) -> HostCopy:
     if t.is_cuda:
         d2h, _ = _copy_streams(t.device)
         host = torch.empty_like(t, device="cpu", pin_memory=True)
@@ -117,8 +117,7 @@ def offload(t: torch.Tensor) -> HostCopy:
     return HostCopy(host, t.device)
 
 
-def prefetch(copy: HostCopy) -> Arriving:
-    """Start copying a host copy back to its device."""
+def _prefetch_tensor(copy: HostCopy) -> Arriving:
     if copy.done is not None:
         _, h2d = _copy_streams(copy.device)
         out = torch.empty_like(copy.host, device=copy.device)
@@ -133,11 +132,26 @@ def prefetch(copy: HostCopy) -> Arriving:
     return Arriving(copy.host.clone(memory_format=torch.preserve_format).to(copy.device))
 
 
-def arrive(value: Arriving) -> torch.Tensor:
-    """The prefetched tensor, once its copy has landed (compute waits on the copy's event)."""
+def _arrive_tensor(value: Arriving) -> torch.Tensor:
     if value.landed is not None:
         torch.cuda.current_stream(value.tensor.device).wait_event(value.landed)
     return value.tensor
+
+
+# A value is a tensor or, for a multi-output op, a tuple of them: each tensor travels on its own.
+def offload(value: Any) -> Any:
+    """Start copying a value to host memory; the device value may be dropped right away."""
+    return pytree.tree_map_only(torch.Tensor, _offload_tensor, value)
+
+
+def prefetch(copy: Any) -> Any:
+    """Start copying a host copy back to its device."""
+    return pytree.tree_map_only(HostCopy, _prefetch_tensor, copy)
+
+
+def arrive(value: Any) -> Any:
+    """The prefetched value, once its copies have landed (compute waits on their events)."""
+    return pytree.tree_map_only(Arriving, _arrive_tensor, value)
 
 
 def _split(schedule: solvers.Schedule) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

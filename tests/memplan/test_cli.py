@@ -199,7 +199,6 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
         (("report", "{factory}:plain", "--budget", "1GB", "--batch-size", "4"), "takes no batch_size"),
         (("sweep", "mlp", "--budgets", "100%,-5%"), "cannot read budget"),
         (("report", "mlp", "--budget", "0%"), "above 0%"),
-        (("report", "mlp", "--budget", "1GB", "--offload"), "--offload"),
     ],
 )
 def test_more_user_errors_in_process(factory_file, capsys, args, needle):
