@@ -391,12 +391,14 @@ def sweep(
     solver: str = "auto",
     time_limit: float | None = None,
     on_point=None,
+    offload: bool = False,
 ) -> list[SweepPoint]:
     """Solve one analyzed step at each ``(label, budget)``; ``on_point(point)`` after each."""
     points = []
     for label, budget in budgets:
         try:
-            point = SweepPoint(label, budget, solve_plan(analysis, budget, solver=solver, time_limit=time_limit))
+            point = SweepPoint(label, budget, solve_plan(analysis, budget, solver=solver, time_limit=time_limit,
+                                                           offload=offload))
         except InfeasibleBudgetError as exc:
             point = SweepPoint(label, budget, None, exc.min_budget)
         points.append(point)
