@@ -28,6 +28,17 @@ def clear_grads(module: nn.Module) -> None:
     gc.collect()
 
 
+def assert_same_step(module: nn.Module, reference: nn.Module, loss: torch.Tensor, ref_loss: torch.Tensor) -> None:
+    """Losses and every parameter's gradient equal between a planned module and its eager twin."""
+    torch.testing.assert_close(loss, ref_loss)
+    ref_params = dict(reference.named_parameters())
+    for pname, p in module.named_parameters():
+        if ref_params[pname].grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, ref_params[pname].grad, msg=lambda m: f"{pname}: {m}")
+
+
 def twin(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 

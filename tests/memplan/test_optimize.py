@@ -12,7 +12,7 @@ import memplan
 from memplan import zoo
 from memplan.measure import measure_peak
 
-from .helpers import DataDependent, build_step, clear_grads
+from .helpers import DataDependent, assert_same_step, build_step, clear_grads
 
 ZOO = ["mlp", "cnn", "gpt", "unet", "dict_out"]
 LEVELS = ["store_all", "70%", "50%", "min+10%"]
@@ -73,13 +73,7 @@ def test_gradients_match_eager_and_peak_under_budget(name, level):
     clear_grads(module)
     loss = _run(opt, args, kwargs)
     ref_loss = _run(reference, args, kwargs)
-    torch.testing.assert_close(loss, ref_loss)
-    ref_params = dict(reference.named_parameters())
-    for pname, p in module.named_parameters():
-        if ref_params[pname].grad is None:
-            assert p.grad is None
-        else:
-            torch.testing.assert_close(p.grad, ref_params[pname].grad, msg=lambda m: f"{pname}: {m}")
+    assert_same_step(module, reference, loss, ref_loss)
 
 
 @pytest.mark.parametrize("name", ["cnn", "gpt"])
