@@ -1,0 +1,488 @@
+"""Method "joint": one MILP chooses keep / recompute / offload for every value
+and minimises step time (compute plus waits for host copies) under the budget.
+
+The model extends Checkmate's stage formulation (see `checkmate.py`) with a
+host link. Values to compute are taken in the problem's topological order;
+stage ``t`` recomputes some earlier values (each at most once, in index
+order) and then computes value ``t`` for the first time; a virtual end
+stage reads every sink. Binary variables, for stages ``t`` and values ``i``:
+
+* ``R[t,i]``: i is computed in stage t (``R[t,t] = 1``);
+* ``S[t,i]``: i is on the device when stage t starts;
+* ``O[t,i]``: an offload of i is issued when stage t starts (i must be in
+  ``S[t,i]``); the device copy is held through stage t, so the copy can
+  overlap the stage's compute, and dropped at the stage's end (i is not
+  kept into stage t+1). A value is offloaded at most once (the simulator
+  keeps one host copy per value);
+* ``P[t,i]``: a prefetch of i is issued when stage t starts; i needs a host
+  copy from an earlier stage, counts on the device for the whole of stage t
+  and can be read from stage t+1 on;
+* ``FREE[t,i,k]``: i is dropped right after computing k in stage t, as in
+  Checkmate (never for a value offloaded in that stage).
+
+Memory after every compute of every stage (``U[t,k]``, device values held at
+the stage start plus prefetches issued at it, plus computes, minus frees) is
+within the budget, exactly as in Checkmate; host memory (the sum of offloaded
+sizes) is within ``host_capacity`` when that is set. Only non-source values
+that own their storage (``alias_of == -1``) can be offloaded.
+
+Time: every stage lasts its compute time ``C_t`` (the sum of the costs of its
+computes) plus a wait ``w_t >= 0`` with ``w_t >= (seconds of offloads issued
+in stage t) - C_t`` and the same for prefetches (one copy stream per
+direction). The objective is the sum of ``C_t + w_t``.
+
+Approximations (the simulator is the judge; `finish` simulates the decoded
+schedule):
+
+* each copy must hide behind the compute of the one stage in which it is
+  issued: a copy longer than that stage is charged its excess as waiting
+  even if it would have overlapped later stages, and a prefetch is readable
+  only from the next stage, so it holds memory for one stage longer than
+  strictly needed. Both make the model pessimistic;
+* the copy streams are assumed idle at every stage start (the decoded
+  schedule drops an offloaded value at the end of its stage, which waits for
+  the copy, so this holds for offloads; a prefetch nobody reads in the next
+  stage may still be in flight, which the model does not see);
+* views count their full size unless they alias a source (no discount for a
+  view whose base is resident), so the model is pessimistic about memory on
+  graphs with views; sizes are rounded up and the budget down as in
+  Checkmate;
+* the order of first computations is fixed, so the model's space is
+  Checkmate's space plus transfers, not every schedule.
+
+The decoded schedule issues each stage's offloads and prefetches at its
+start, computes in order, frees every value instance right after its last
+use (an offloaded one not before its stage ends), never frees the last
+instance of a sink, and drops prefetches that nobody reads.
+
+The method also runs the heuristic "offload" method (`offload.solve_offload`)
+and returns whichever schedule has the shorter simulated time among those
+that fit the budget (so it is never worse than that heuristic, and never
+worse than rematerialization alone when ``solve_offload``'s remat-only
+candidate wins). ``info`` records the MILP's own schedule (``milp_time``,
+``milp_fits``) and which candidate was chosen (``chosen``). The lower bound
+is the sum of all compute costs, the only bound valid for every schedule
+(the MILP's dual bound is not: its space is restricted).
+
+Without a host link the method is rematerialization only and delegates to
+"auto" (the exhaustive search on tiny graphs, Checkmate above).
+
+Size limit: graphs with more than `MAX_COMPUTE` values to compute raise
+`MethodFailed`: the model has O(m^2) binaries per family (about 5 m^2 in
+all), which HiGHS no longer solves in tens of seconds beyond that.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .checkmate import MemoryScale, memory_scale
+from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL, Builder
+from .problem import Problem
+from .schedule import Op, Schedule, Step, simulate
+from .solution import FEASIBLE, OPTIMAL, MethodFailed, Solution, finish
+
+METHOD = "joint"
+MAX_COMPUTE = 60  # values to compute; larger graphs raise MethodFailed
+DEFAULT_TIME_LIMIT = 30.0
+BACKEND = "highs"
+MEMORY_UNITS_LIMIT = 2**20  # as for Checkmate with HiGHS: coarser units beyond
+HEURISTIC_SHARE = 0.25  # of the time limit given to the "offload" heuristic run first
+THREADS: Optional[int] = None
+
+ONE, ZERO = -1, -2  # constant operands (as in checkmate.py)
+
+
+@dataclass(frozen=True)
+class JointStage:
+    """What one stage does, as problem node indices, in execution order."""
+
+    offload: tuple[int, ...]
+    prefetch: tuple[int, ...]
+    compute: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class JointPlan:
+    stages: tuple[JointStage, ...]
+
+
+@dataclass
+class _Vars:
+    R: dict[tuple[int, int], int] = field(default_factory=dict)
+    S: dict[tuple[int, int], int] = field(default_factory=dict)
+    O: dict[tuple[int, int], int] = field(default_factory=dict)
+    P: dict[tuple[int, int], int] = field(default_factory=dict)
+    F: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    U: dict[tuple[int, int], int] = field(default_factory=dict)
+    W: dict[int, int] = field(default_factory=dict)
+
+
+class _JointModel:
+    """The MILP over local indices 0..m-1 (the values to compute, then the end node)."""
+
+    def __init__(self, problem: Problem, builder: Builder, scale: MemoryScale, order: list[int]) -> None:
+        # ``order``: the values to compute in a topological order (stage t computes order[t] first).
+        self.p, self.b = problem, builder
+        real = list(order)
+        local = {v: i for i, v in enumerate(real)}
+        position = {v: i for i, v in enumerate(problem.non_sources)}
+        scale = MemoryScale(scale.unit, scale.budget, [scale.size[position[v]] for v in real])
+        end = len(real)
+        m = end + 1
+        self.m = m
+        self.nodes: list[Optional[int]] = list(real) + [None]
+        self.preds = [[local[q] for q in problem.preds[v] if q in local] for v in real] + \
+            [[local[v] for v in problem.sinks]]
+        self.succs = [[local[q] for q in problem.succs[v]] + ([end] if problem.is_sink[v] else []) for v in real] + [[]]
+        recomputable = [bool(problem.recomputable[v]) for v in real] + [False]
+        size = list(scale.size) + [0]
+        self.size = size
+        has_host = problem.has_host
+        # A zero-size value never needs to leave the device.
+        offloadable = [has_host and problem.alias_of[v] < 0 and size[i] > 0 for i, v in enumerate(real)] + [False]
+        transfer = [problem.transfer_time(v) if offloadable[i] else 0.0 for i, v in enumerate(real)] + [0.0]
+        cost = [float(problem.cost[v]) for v in real] + [0.0]
+        x = self.x = _Vars()
+        b = builder
+        for t in range(m):
+            for i in range(t):
+                if recomputable[i]:
+                    x.R[t, i] = b.bool_var()
+                x.S[t, i] = b.bool_var()
+                # Offloading in the end stage, or prefetching in it or for it, is useless.
+                if offloadable[i] and t <= m - 2:
+                    x.O[t, i] = b.bool_var()
+                    if t >= i + 2:
+                        x.P[t, i] = b.bool_var()
+        # Inputs resident for every compute (a prefetch of this stage is not yet readable).
+        for t in range(m):
+            for j in range(t + 1):
+                if self.r(t, j) == ZERO:
+                    continue
+                for i in self.preds[j]:
+                    self._row([self.r(t, j)], [self.r(t, i), self.s(t, i)], -math.inf, 0)
+        # Kept into the next stage only if on the device in this one.
+        for t in range(m - 1):
+            for i in range(t + 1):
+                self._row([self.s(t + 1, i)], [self.r(t, i), self.s(t, i), self.pf(t, i)], -math.inf, 0)
+        # At most one way of being on the device in a stage (a resident value is never
+        # recomputed or prefetched: the simulator forbids both).
+        for t in range(m):
+            for i in range(t):
+                ops = [h for h in (self.r(t, i), self.s(t, i), self.pf(t, i)) if h >= 0]
+                if len(ops) > 1:
+                    self._row(ops, [], -math.inf, 1)
+        # Offloads: from a value held at the stage start, dropped at its end, once per value.
+        offloads_of: dict[int, list[int]] = {}
+        for (t, i), o in x.O.items():
+            self._row([o], [self.s(t, i)], -math.inf, 0)
+            self._row([o, self.s(t + 1, i)], [], -math.inf, 1)
+            offloads_of.setdefault(i, []).append(o)
+        for i, os_ in offloads_of.items():
+            if len(os_) > 1:
+                b.add([(o, 1.0) for o in os_], -math.inf, 1.0)
+        # Prefetches need a host copy made in an earlier stage.
+        for (t, i), h in x.P.items():
+            earlier = [x.O[u, i] for u in range(i + 1, t) if (u, i) in x.O]
+            b.add([(h, 1.0)] + [(o, -1.0) for o in earlier], -math.inf, 0.0)
+        if has_host and problem.host_capacity is not None and x.O:
+            cap = float(problem.host_capacity)
+            b.add([(o, float(problem.mem[real[i]])) for (t, i), o in x.O.items()], -math.inf, cap)
+        # Memory, stage by stage, as in Checkmate, with prefetches counted from the stage start.
+        for t in range(m):
+            prev_u: Optional[int] = None
+            prev_free: list[tuple[int, float]] = []
+            for k in range(t + 1):
+                u = b.num_var(-float(sum(size)), float(scale.budget))
+                x.U[t, k] = u
+                terms: list[tuple[int, float]] = [(u, 1.0)]
+                const = 0.0
+                if prev_u is None:
+                    for i in range(t):
+                        if size[i]:
+                            terms.append((x.S[t, i], -float(size[i])))
+                            if (t, i) in x.P:
+                                terms.append((x.P[t, i], -float(size[i])))
+                else:
+                    terms.append((prev_u, -1.0))
+                    terms.extend((f, +sz) for f, sz in prev_free)
+                rk = self.r(t, k)
+                if rk == ONE:
+                    const += size[k]
+                elif rk != ZERO and size[k]:
+                    terms.append((rk, -float(size[k])))
+                b.add(terms, const, const)
+                prev_u = u
+                prev_free = self._frees(t, k) if rk != ZERO else []
+        # Time: compute of each stage plus the copy time it cannot hide, per direction.
+        objective: list[tuple[int, float]] = []
+        for (t, i), h in x.R.items():
+            if cost[i]:
+                objective.append((h, cost[i]))
+        for t in range(m):
+            outs = [(o, transfer[i]) for (u, i), o in x.O.items() if u == t]
+            ins = [(h, transfer[i]) for (u, i), h in x.P.items() if u == t]
+            if not outs and not ins:
+                continue
+            w = b.num_var(0.0, math.inf)
+            x.W[t] = w
+            compute = [(x.R[t, i], cost[i]) for i in range(t) if (t, i) in x.R and cost[i]]
+            for copies in (outs, ins):
+                if copies:
+                    # w + C_t - copies >= 0, with C_t = cost[t] + sum cost[i] R[t,i]
+                    b.add([(w, 1.0)] + compute + [(h, -c) for h, c in copies], -cost[t], math.inf)
+            objective.append((w, 1.0))
+        b.minimize(objective, sum(cost))
+
+    # -- operands: a variable handle, ONE or ZERO
+    def r(self, t: int, i: int) -> int:
+        if i == t:
+            return ONE
+        return self.x.R.get((t, i), ZERO) if i < t else ZERO
+
+    def s(self, t: int, i: int) -> int:
+        if t >= self.m:
+            return ZERO
+        return self.x.S[t, i] if i < t else ZERO
+
+    def pf(self, t: int, i: int) -> int:
+        return self.x.P.get((t, i), ZERO)
+
+    def _row(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
+        """lb <= sum(pos) - sum(neg) <= ub, constants folded."""
+        terms: dict[int, float] = {}
+        const = 0.0
+        for h, sign in [(h, 1.0) for h in pos] + [(h, -1.0) for h in neg]:
+            if h == ONE:
+                const += sign
+            elif h != ZERO:
+                terms[h] = terms.get(h, 0.0) + sign
+        terms = {h: c for h, c in terms.items() if c}
+        lo, hi = lb - const, ub - const
+        if not terms:
+            if lo > 1e-9 or hi < -1e-9:
+                raise AssertionError("joint: a constant row is violated")
+            return
+        self.b.add(list(terms.items()), lo, hi)
+
+    def _frees(self, t: int, k: int) -> list[tuple[int, float]]:
+        """FREE[t,i,k] for the values that may be dropped right after computing k."""
+        out = []
+        for i in self.preds[k] + [k]:
+            if not self.size[i]:
+                continue
+            keep = self.s(t + 1, i)
+            if keep == ONE:
+                continue
+            hazards = [self.r(t, j) for j in self.succs[i] if k < j <= t]
+            if ONE in hazards:
+                continue
+            f = self.b.bool_var()
+            self.x.F[t, i, k] = f
+            self._row([f], [self.r(t, k)], -math.inf, 0)
+            self._row([f, keep], [], -math.inf, 1)
+            for h in hazards:
+                self._row([f, h], [], -math.inf, 1)
+            o = self.x.O.get((t, i))
+            if o is not None:
+                self._row([f, o], [], -math.inf, 1)  # an offloaded value is held to the stage end
+            out.append((f, float(self.size[i])))
+        return out
+
+    def decode(self, values: list[float]) -> JointPlan:
+        on = lambda h: h == ONE or (h >= 0 and values[h] > 0.5)  # noqa: E731
+        x, nodes = self.x, self.nodes
+        stages = []
+        for t in range(self.m):
+            offs = tuple(nodes[i] for i in range(t) if (t, i) in x.O and on(x.O[t, i]))
+            pres = tuple(nodes[i] for i in range(t) if (t, i) in x.P and on(x.P[t, i]))
+            comps = tuple(nodes[i] for i in range(t + 1)
+                          if nodes[i] is not None and on(self.r(t, i)) and not (i < t and on(self.s(t, i))))
+            stages.append(JointStage(offs, pres, comps))  # type: ignore[arg-type]
+        return JointPlan(tuple(stages))
+
+    def model_time(self, values: list[float]) -> float:
+        """The model's step time of a solution (objective without the solver's tolerances)."""
+        cost = [float(self.p.cost[v]) if v is not None else 0.0 for v in self.nodes]
+        total = sum(cost) + sum(cost[i] for (t, i), h in self.x.R.items() if values[h] > 0.5)
+        return total + sum(values[w] for w in self.x.W.values())
+
+
+def schedule_from_joint_plan(problem: Problem, plan: JointPlan) -> Schedule:
+    """Steps of a joint plan, with frees placed after each instance's last use.
+
+    An instance starts at a compute or a prefetch; reads by computes and its
+    offload are its uses; an instance offloaded in a stage is kept until that
+    stage's last compute (the free then waits for the copy, which the model
+    counts). The last instance of a sink is never freed. A prefetched
+    instance that nobody reads is not issued at all."""
+    names, preds = problem.names, problem.preds
+    is_source = problem.lists().is_source
+    # Events: (op, node), with the stage each belongs to.
+    events: list[tuple[Op, int]] = []
+    stage_of: list[int] = []
+    for t, st in enumerate(plan.stages):
+        for v in st.offload:
+            events.append((Op.OFFLOAD, v))
+            stage_of.append(t)
+        for v in st.prefetch:
+            events.append((Op.PREFETCH, v))
+            stage_of.append(t)
+        for v in st.compute:
+            events.append((Op.COMPUTE, v))
+            stage_of.append(t)
+    stage_last = {}  # stage -> position of its last event
+    for pos, t in enumerate(stage_of):
+        stage_last[t] = pos
+    current: dict[int, int] = {}  # value -> position of the event that made its live instance
+    free_after: dict[int, int] = {}  # instance start -> position after which it is freed
+    used: set[int] = set()  # instance starts that were read (or offloaded)
+    for pos, (op, v) in enumerate(events):
+        if op is Op.COMPUTE:
+            for p in preds[v]:
+                if is_source[p]:
+                    continue
+                inst = current[p]
+                free_after[inst] = max(free_after[inst], pos)
+                used.add(inst)
+            current[v] = pos
+            free_after[pos] = pos
+        elif op is Op.PREFETCH:
+            current[v] = pos
+            free_after[pos] = pos
+        elif op is Op.OFFLOAD:
+            inst = current[v]
+            free_after[inst] = max(free_after[inst], stage_last[stage_of[pos]])
+            used.add(inst)
+    never = len(events)
+    for v in problem.sinks:
+        inst = current.get(v)
+        if inst is not None:
+            free_after[inst] = never
+            used.add(inst)
+    skipped = {pos for pos, (op, _) in enumerate(events) if op is Op.PREFETCH and pos not in used}
+    frees: dict[int, list[int]] = {}
+    for inst, after in free_after.items():
+        if inst in skipped or after >= never:
+            continue
+        frees.setdefault(after, []).append(events[inst][1])
+    steps: list[Step] = []
+    for pos, (op, v) in enumerate(events):
+        if pos not in skipped:
+            steps.append(Step(op, names[v]))
+        for u in sorted(frees.get(pos, ()), reverse=True):  # views before their bases
+            steps.append(Step(Op.FREE, names[u]))
+    return Schedule(tuple(steps))
+
+
+def _better(a: Solution, b: Optional[Solution]) -> bool:
+    """Whether ``a`` beats ``b``: fitting first, then shorter time, then lower cost / peak."""
+    if b is None:
+        return True
+    if a.fits != b.fits:
+        return a.fits
+    if not a.fits:
+        return a.peak < b.peak
+    return (a.time, a.cost) < (b.time - 1e-9 * max(1.0, b.time), b.cost) or \
+        (abs(a.time - b.time) <= 1e-9 * max(1.0, b.time) and a.cost < b.cost - 1e-9 * max(1.0, b.cost))
+
+
+def first_compute_order(problem: Problem, schedule: Schedule) -> list[int]:
+    """The values to compute in the order ``schedule`` first computes them (a
+    topological order, since a compute needs its inputs resident); values it
+    never computes follow in the problem's order."""
+    seen: dict[int, None] = {}
+    for op, node in schedule:
+        if op is Op.COMPUTE:
+            seen.setdefault(problem.index[node], None)
+    for v in problem.non_sources:
+        seen.setdefault(v, None)
+    return list(seen)
+
+
+@dataclass
+class MilpRun:
+    """One solve of the joint model for one order of first computations."""
+
+    status: str
+    schedule: Optional[Schedule]
+    model_time: Optional[float]
+    variables: int
+    seconds: float
+
+
+def solve_milp(problem: Problem, order: Optional[list[int]] = None,
+               time_limit: Optional[float] = None) -> MilpRun:
+    """Build and solve the joint model for ``order`` (default: the problem's
+    order) and decode its answer. No fallback: ``schedule`` is None when the
+    solver found nothing (or the sources alone exceed the budget)."""
+    started = time.perf_counter()
+    scale = memory_scale(problem, MEMORY_UNITS_LIMIT)
+    if scale is None:
+        return MilpRun("infeasible", None, None, 0, 0.0)
+    builder = BACKENDS[BACKEND]()
+    model = _JointModel(problem, builder, scale, list(problem.non_sources) if order is None else order)
+    remaining = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
+    raw = builder.solve(remaining, THREADS)
+    schedule = model_time = None
+    if raw.status in (RAW_OPTIMAL, RAW_FEASIBLE):
+        assert raw.values is not None
+        schedule = schedule_from_joint_plan(problem, model.decode(raw.values))
+        model_time = model.model_time(raw.values)
+    return MilpRun(raw.status, schedule, model_time, len(builder.vars), time.perf_counter() - started)
+
+
+def solve_joint(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    """Keep / recompute / offload every value to minimise simulated step time within the budget."""
+    from .auto import solve_auto
+    from .offload import solve_offload
+
+    started = time.perf_counter()
+    m = problem.n_compute
+    if m > MAX_COMPUTE:
+        raise MethodFailed(f"joint: limited to {MAX_COMPUTE} values to compute, got {m}")
+    limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
+    deadline = started + limit
+    total = problem.total_cost()
+    if not problem.has_host:
+        sol = solve_auto(problem, limit)
+        return finish(problem, sol.schedule, METHOD, started, lower_bound=total,
+                      info={"chosen": sol.info.get("chosen", sol.method), "host": False})
+    info: dict = {"host": True}
+    # The heuristic first: a schedule to fall back on, and its order of first
+    # computations (free of the problem's order) to try in the MILP as well.
+    heuristic = solve_offload(problem, max(0.5, HEURISTIC_SHARE * limit))
+    info.update(offload_time=heuristic.time, offload_fits=heuristic.fits)
+    candidates: list[tuple[str, Schedule]] = []
+    orders = [list(problem.non_sources)]
+    other = first_compute_order(problem, heuristic.schedule)
+    if other != orders[0]:
+        orders.append(other)
+    runs = []
+    for k, order in enumerate(orders):
+        remaining = deadline - time.perf_counter()
+        if k > 0 and remaining < 0.5:
+            break
+        run = solve_milp(problem, order, max(0.5, remaining / (len(orders) - k)))
+        runs.append(run)
+        if run.schedule is not None:
+            candidates.append((f"milp{k}", run.schedule))
+    info["milp"] = [{"status": r.status, "model_time": r.model_time, "variables": r.variables,
+                     "seconds": round(r.seconds, 3),
+                     "time": None if r.schedule is None else simulate(problem, r.schedule).time,
+                     "fits": None if r.schedule is None else simulate(problem, r.schedule).fits} for r in runs]
+    candidates.append(("offload", heuristic.schedule))
+    best: Optional[Solution] = None
+    for name, schedule in candidates:
+        # Optimal only when nothing waits and nothing is recomputed: no schedule is faster.
+        fast = simulate(problem, schedule).time <= total + 1e-9 * max(1.0, total)
+        sol = finish(problem, schedule, METHOD, started, lower_bound=total, status=OPTIMAL if fast else FEASIBLE,
+                     info={**info, "chosen": name})
+        if _better(sol, best):
+            best = sol
+    assert best is not None
+    best.solve_time = time.perf_counter() - started
+    return best

@@ -1,0 +1,243 @@
+"""Method "joint" (solvers/joint.py): the keep / recompute / offload MILP.
+
+Checked against the simulator, the exhaustive remat-only search and the
+"offload" heuristic on small random graphs, and on a constructed graph where
+only offloading fits the budget."""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+
+import networkx as nx
+import pytest
+
+from solvers import MethodFailed, Problem, simulate, validate
+from solvers import generators as gen
+from solvers.exhaustive import min_peak, solve_exhaustive, solve_exhaustive_stages
+from solvers.joint import MAX_COMPUTE, first_compute_order, solve_joint, solve_milp
+from solvers.store_all import solve_store_all
+
+TOL = 1e-6
+TIME_LIMIT = 4.0  # "offload" inside gets a quarter of it
+
+
+def _close_or_below(a: float, b: float) -> bool:
+    return a <= b + TOL * max(1.0, abs(b))
+
+
+def _graph(seed: int) -> nx.DiGraph:
+    """7 values to compute (exhaustive stays fast), a mix of shapes and features."""
+    kind = seed % 4
+    opts = {"nonrecomputable_prob": 0.15 if seed % 3 == 0 else 0.0}
+    if kind == 0:
+        return gen.random_dag(7, seed=seed, n_sources=1 + seed % 2, **opts)
+    if kind == 1:
+        return gen.chain(7, seed=seed, **opts)
+    if kind == 2:
+        return gen.layered(7, seed=seed, **opts)
+    return gen.random_dag(7, seed=seed, n_sources=1, view_prob=0.3, **opts)
+
+
+@functools.lru_cache(maxsize=None)
+def _cases() -> list[dict]:
+    """(graph, budget) cases with a host link: budgets from below the remat-only
+    minimum to store-all's peak; bandwidths that make copies cheap or costly."""
+    out = []
+    for seed in range(16):
+        p0 = Problem.from_networkx(_graph(seed), 0)
+        lo, _ = min_peak(p0)
+        hi = solve_store_all(p0.with_budget(2**40), None).peak
+        bandwidth = (2.0, 5.0, 20.0)[seed % 3]
+        capacity = None if seed % 5 else 12  # a tight host memory now and then
+        for budget in sorted({max(1, lo - 2), lo, (lo + hi) // 2, hi}):
+            p = p0.with_budget(budget).with_host(bandwidth, capacity)
+            remat = p.with_host(0.0)
+            out.append({
+                "seed": seed, "budget": budget, "min_budget": lo, "problem": p,
+                "joint": solve_joint(p, TIME_LIMIT),
+                "exhaustive": solve_exhaustive(remat),
+                "stages": solve_exhaustive_stages(remat),
+            })
+    return out
+
+
+def test_schedules_replay_and_fit_unless_over_budget():
+    for case in _cases():
+        p, sol, where = case["problem"], case["joint"], (case["seed"], case["budget"])
+        if sol.status == "over_budget":
+            result = simulate(p, sol.schedule)
+            assert result.peak > p.budget, where
+        else:
+            assert sol.status in ("optimal", "feasible"), where
+            result = validate(p, sol.schedule)  # raises on any broken rule, budget and host capacity included
+        assert math.isclose(result.time, sol.time) and result.cost == sol.cost and result.peak == sol.peak, where
+        assert sol.lower_bound is not None and _close_or_below(sol.lower_bound, sol.cost), where
+        if p.host_capacity is not None:
+            assert result.host_peak <= p.host_capacity, where
+
+
+def test_milp_schedules_never_exceed_the_budget():
+    # The model's memory accounting is never optimistic: whatever it decodes fits.
+    runs = 0
+    for case in _cases():
+        for run in case["joint"].info["milp"]:
+            if run["time"] is not None:
+                runs += 1
+                assert run["fits"], (case["seed"], case["budget"], run)
+    assert runs > 0
+
+
+def test_never_slower_than_remat_only_or_the_heuristic():
+    compared = 0
+    for case in _cases():
+        sol, where = case["joint"], (case["seed"], case["budget"])
+        ex = case["exhaustive"]
+        if ex.fits:
+            compared += 1
+            assert sol.fits and _close_or_below(sol.time, ex.time), (where, sol.time, ex.time)
+        if sol.info["offload_fits"]:  # the heuristic's run inside solve_joint is a candidate
+            assert sol.fits and _close_or_below(sol.time, sol.info["offload_time"]), where
+    assert compared > 0
+
+
+def test_milp_in_problem_order_contains_checkmate_space():
+    # Every remat-only plan of Checkmate's space (first computations in the problem's
+    # order) is a point of the model with the same time, so the MILP's own schedule
+    # in that order can only be faster, once simulated, than the best such plan.
+    compared = 0
+    for case in _cases():
+        ref = case["stages"]
+        if not ref.fits or case["seed"] % 4 == 3:
+            continue  # views: the model counts them pessimistically (no alias discount)
+        run = case["joint"].info["milp"][0]
+        assert run["time"] is not None and run["fits"], (case["seed"], case["budget"], run)
+        assert _close_or_below(run["time"], ref.time), (case["seed"], case["budget"], run["time"], ref.time)
+        compared += 1
+    assert compared >= 20
+
+
+def test_at_the_remat_minimum_and_above_never_slower_than_exhaustive():
+    at_min = [c for c in _cases() if c["budget"] >= c["min_budget"]]
+    assert len(at_min) >= 30
+    for case in at_min:
+        ex = case["exhaustive"]
+        assert ex.fits
+        assert case["joint"].fits and _close_or_below(case["joint"].time, ex.time), (case["seed"], case["budget"])
+
+
+def test_without_host_link_equals_exhaustive_optimum():
+    for seed in range(12):
+        p0 = Problem.from_networkx(_graph(seed), 0)
+        lo, _ = min_peak(p0)
+        hi = solve_store_all(p0.with_budget(2**40), None).peak
+        for budget in sorted({lo, (lo + hi) // 2}):
+            p = p0.with_budget(budget)
+            sol, ex = solve_joint(p, TIME_LIMIT), solve_exhaustive(p)
+            validate(p, sol.schedule)
+            assert math.isclose(sol.cost, ex.cost, rel_tol=TOL) and sol.time == sol.cost, (seed, budget)
+
+
+def test_model_without_host_is_checkmate():
+    # With no host link the model is Checkmate's (minus its alias discount): on graphs
+    # without views its optimum is the exhaustive optimum over Checkmate's space.
+    for seed in range(12):
+        if seed % 4 == 3:
+            continue
+        p0 = Problem.from_networkx(_graph(seed), 0)
+        lo, _ = min_peak(p0)
+        hi = solve_store_all(p0.with_budget(2**40), None).peak
+        for budget in sorted({lo, (lo + hi) // 2, hi}):
+            p = p0.with_budget(budget)
+            ref = solve_exhaustive_stages(p)
+            run = solve_milp(p, None, TIME_LIMIT)
+            if not ref.fits:
+                assert run.schedule is None, (seed, budget)
+                continue
+            assert run.schedule is not None and run.status == "optimal", (seed, budget)
+            got = validate(p, run.schedule)
+            assert math.isclose(got.cost, ref.cost, rel_tol=TOL), (seed, budget, got.cost, ref.cost)
+
+
+def _skip_chain(budget: int) -> Problem:
+    """x -> a (big, computed once) -> b1 .. b4 (slow) -> s (slow, small) -> c reads s and a.
+
+    Remat-only must hold a through the whole chain (it cannot be recomputed):
+    peak 1 + 8 + 3 + 3 = 15. Paging a out while b2..b4 run needs only 13
+    (b4, s and the prefetched a). Copies take 1 time unit, the chain's
+    computes 10 each, so they hide."""
+    G = nx.DiGraph()
+    G.add_node("x", mem=1, cost=0.0)
+    G.add_node("a", mem=8, cost=1.0, recomputable=False)
+    G.add_edge("x", "a")
+    prev = "a"
+    for i in range(1, 5):
+        G.add_node(f"b{i}", mem=3, cost=10.0)
+        G.add_edge(prev, f"b{i}")
+        prev = f"b{i}"
+    G.add_node("s", mem=1, cost=10.0)
+    G.add_edge(prev, "s")
+    G.add_node("c", mem=1, cost=1.0)
+    G.add_edges_from([("s", "c"), ("a", "c")])
+    return Problem.from_networkx(G, budget, host_bandwidth=8.0)
+
+
+def test_offloading_fits_where_no_remat_schedule_does():
+    p = _skip_chain(13)
+    remat = p.with_host(0.0)
+    assert min_peak(remat)[0] == 15
+    assert not solve_exhaustive(remat).fits  # no remat-only schedule fits 13
+    sol = solve_joint(p, TIME_LIMIT)
+    result = validate(p, sol.schedule)
+    assert sol.fits and result.peak <= 13
+    assert sol.schedule.offloads() == ["a"]
+    assert math.isclose(result.time, p.total_cost()) and result.wait == 0.0  # copies hidden behind compute
+    assert sol.status == "optimal"
+    # The MILP finds it on its own, in the problem's order.
+    run = solve_milp(p, None, TIME_LIMIT)
+    assert run.schedule is not None and math.isclose(validate(p, run.schedule).time, p.total_cost())
+
+
+def test_slow_link_makes_compute_wait_or_fails():
+    # Same graph, a link 20x slower: copying a takes 20 units, more than any stage's compute.
+    p = _skip_chain(13).with_host(0.4)
+    sol = solve_joint(p, TIME_LIMIT)
+    if sol.fits:
+        result = validate(p, sol.schedule)
+        assert result.time > p.total_cost() and result.wait > 0
+    else:
+        assert sol.status == "over_budget"
+
+
+def test_first_compute_order_is_topological():
+    for seed in range(6):
+        p = Problem.from_networkx(_graph(seed), 10**6)
+        order = first_compute_order(p, solve_store_all(p, None).schedule)
+        assert sorted(order) == list(p.non_sources)
+        pos = {v: i for i, v in enumerate(order)}
+        assert all(pos[q] < pos[v] for v in order for q in p.preds[v] if not p.is_source[q])
+
+
+def test_refuses_large_graphs():
+    p = Problem.from_networkx(gen.chain(MAX_COMPUTE + 1, seed=0), 10**6, host_bandwidth=1.0)
+    with pytest.raises(MethodFailed):
+        solve_joint(p, 1.0)
+
+
+def test_report_joint_versus_offload_heuristic(record_property):
+    # "offload" here is solve_offload's run inside solve_joint (a quarter of the time limit).
+    cases = [c for c in _cases() if c["joint"].fits]
+    heuristic = {id(c): (c["joint"].info["offload_fits"], c["joint"].info["offload_time"]) for c in cases}
+    better = [c for c in cases if not heuristic[id(c)][0] or c["joint"].time < heuristic[id(c)][1] * (1 - TOL)]
+    only_joint_fits = [c for c in cases if not heuristic[id(c)][0]]
+    gains = [1 - c["joint"].time / heuristic[id(c)][1] for c in better if heuristic[id(c)][0]]
+    milp_chosen = sum(c["joint"].info["chosen"].startswith("milp") for c in cases)
+    solve_times = [c["joint"].solve_time for c in cases]
+    line = (f"joint vs offload on {len(cases)} (graph, budget) cases with a host link: joint faster in "
+            f"{len(better) - len(only_joint_fits)}, fits where offload does not in {len(only_joint_fits)}, "
+            f"mean gain when faster {100 * statistics.mean(gains) if gains else 0.0:.1f}% "
+            f"(max {100 * max(gains, default=0.0):.1f}%); MILP schedule chosen in {milp_chosen}; "
+            f"solve time mean {statistics.mean(solve_times):.2f}s, max {max(solve_times):.2f}s")
+    print(line)
+    record_property("joint_vs_offload", line)
+    assert cases
