@@ -6,6 +6,7 @@
 """
 from .api import solve
 from .bounds import memory_lower_bound, min_budget
+from .lower_bounds import lower_bound
 from .plan import Plan, PlanError, schedule_from_plan, schedule_from_sequence
 from .problem import Problem
 from .registry import METHODS
@@ -16,4 +17,5 @@ __all__ = [
     "Problem", "Schedule", "Step", "Op", "SimResult", "ScheduleError", "simulate", "validate",
     "Plan", "PlanError", "schedule_from_plan", "schedule_from_sequence",
     "Solution", "Infeasible", "MethodFailed", "solve", "METHODS", "memory_lower_bound", "min_budget",
+    "lower_bound",
 ]

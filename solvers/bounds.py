@@ -7,8 +7,10 @@ end the sinks are resident.
 
 `min_budget` searches for the smallest budget with a schedule: exactly for
 graphs small enough for the exhaustive search, otherwise by binary search
-over budgets with the greedy and "select" (plus the budget-oblivious
-baselines' peaks).
+over budgets with the greedy and "select", starting from the lowest peak of
+the budget-oblivious baselines and of rotor's chain program asked for the
+trivial lower bound (its lowest-peak schedule: on transformers far below what
+the greedy reaches).
 With a host link, the schedule found is then paged out to host memory as
 far as it goes (`offload.add_offloads`). Every candidate is verified by the
 simulator.
@@ -23,6 +25,7 @@ from .greedy import solve_greedy
 from .memory import memory_of
 from .problem import Problem
 from .recompute_all import solve_recompute_all
+from .rotor import solve_rotor
 from .schedule import Schedule, simulate
 from .select import solve_select
 from .solution import MethodFailed
@@ -31,6 +34,7 @@ from .store_all import solve_store_all
 
 # Exact minimum (exhaustive search) up to this many values to compute.
 EXACT_MIN_BUDGET_NODES = 8
+ROTOR_TIME_LIMIT = 10.0  # seconds for rotor's lowest-peak schedule
 
 
 def memory_lower_bound(problem: Problem) -> int:
@@ -55,6 +59,12 @@ def min_budget(problem: Problem) -> tuple[int, Schedule]:
         if best is None or sol.peak < best[0]:
             best = (sol.peak, sol.schedule)
     assert best is not None  # store_all always succeeds
+    try:
+        sol = solve_rotor(problem.with_budget(memory_lower_bound(problem)), ROTOR_TIME_LIMIT)
+        if sol.peak < best[0]:
+            best = (sol.peak, sol.schedule)
+    except MethodFailed:
+        pass  # no chain in the graph
     lo = memory_lower_bound(problem) - 1  # greedy is not known to succeed at lo
     hi = best[0]
     while hi - lo > 1:

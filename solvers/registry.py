@@ -9,9 +9,13 @@ from .auto import solve_auto
 from .checkmate import solve_checkmate_cpsat, solve_checkmate_default, solve_checkmate_highs, solve_checkmate_scip
 from .exhaustive import solve_exhaustive, solve_exhaustive_fixed, solve_exhaustive_stages
 from .greedy import solve_greedy
+from .hierarchical import solve_hierarchical
+from .moccasin import solve_moccasin, solve_moccasin_free
 from .offload import solve_offload
 from .problem import Problem
 from .recompute_all import solve_recompute_all
+from .revolve import solve_revolve
+from .rotor import solve_rotor
 from .select import solve_select
 from .solution import Solution
 from .sqrt_n import solve_sqrt_n
@@ -30,6 +34,11 @@ METHODS: dict[str, SolveFn] = {
     "recompute_all": solve_recompute_all,
     "sqrt_n": solve_sqrt_n,
     "greedy": solve_greedy,
+    "hierarchical": solve_hierarchical,
+    "rotor": solve_rotor,
+    "revolve": solve_revolve,
+    "moccasin": solve_moccasin,
+    "moccasin_free": solve_moccasin_free,
     "offload": solve_offload,
     "select": solve_select,
     "exhaustive": solve_exhaustive,
