@@ -76,7 +76,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from .checkmate import MemoryScale, memory_scale
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL, Builder
@@ -139,7 +139,7 @@ class _JointModel:
         self.succs = [[local[q] for q in problem.succs[v]] + ([end] if problem.is_sink[v] else []) for v in real] + [[]]
         recomputable = [bool(problem.recomputable[v]) for v in real] + [False]
         size = list(scale.size) + [0]
-        self.size = size
+        self.size, self.budget_units = size, scale.budget
         has_host = problem.has_host
         # A zero-size value never needs to leave the device.
         offloadable = [has_host and problem.alias_of[v] < 0 and size[i] > 0 for i, v in enumerate(real)] + [False]
@@ -304,6 +304,65 @@ class _JointModel:
             stages.append(JointStage(offs, pres, comps))  # type: ignore[arg-type]
         return JointPlan(tuple(stages))
 
+    def hint_from(self, schedule: Schedule) -> Optional[dict[int, float]]:
+        """Values of every variable that reproduce a remat-only ``schedule``, or None
+        when it lies outside the model (first computations in another order, a
+        value recomputed twice in a stage or out of order, transfers, or frees
+        the model cannot express that leave its memory above the budget)."""
+        if schedule.has_transfers():
+            return None
+        x, end = self.x, self.m - 1
+        local = {self.p.names[v]: i for i, v in enumerate(self.nodes) if v is not None}
+        values: dict[int, float] = {}
+        for group in (x.R, x.S, x.O, x.P, x.F, x.W):
+            values.update({h: 0.0 for h in group.values()})
+        resident: set[int] = set()
+        firsts, stage, last_in_stage, last_compute = 0, -1, -1, -1
+        for op, node in schedule:
+            i = local.get(node)
+            if i is None:
+                return None
+            if op is Op.COMPUTE:
+                t = min(firsts, end)
+                if t != stage:  # a new stage: it starts with what is resident now
+                    stage, last_in_stage = t, -1
+                    for j in resident:
+                        values[x.S[t, j]] = 1.0
+                if i <= last_in_stage or i > t:
+                    return None
+                if i == t:
+                    firsts += 1
+                elif (t, i) in x.R:
+                    values[x.R[t, i]] = 1.0
+                else:
+                    return None
+                last_in_stage = last_compute = i
+                resident.add(i)
+            else:
+                resident.discard(i)
+                f = x.F.get((stage, i, last_compute))
+                if f is not None:
+                    values[f] = 1.0
+        if stage != end:
+            for j in resident:
+                values[x.S[end, j]] = 1.0
+        # Memory as the model counts it (frees it cannot express keep a value to the stage end).
+        on = lambda h: h == ONE or (h >= 0 and values.get(h, 0.0) > 0.5)  # noqa: E731
+        size = self.size
+        budget = self.budget_units
+        for t in range(self.m):
+            used = sum(size[i] for i in range(t) if on(x.S[t, i]))
+            for k in range(t + 1):
+                if on(self.r(t, k)):
+                    used += size[k]
+                if used > budget + 1e-9:
+                    return None
+                values[x.U[t, k]] = float(used)
+                for i in self.preds[k] + [k]:
+                    if values.get(x.F.get((t, i, k), -1), 0.0) > 0.5:
+                        used -= size[i]
+        return values
+
     def model_time(self, values: list[float]) -> float:
         """The model's step time of a solution (objective without the solver's tolerances)."""
         cost = [float(self.p.cost[v]) if v is not None else 0.0 for v in self.nodes]
@@ -412,19 +471,29 @@ class MilpRun:
     model_time: Optional[float]
     variables: int
     seconds: float
+    hinted: bool = False
 
 
-def solve_milp(problem: Problem, order: Optional[list[int]] = None,
-               time_limit: Optional[float] = None) -> MilpRun:
+def solve_milp(problem: Problem, order: Optional[list[int]] = None, time_limit: Optional[float] = None,
+               hints: Sequence[Schedule] = ()) -> MilpRun:
     """Build and solve the joint model for ``order`` (default: the problem's
-    order) and decode its answer. No fallback: ``schedule`` is None when the
-    solver found nothing (or the sources alone exceed the budget)."""
+    order) and decode its answer. The first of ``hints`` (remat-only
+    schedules) that lies in the model warm-starts the solver. No fallback:
+    ``schedule`` is None when the solver found nothing (or the sources alone
+    exceed the budget)."""
     started = time.perf_counter()
     scale = memory_scale(problem, MEMORY_UNITS_LIMIT)
     if scale is None:
-        return MilpRun("infeasible", None, None, 0, 0.0)
+        return MilpRun("infeasible", None, None, 0, time.perf_counter() - started)
     builder = BACKENDS[BACKEND]()
     model = _JointModel(problem, builder, scale, list(problem.non_sources) if order is None else order)
+    hinted = False
+    for schedule in hints:
+        values = model.hint_from(schedule)
+        if values is not None:
+            builder.hint(values)
+            hinted = True
+            break
     remaining = None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
     raw = builder.solve(remaining, THREADS)
     schedule = model_time = None
@@ -432,7 +501,28 @@ def solve_milp(problem: Problem, order: Optional[list[int]] = None,
         assert raw.values is not None
         schedule = schedule_from_joint_plan(problem, model.decode(raw.values))
         model_time = model.model_time(raw.values)
-    return MilpRun(raw.status, schedule, model_time, len(builder.vars), time.perf_counter() - started)
+    return MilpRun(raw.status, schedule, model_time, len(builder.vars), time.perf_counter() - started, hinted)
+
+
+def _remat_hints(problem: Problem, heuristic: Schedule) -> list[Schedule]:
+    """Fitting schedules without transfers to warm-start the MILP, cheapest first:
+    the heuristic's own when it has none, and the fast remat-only baselines."""
+    from .portfolio import CONSTRUCTIVE
+
+    found: list[tuple[float, Schedule]] = []
+    if not heuristic.has_transfers():
+        result = simulate(problem, heuristic)
+        if result.fits:
+            found.append((result.time, heuristic))
+    remat = problem.with_host(0.0)
+    for name in ("store_all", "greedy", "select"):
+        try:
+            sol = CONSTRUCTIVE[name](remat, None)
+        except MethodFailed:
+            continue
+        if sol.fits:
+            found.append((sol.cost, sol.schedule))
+    return [schedule for _, schedule in sorted(found, key=lambda item: item[0])]
 
 
 def solve_joint(problem: Problem, time_limit: Optional[float] = None) -> Solution:
@@ -461,16 +551,17 @@ def solve_joint(problem: Problem, time_limit: Optional[float] = None) -> Solutio
     other = first_compute_order(problem, heuristic.schedule)
     if other != orders[0]:
         orders.append(other)
+    hints = _remat_hints(problem, heuristic.schedule)
     runs = []
     for k, order in enumerate(orders):
         remaining = deadline - time.perf_counter()
         if k > 0 and remaining < 0.5:
             break
-        run = solve_milp(problem, order, max(0.5, remaining / (len(orders) - k)))
+        run = solve_milp(problem, order, max(0.5, remaining / (len(orders) - k)), hints)
         runs.append(run)
         if run.schedule is not None:
             candidates.append((f"milp{k}", run.schedule))
-    info["milp"] = [{"status": r.status, "model_time": r.model_time, "variables": r.variables,
+    info["milp"] = [{"status": r.status, "model_time": r.model_time, "variables": r.variables, "hinted": r.hinted,
                      "seconds": round(r.seconds, 3),
                      "time": None if r.schedule is None else simulate(problem, r.schedule).time,
                      "fits": None if r.schedule is None else simulate(problem, r.schedule).fits} for r in runs]

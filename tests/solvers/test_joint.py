@@ -15,7 +15,9 @@ import pytest
 from solvers import MethodFailed, Problem, simulate, validate
 from solvers import generators as gen
 from solvers.exhaustive import min_peak, solve_exhaustive, solve_exhaustive_stages
-from solvers.joint import MAX_COMPUTE, first_compute_order, solve_joint, solve_milp
+from solvers.checkmate import memory_scale
+from solvers.joint import MAX_COMPUTE, MEMORY_UNITS_LIMIT, _JointModel, first_compute_order, solve_joint, solve_milp
+from solvers.milp_backends import BACKENDS
 from solvers.store_all import solve_store_all
 
 TOL = 1e-6
@@ -157,6 +159,44 @@ def test_model_without_host_is_checkmate():
             assert run.schedule is not None and run.status == "optimal", (seed, budget)
             got = validate(p, run.schedule)
             assert math.isclose(got.cost, ref.cost, rel_tol=TOL), (seed, budget, got.cost, ref.cost)
+
+
+def _check_assignment(builder, values: dict[int, float]) -> float:
+    """Every variable set within its bounds and every row satisfied; returns the objective."""
+    assert len(values) == len(builder.vars)
+    for h, (lb, ub, integer) in enumerate(builder.vars):
+        assert lb - 1e-9 <= values[h] <= ub + 1e-9 and (not integer or values[h] in (0.0, 1.0)), h
+    sums = [0.0] * len(builder.row_bounds)
+    for r, h, c in zip(builder.coef_rows, builder.coef_vars, builder.coef_values):
+        sums[r] += c * values[h]
+    for r, (lb, ub) in enumerate(builder.row_bounds):
+        assert lb - 1e-6 <= sums[r] <= ub + 1e-6, (r, lb, sums[r], ub)
+    return builder.offset + sum(c * values[h] for h, c in builder.objective)
+
+
+def test_checkmate_space_plans_are_points_of_the_model_with_their_time():
+    # The MILP's warm start maps a remat-only schedule onto the variables; for the
+    # exhaustive optimum over Checkmate's space the mapping must satisfy every row of
+    # the model (host link on) and give the schedule's own time as the objective.
+    checked = 0
+    for seed in range(12):
+        if seed % 4 == 3:
+            continue  # views: the model may count a fitting schedule above the budget
+        p0 = Problem.from_networkx(_graph(seed), 0)
+        lo, _ = min_peak(p0)
+        hi = solve_store_all(p0.with_budget(2**40), None).peak
+        for budget in sorted({lo, (lo + hi) // 2}):
+            p = p0.with_budget(budget).with_host(5.0)
+            ref = solve_exhaustive_stages(p.with_host(0.0))
+            if not ref.fits:
+                continue
+            builder = BACKENDS["highs"]()
+            model = _JointModel(p, builder, memory_scale(p, MEMORY_UNITS_LIMIT), list(p.non_sources))
+            values = model.hint_from(ref.schedule)
+            assert values is not None, (seed, budget)
+            assert math.isclose(_check_assignment(builder, values), ref.time, rel_tol=TOL), (seed, budget)
+            checked += 1
+    assert checked >= 10
 
 
 def _skip_chain(budget: int) -> Problem:
