@@ -173,6 +173,10 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         add_backward_barrier()
     for t in tangent_nodes:
         fx_map[t.name] = t
+    # Bookkeeping values (the backward barrier, generator states) have no tensor the runtime could copy.
+    for name in G.nodes:
+        if name not in fx_map:
+            G.nodes[name]["offloadable"] = False
     problem = solvers.Problem.from_networkx(G, budget if budget is not None else _unbounded(G))
     return Lowered(
         problem=problem,

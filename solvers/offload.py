@@ -24,8 +24,8 @@ parts:
   never slower than rematerialization alone when that fits.
 
 Values that cannot be offloaded: sources (parameters, inputs), views (their
-base is offloaded instead), and values a view of which must stay resident
-(a user output's reference).
+base is offloaded instead), values the problem marks (``offloadable``), and
+values a view of which must stay resident (a user output's reference).
 """
 from __future__ import annotations
 
@@ -60,6 +60,12 @@ class Window:
     views: tuple[tuple[int, int], ...]  # (view, position of its recompute) for views freed with the value
     saving: int  # bytes the window removes from the peak
     wait: float  # estimated compute-stream waiting it adds
+    # (view, first, last): a view between ``value`` and a held view, re-made at ``first`` to re-make
+    # its descendants and freed again at ``last``.
+    helpers: tuple[tuple[int, int, int], ...] = ()
+    # Set when only views hold the value's storage across the peak: the position of the
+    # value's own free, moved to ``free_at`` (its free waits for the copy; a view's would not).
+    moved_free: Optional[int] = None
 
 
 class _Uses:
@@ -103,6 +109,24 @@ class _Uses:
         i = bisect.bisect_right(reads, k) - 1
         return max(start, reads[i]) if i >= 0 else start
 
+    def held_by_views(self, v: int, k: int, end: int, views: list[int]) -> Optional[tuple[int, int, int]]:
+        """``(start, end, free)`` when ``v``'s latest instance before ``k`` was freed at
+        ``free`` < ``k`` while a view made from it is still resident at ``k``."""
+        starts = self.starts[v]
+        i = bisect.bisect_right(starts, k) - 1
+        if i < 0:
+            return None
+        start = starts[i]
+        ends = self.ends[v]
+        j = bisect.bisect_right(ends, start)
+        if j >= len(ends) or ends[j] >= k:
+            return None
+        for w in views:
+            span = self.interval(w, k, end)
+            if span is not None and span[0] >= start:
+                return start, end, ends[j]
+        return None
+
     def next_read(self, v: int, k: int, stop: int) -> Optional[int]:
         """First position in ``(k, stop)`` where ``v`` is read."""
         reads = self.reads[v]
@@ -116,7 +140,7 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
     trees = alias_trees(problem)
     clock = sim.clock
     lists = problem.lists()
-    alias_of, recomputable, mem = lists.alias_of, lists.recomputable, lists.mem
+    alias_of, recomputable, mem, offloadable = lists.alias_of, lists.recomputable, lists.mem, lists.offloadable
     end = len(steps)
 
     def time_before(j: int) -> float:  # compute-stream time when the step at j starts
@@ -124,35 +148,48 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
 
     out: list[Window] = []
     for v in range(problem.n):
-        if problem.is_source[v] or alias_of[v] >= 0:
+        if not offloadable[v]:
             continue
+        members = trees.members.get(int(trees.root[v]), ())
         span = uses.interval(v, k, end)
+        moved_free = None
         if span is None:
-            continue
-        start, stop = span
+            # Freed before k, but views made from this instance may still hold its storage:
+            # page the storage out all the same, v's own free moving to after the copy.
+            span = uses.held_by_views(v, k, end, [w for w in members if w != v and _descends(alias_of, w, v)])
+            if span is None:
+                continue
+            start, stop, moved_free = span
+            b = None
+        else:
+            start, stop = span
         a = uses.last_use(v, start, k)
         if a >= k:
             continue  # read by (or made at) the peak step itself
-        b = uses.next_read(v, k, stop)
-        if b is None:
-            continue  # held for nobody: a sink (or kept on purpose)
+        if moved_free is None:
+            b = uses.next_read(v, k, stop)
+            if b is None:
+                continue  # held for nobody: a sink (or kept on purpose)
         # Views of v still held across k go with it and are recomputed before their next read.
         views: list[tuple[int, int]] = []
         ok = True
-        members = trees.members.get(int(trees.root[v]), ())
         for w in members:
             if w == v or not _descends(alias_of, w, v):
                 continue
             w_span = uses.interval(w, k, end)
-            if w_span is None:
-                continue
+            if w_span is None or w_span[0] < start:
+                continue  # not held, or made from an earlier instance of v (another storage)
             w_next = uses.next_read(w, k, w_span[1])
             if w_next is None or not recomputable[w] or uses.last_use(w, w_span[0], k) >= k:
                 ok = False
                 break
             views.append((w, w_next))
-            b = min(b, w_next)
-        if not ok:
+            b = w_next if b is None else min(b, w_next)
+            a = max(a, uses.last_use(w, w_span[0], k))
+        if not ok or b is None:
+            continue
+        views, helpers = _remake_order(views, v, alias_of)
+        if helpers is None or any(not recomputable[u] for u, _, _ in helpers):
             continue
         t = problem.transfer_time(v)
         offload_at = None if uses.offloaded[v] is not None and uses.offloaded[v] < a else a + 1
@@ -174,8 +211,33 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
                 break
         else:
             wait += time_before(prefetch_at) + t - due
-        out.append(Window(v, offload_at, free_at, prefetch_at, tuple(views), mem[v], max(0.0, wait)))
+        if moved_free is not None and offload_at is not None:
+            offload_at = min(offload_at, moved_free)  # while v itself is still resident
+        out.append(Window(v, offload_at, free_at, prefetch_at, tuple(views), mem[v], max(0.0, wait), tuple(helpers),
+                          moved_free))
     return out
+
+
+def _remake_order(views: list[tuple[int, int]], v: int, alias_of: list[int]
+                  ) -> tuple[list[tuple[int, int]], Optional[list[tuple[int, int, int]]]]:
+    """A view is re-made from its parent view, so every view between ``v`` and a held
+    view must be resident when that one is re-made: held ones are re-made no later,
+    the others (helpers) are re-made for the purpose and freed after their last child."""
+    at = dict(views)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for w, w_at in sorted(views, key=lambda e: e[1]):
+        u = alias_of[w]
+        while u != v:
+            if u < 0:
+                return views, None  # not a descendant after all
+            if u in at:
+                at[u] = min(at[u], w_at)
+            else:
+                first[u] = min(first.get(u, w_at), w_at)
+                last[u] = max(last.get(u, w_at), w_at)
+            u = alias_of[u]
+    return sorted(at.items()), [(u, first[u], last[u]) for u in sorted(first)]
 
 
 def _descends(alias_of: list[int], w: int, v: int) -> bool:
@@ -200,12 +262,18 @@ def _apply(problem: Problem, steps: list[Step], w: Window) -> list[Step]:
         put(w.free_at, Step(Op.FREE, names[view]))
     put(w.free_at, Step(Op.FREE, names[w.value]))
     put(w.prefetch_at, Step(Op.PREFETCH, names[w.value]))
-    for view, at in sorted(w.views):  # bases before their views
+    remakes = [(at, view) for view, at in w.views] + [(first, view) for view, first, _ in w.helpers]
+    for at, view in sorted(remakes):  # bases before their views (values are numbered in graph order)
         put(at, Step(Op.COMPUTE, names[view]))
+    for view, _, last in w.helpers:  # after the computes put at the same position
+        put(last, Step(Op.FREE, names[view]))
+    if w.moved_free is not None:  # the prefetched instance goes once its views are made again
+        put(max(at for _, at in w.views), Step(Op.FREE, names[w.value]))
     out: list[Step] = []
     for j, step in enumerate(steps):
         out.extend(before.get(j, ()))
-        out.append(step)
+        if j != w.moved_free:
+            out.append(step)
     out.extend(before.get(len(steps), ()))
     return out
 

@@ -7,7 +7,9 @@ and the constructive baselines stay linear in the graph size:
 * node ``i`` has name ``names[i]``, predecessors ``preds[i]`` (indices < i),
   size ``mem[i]`` in bytes, compute time ``cost[i]``,
   ``recomputable[i]`` (False: must be computed exactly once) and
-  ``alias_of[i]`` (index of the predecessor whose storage it lives in, or -1);
+  ``alias_of[i]`` (index of the predecessor whose storage it lives in, or -1)
+  and ``offloadable[i]`` (False: may not be copied to the host, e.g. a
+  bookkeeping value with no tensor behind it; default True);
 * sources (no predecessors) are inputs, resident for the whole schedule;
 * sinks (no successors) must be resident when the schedule ends.
 
@@ -38,6 +40,7 @@ class ProblemLists:
     is_source: list[bool]
     recomputable: list[bool]
     alias_of: list[int]
+    offloadable: list[bool]
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +54,7 @@ class Problem:
     budget: int
     host_bandwidth: float = 0.0  # bytes per time unit each way; 0: no host link, no offload
     host_capacity: Optional[int] = None  # bytes of host memory for offloaded values; None: unlimited
+    offloadable: Optional[np.ndarray] = None  # bool; None: every value (sources and views never are)
     # Derived in __post_init__; never passed by callers.
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     index: dict[Hashable, int] = field(init=False, repr=False)
@@ -66,7 +70,9 @@ class Problem:
         cost = np.asarray(self.cost, dtype=np.float64)
         recomputable = np.asarray(self.recomputable, dtype=bool)
         alias_of = np.asarray(self.alias_of, dtype=np.int64)
-        for name, arr in (("mem", mem), ("cost", cost), ("recomputable", recomputable), ("alias_of", alias_of)):
+        offloadable = np.ones(n, dtype=bool) if self.offloadable is None else np.asarray(self.offloadable, dtype=bool)
+        for name, arr in (("mem", mem), ("cost", cost), ("recomputable", recomputable), ("alias_of", alias_of),
+                          ("offloadable", offloadable)):
             if arr.shape != (n,):
                 raise ValueError(f"{name} has shape {arr.shape}, expected ({n},)")
         if len(self.preds) != n:
@@ -98,7 +104,8 @@ class Problem:
         is_source = np.array([len(ps) == 0 for ps in preds], dtype=bool)
         is_sink = np.array([len(s) == 0 for s in succs], dtype=bool)
         # Frozen dataclass: normalised arrays and derived views go in via object.__setattr__.
-        for arr in (mem, cost, recomputable, alias_of, is_source, is_sink):
+        offloadable = offloadable & ~is_source & (alias_of < 0)  # the simulator's rule, in one array
+        for arr in (mem, cost, recomputable, alias_of, offloadable, is_source, is_sink):
             arr.setflags(write=False)
         setattr_ = object.__setattr__
         setattr_(self, "names", tuple(self.names))
@@ -107,6 +114,7 @@ class Problem:
         setattr_(self, "cost", cost)
         setattr_(self, "recomputable", recomputable)
         setattr_(self, "alias_of", alias_of)
+        setattr_(self, "offloadable", offloadable)
         setattr_(self, "budget", int(self.budget))
         setattr_(self, "host_bandwidth", float(self.host_bandwidth))
         setattr_(self, "host_capacity", None if self.host_capacity is None else int(self.host_capacity))
@@ -141,7 +149,7 @@ class Problem:
         """The same graph and budget with a host link of ``bandwidth`` bytes per
         time unit (0 removes it) and ``capacity`` bytes of host memory."""
         return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
-                       bandwidth, capacity)
+                       bandwidth, capacity, self.offloadable)
 
     @property
     def has_host(self) -> bool:
@@ -159,7 +167,7 @@ class Problem:
     def from_networkx(cls, G: nx.DiGraph, budget: int, host_bandwidth: float = 0.0,
                       host_capacity: Optional[int] = None) -> "Problem":
         """Lower a DiGraph whose nodes carry ``mem``/``cost`` (and optionally
-        ``recomputable``, ``alias_of``). Node order is G's insertion order when
+        ``recomputable``, ``alias_of``, ``offloadable``). Node order is G's insertion order when
         that is topological (fx graphs arrive in execution order), else a
         deterministic topological sort that breaks ties by insertion order."""
         if not nx.is_directed_acyclic_graph(G):
@@ -169,7 +177,7 @@ class Problem:
         if not all(position[u] < position[v] for u, v in G.edges):
             order = list(nx.lexicographical_topological_sort(G, key=position.__getitem__))
         index = {v: i for i, v in enumerate(order)}
-        preds, mem, cost, recomputable, alias_of = [], [], [], [], []
+        preds, mem, cost, recomputable, alias_of, offloadable = [], [], [], [], [], []
         for v in order:
             attrs = G.nodes[v]
             if "mem" not in attrs or "cost" not in attrs:
@@ -182,13 +190,14 @@ class Problem:
             mem.append(int(m))
             cost.append(float(attrs["cost"]))
             recomputable.append(bool(attrs.get("recomputable", True)))
+            offloadable.append(bool(attrs.get("offloadable", True)))
             a = attrs.get("alias_of")
             if a is not None and a not in index:
                 raise ValueError(f"node {v!r}: alias_of {a!r} is not a node")
             alias_of.append(-1 if a is None else index[a])
         return cls(tuple(order), tuple(preds), np.array(mem, dtype=np.int64), np.array(cost, dtype=np.float64),
                    np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget),
-                   host_bandwidth, host_capacity)
+                   host_bandwidth, host_capacity, np.array(offloadable, dtype=bool))
 
     def to_networkx(self) -> nx.DiGraph:
         G = nx.DiGraph()
@@ -198,6 +207,8 @@ class Problem:
                 attrs["recomputable"] = False
             if self.alias_of[i] >= 0:
                 attrs["alias_of"] = self.names[self.alias_of[i]]
+            if self._pinned_to_device(i):
+                attrs["offloadable"] = False
             G.add_node(name, **attrs)
         for v, ps in enumerate(self.preds):
             for p in ps:
@@ -216,6 +227,8 @@ class Problem:
                 "recomputable": bool(self.recomputable[i]),
                 "alias_of": None if self.alias_of[i] < 0 else self.names[self.alias_of[i]],
             })
+            if self._pinned_to_device(i):
+                nodes[-1]["offloadable"] = False
         data = {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
         if self.has_host:
             data["host_bandwidth"] = self.host_bandwidth
@@ -236,6 +249,7 @@ class Problem:
             recomputable=np.array([node.get("recomputable", True) for node in nodes], dtype=bool),
             alias_of=np.array([-1 if node.get("alias_of") is None else index[node["alias_of"]] for node in nodes],
                               dtype=np.int64),
+            offloadable=np.array([node.get("offloadable", True) for node in nodes], dtype=bool),
             budget=int(data["budget"]),
             host_bandwidth=float(data.get("host_bandwidth", 0.0)),
             host_capacity=data.get("host_capacity"),
@@ -256,13 +270,18 @@ class Problem:
         return cls.from_json(Path(path).read_text())
 
     # --------------------------------------------------------------- helpers
+    def _pinned_to_device(self, i: int) -> bool:
+        """Marked not offloadable although the simulator's rule would allow it (what I/O must record)."""
+        return not self.offloadable[i] and not self.is_source[i] and self.alias_of[i] < 0
+
     def lists(self) -> "ProblemLists":
         """The per-node arrays as plain Python lists (cached): element access on
         lists is several times faster than on numpy arrays in the hot loops."""
         cached = self.__dict__.get("_lists")
         if cached is None:
             cached = ProblemLists(mem=self.mem.tolist(), cost=self.cost.tolist(), is_source=self.is_source.tolist(),
-                                  recomputable=self.recomputable.tolist(), alias_of=self.alias_of.tolist())
+                                  recomputable=self.recomputable.tolist(), alias_of=self.alias_of.tolist(),
+                                  offloadable=self.offloadable.tolist())
             object.__setattr__(self, "_lists", cached)
         return cached
 

@@ -20,8 +20,8 @@ also not before its offload has finished) and takes ``mem / host_bandwidth``.
 Memory is allocated and released in step order, so the device memory of any
 instant is the memory after some step, transfers included.
 
-Only values that own their storage (``alias_of == -1``) and are not sources
-can be offloaded; a view of an offloaded value is recomputed from the
+Only values that own their storage (``alias_of == -1``), are not sources and
+are not marked otherwise (``Problem.offloadable``) can be offloaded; a view of an offloaded value is recomputed from the
 prefetched base (views cost next to nothing). A host copy lives until the
 end of the step; ``host_capacity`` bounds their total.
 
@@ -154,8 +154,8 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     steps = schedule.steps if isinstance(schedule, Schedule) else tuple(schedule)
     names, preds, index = problem.names, problem.preds, problem.index
     lists = problem.lists()
-    cost, is_source, recomputable, mem_of, alias_of = lists.cost, lists.is_source, lists.recomputable, lists.mem, \
-        lists.alias_of
+    cost, is_source, recomputable, mem_of = lists.cost, lists.is_source, lists.recomputable, lists.mem
+    offloadable = lists.offloadable
     budget = problem.budget
     bandwidth, host_capacity = problem.host_bandwidth, problem.host_capacity
     mem = Residency(problem)
@@ -222,9 +222,9 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
         elif op == _OFFLOAD:
             if bandwidth <= 0:
                 raise fail(k, "no-host-link", f"offload {node!r}, but the problem has no host link", node)
-            if is_source[v] or alias_of[v] >= 0:
+            if not offloadable[v]:
                 raise fail(k, "offload-forbidden", f"{node!r} cannot be offloaded (only non-source values that own "
-                           "their storage can)", node)
+                           "their storage and are not marked otherwise can)", node)
             if not resident[v]:
                 raise fail(k, "offload-not-resident", f"offload {node!r}, which is not resident", node)
             if v in offloaded_at:

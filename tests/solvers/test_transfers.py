@@ -128,3 +128,62 @@ def test_host_link_round_trips_through_json():
     assert q.host_bandwidth == 2.5 and q.host_capacity == 6
     assert q.with_budget(3).host_bandwidth == 2.5
     assert Problem.from_json(p.with_host(0.0).to_json()).has_host is False
+
+
+def test_values_marked_not_offloadable_are_rejected_and_survive_io():
+    G = _chain([4, 1], [1.0, 1.0]).to_networkx()
+    G.nodes["v0"]["offloadable"] = False  # e.g. a bookkeeping value with no tensor behind it
+    p = Problem.from_networkx(G, 10**9, host_bandwidth=1.0)
+    with pytest.raises(ScheduleError) as info:
+        simulate(p, Schedule.from_list([("compute", "v0"), ("offload", "v0")]))
+    assert info.value.kind == "offload-forbidden"
+    for q in (Problem.from_json(p.to_json()), Problem.from_networkx(p.to_networkx(), p.budget, 1.0),
+              p.with_host(2.0)):
+        assert list(q.offloadable) == [False, False, True]  # the source x is never offloadable
+    from solvers.offload import add_offloads
+
+    paged = add_offloads(p.with_budget(3), Schedule.from_list([("compute", "v0"), ("compute", "v1")]))
+    assert "v0" not in paged.offloads()
+
+
+def _held_by_view(depth: int) -> tuple[Problem, Schedule]:
+    """x -> b (8 bytes) -> a chain of ``depth`` views of b; b itself is freed at once and
+    only the last view holds b's storage across c1..c4 (slow, 4 bytes), read by the end."""
+    G = nx.DiGraph()
+    G.add_node("x", mem=1, cost=0.0)
+    G.add_node("b", mem=8, cost=1.0)
+    G.add_edge("x", "b")
+    prev = "b"
+    for i in range(depth):
+        G.add_node(f"w{i}", mem=8, cost=0.0, alias_of=prev)
+        G.add_edge(prev, f"w{i}")
+        prev = f"w{i}"
+    last = "x"
+    for i in range(1, 5):
+        G.add_node(f"c{i}", mem=4, cost=10.0)
+        G.add_edge(last, f"c{i}")
+        last = f"c{i}"
+    G.add_node("end", mem=1, cost=1.0)
+    G.add_edge(last, "end")
+    G.add_edge(prev, "end")
+    p = Problem.from_networkx(G, 10**9, host_bandwidth=4.0)
+    steps = [("compute", "b")] + [("compute", f"w{i}") for i in range(depth)]
+    steps += [("free", "b")] + [("free", f"w{i}") for i in range(depth - 1)]
+    steps += [("compute", "c1"), ("compute", "c2"), ("free", "c1"), ("compute", "c3"), ("free", "c2"),
+              ("compute", "c4"), ("free", "c3"), ("compute", "end")]
+    return p, Schedule.from_list(steps)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_storage_held_only_by_views_is_paged_out(depth):
+    from solvers.offload import add_offloads
+
+    p, schedule = _held_by_view(depth)
+    before = simulate(p, schedule)
+    assert before.peak == 17  # x, b's storage, two chain values
+    budget = 14  # x, b back, c4 and the end
+    paged = add_offloads(p.with_budget(budget), schedule)
+    r = validate(p.with_budget(budget), paged)
+    assert paged.offloads()[0] == "b"  # the storage only views hold goes first
+    assert r.cost == before.cost  # views are re-made for free
+    print(f"depth {depth}: offloaded {paged.offloads()}, time {r.time} (compute {r.cost})")
