@@ -19,6 +19,7 @@ traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -416,7 +417,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
     analysis = analyze_target(target, progress, args.device_profile)
-    budget = parse_budget_arg(args.budget, analysis.eager_peak, lambda: _min_budget(analysis, progress))
+    budget = parse_budget_arg(args.budget, analysis.eager_peak,
+                              lambda: _min_budget(analysis, progress, options["offload"]))
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
     with progress.stage("solve", f"solving for {_fmt(budget)} with {args.solver}{limit}"):
         plan = solve_plan(analysis, budget, **options)
@@ -434,11 +436,11 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     return 0
 
 
-def _min_budget(analysis, progress: Progress) -> int:
+def _min_budget(analysis, progress: Progress, offload: bool = False) -> int:
     from memplan import viz
 
     with progress.stage("min_budget", "searching for the smallest feasible budget"):
-        return viz.min_budget(analysis)
+        return viz.min_budget(analysis, offload)
 
 
 # --------------------------------------------------------------------------- #
@@ -462,8 +464,8 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
     analysis = analyze_target(target, progress, args.device_profile)
-    budgets = [(label, parse_budget_arg(label, analysis.eager_peak, lambda: _min_budget(analysis, progress)))
-               for label in labels]
+    find_min = functools.lru_cache(maxsize=1)(lambda: _min_budget(analysis, progress, options["offload"]))
+    budgets = [(label, parse_budget_arg(label, analysis.eager_peak, find_min)) for label in labels]
     with progress.stage("solve", f"solving {len(budgets)} budgets with {args.solver}"):
         points = viz.sweep(analysis, budgets, **options)
 

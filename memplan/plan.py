@@ -88,10 +88,11 @@ class Plan:
 
     @property
     def gap(self) -> float | None:
-        """Relative distance of the plan's cost from the solver's proven lower bound."""
-        if self.lower_bound is None or self.lower_bound <= 0:
+        """Relative distance (time - bound) / time of the plan's predicted step time from the
+        solver's proven lower bound (the same measure as ``solvers.Solution.gap``)."""
+        if self.lower_bound is None or self.lower_bound <= 0 or self.predicted_time <= 0:
             return None
-        return max(0.0, self.predicted_time / self.lower_bound - 1.0)
+        return max(0.0, 1.0 - self.lower_bound / self.predicted_time)
 
     def save(self, path: str) -> None:
         """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
@@ -196,6 +197,11 @@ def host_bandwidth(analysis: Analysis) -> float:
     return profile.host_bandwidth if profile is not None else 0.0
 
 
+def problem_for(analysis: Analysis, budget: int, offload: bool) -> "solvers.Problem":
+    """The analysis' Problem under ``budget``, with the profile's host link when ``offload``."""
+    return analysis.lowered.with_budget(budget, host_bandwidth(analysis) if offload else 0.0)
+
+
 def solve_plan(
     analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None, offload: bool = False
 ) -> Plan:
@@ -203,7 +209,7 @@ def solve_plan(
 
     ``offload=True`` gives the solver the profile's host link: values may be
     paged to host memory and back as well as kept or recomputed."""
-    problem = analysis.lowered.with_budget(budget, host_bandwidth(analysis) if offload else 0.0)
+    problem = problem_for(analysis, budget, offload)
     start = time.perf_counter()
     try:
         sol = solvers.solve(problem, method=solver, time_limit=time_limit)
@@ -230,7 +236,7 @@ def plan_from_schedule(
     Peak and time come from the simulator, never from whoever made the schedule.
     Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
     """
-    problem = analysis.lowered.with_budget(budget, host_bandwidth(analysis) if schedule.has_transfers() else 0.0)
+    problem = problem_for(analysis, budget, schedule.has_transfers())
     result = solvers.validate(problem, schedule)
     return Plan(
         budget=budget,

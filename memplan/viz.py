@@ -29,7 +29,7 @@ import numpy as np
 import solvers
 from memplan.analysis import Analysis
 from memplan.capture import module_path
-from memplan.plan import InfeasibleBudgetError, Plan, solve_plan
+from memplan.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
 from memplan.problem import BACKWARD, USER_SUFFIX
 
 if TYPE_CHECKING:
@@ -59,14 +59,17 @@ class Timeline:
     total_time: float
 
 
+def _simulate(analysis: Analysis, schedule: "solvers.Schedule") -> "solvers.SimResult":
+    """Replay a schedule on the analysis' Problem, with the host link when it moves values."""
+    problem = problem_for(analysis, analysis.lowered.problem.budget, schedule.has_transfers())
+    return solvers.simulate(problem, schedule)
+
+
 def timeline(analysis: Analysis, schedule: "solvers.Schedule") -> Timeline:
-    """Simulate ``schedule`` on the analysis' Problem; time runs with each compute's predicted cost."""
-    problem = analysis.lowered.problem
-    sim = solvers.simulate(problem, schedule)
-    step_cost = np.array(
-        [problem.cost[problem.index[node]] if op == "compute" else 0.0 for op, node in schedule], dtype=np.float64
-    )
-    t = np.concatenate([[0.0], np.cumsum(step_cost)])
+    """Simulate ``schedule`` on the analysis' Problem; time is the simulator's compute-stream clock
+    (each compute's predicted cost, plus any wait for a host copy)."""
+    sim = _simulate(analysis, schedule)
+    t = np.concatenate([[0.0], np.asarray(sim.clock, dtype=np.float64)])
     mem = np.concatenate([[sim.initial], sim.timeline]).astype(np.int64)
     backward = next((t[k] for k, (op, node) in enumerate(schedule) if op == "compute" and node == BACKWARD), t[-1])
     return Timeline(time=t, memory=mem, backward_start=float(backward), peak=int(sim.peak), total_time=float(t[-1]))
@@ -273,7 +276,7 @@ def layer_breakdown(plan: Plan, depth: int = 2) -> list[LayerRow]:
     store_all = [str(n) for op, n in analysis.store_all.schedule if op == "compute"]
     cut = store_all.index(BACKWARD) if BACKWARD in store_all else len(store_all)
     forward = set(store_all[:cut])
-    sim = solvers.simulate(problem, plan.schedule)
+    sim = _simulate(analysis, plan.schedule)
     computes = {str(problem.names[i]): int(c) for i, c in enumerate(sim.computes)}
     offloaded = {str(n) for op, n in plan.schedule if op == "offload"}
 
@@ -379,9 +382,9 @@ class SweepPoint:
         }
 
 
-def min_budget(analysis: Analysis) -> int:
-    """The smallest budget the solvers can meet for this step."""
-    return int(solvers.min_budget(analysis.lowered.problem)[0])
+def min_budget(analysis: Analysis, offload: bool = False) -> int:
+    """The smallest budget the solvers can meet for this step (paging to host memory if ``offload``)."""
+    return int(solvers.min_budget(problem_for(analysis, analysis.lowered.problem.budget, offload))[0])
 
 
 def sweep(

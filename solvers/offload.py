@@ -6,7 +6,8 @@ parts:
 
 * `add_offloads` pages values out of a schedule until it fits the budget.
   At the schedule's peak it looks for values that sit idle across the peak
-  (used before it, next read after it) and own their storage; it offloads one
+  (used before it, next read after it or, for a sink such as a gradient,
+  needed only at the end) and own their storage; it offloads one
   right after its last use, frees the device copy once the copy has had time
   to finish, and prefetches it just early enough to land before the next
   read. Views of it that are still held are freed with it and recomputed
@@ -141,6 +142,7 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
     clock = sim.clock
     lists = problem.lists()
     alias_of, recomputable, mem, offloadable = lists.alias_of, lists.recomputable, lists.mem, lists.offloadable
+    is_sink = problem.is_sink
     end = len(steps)
 
     def time_before(j: int) -> float:  # compute-stream time when the step at j starts
@@ -168,8 +170,10 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
             continue  # read by (or made at) the peak step itself
         if moved_free is None:
             b = uses.next_read(v, k, stop)
+            if b is None and is_sink[v] and stop == end:
+                b = end  # a sink (a gradient) only has to be back by the end of the step
             if b is None:
-                continue  # held for nobody: a sink (or kept on purpose)
+                continue  # held for nobody (kept on purpose)
         # Views of v still held across k go with it and are recomputed before their next read.
         views: list[tuple[int, int]] = []
         ok = True
@@ -180,6 +184,8 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
             if w_span is None or w_span[0] < start:
                 continue  # not held, or made from an earlier instance of v (another storage)
             w_next = uses.next_read(w, k, w_span[1])
+            if w_next is None and is_sink[w] and w_span[1] == end:
+                w_next = end
             if w_next is None or not recomputable[w] or uses.last_use(w, w_span[0], k) >= k:
                 ok = False
                 break

@@ -219,3 +219,19 @@ def test_debug_shows_the_traceback(factory_file, capsys):
 def test_console_script_is_declared():
     scripts = (ROOT / "pyproject.toml").read_text()
     assert 'memplan = "memplan.cli:main"' in scripts
+
+
+def test_report_with_offload_at_the_offload_minimum():
+    """``--offload --budget min``: the minimum found with the host link, met by a plan that pages values out,
+    and the JSON report lists them; without ``--offload`` the same budget is infeasible."""
+    with_host, without = run_cli_parallel(
+        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--offload", "--json", "--time-limit", "10"),
+        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--json", "--time-limit", "10"),
+    )
+    assert with_host.returncode == 0, with_host.stderr
+    assert without.returncode == 0, without.stderr
+    paged, remat = json.loads(with_host.stdout), json.loads(without.stdout)
+    assert paged["summary"]["budget"] < remat["summary"]["budget"]
+    assert paged["summary"]["planned_peak"] <= paged["summary"]["budget"]
+    assert sum(m["offloaded_bytes"] for m in paged["modules"]) > 0
+    assert sum(m["offloaded_bytes"] for m in remat["modules"]) == 0
