@@ -41,7 +41,7 @@ class BenchConfig:
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
     reps: int = 5  # interleaved timing repetitions per configuration
     bisect_steps: int = 2  # activation_memory_budget bisection steps per budget
-    memplan_time_limit: float = 30.0  # seconds per memplan solve
+    memplan_time_limit: float = 15.0  # seconds per memplan solve ("auto" uses what it is given on large graphs)
     out_dir: Path = RESULTS_DIR
     device: str = "cpu"
     # Intra-op CPU threads. One by default: on a shared machine, OpenMP

@@ -46,6 +46,12 @@ def memory_lower_bound(problem: Problem) -> int:
     return bound
 
 
+def store_all_peak(problem: Problem) -> int:
+    """Peak of computing every value once and keeping it to its last use: the budget above
+    which nothing needs to be recomputed or offloaded."""
+    return solve_store_all(problem.with_budget(2**62), None).peak
+
+
 def min_budget(problem: Problem) -> tuple[int, Schedule]:
     """Smallest budget at which a schedule is found, and that schedule."""
     assert EXACT_MIN_BUDGET_NODES <= EXHAUSTIVE_MAX_NODES

@@ -32,16 +32,17 @@ Memory accounting is never optimistic compared to the simulator:
   more than the MILP counts.
 
 The schedule is decoded through `plan.schedule_from_plan` and checked by the
-simulator. ``lower_bound`` is the solver's proven objective bound: a lower
-bound on the cost of every schedule in Checkmate's space (fixed order of
-first computations, stage structure above, memory rounded as described).
+simulator. The solver's proven objective bound holds for every schedule in
+Checkmate's space only (fixed order of first computations, stage structure
+above, memory rounded as described): it goes to ``info["model_bound"]``, and
+status ``optimal`` means optimal in that space. ``lower_bound`` is the sum of
+all costs, which holds for every schedule.
 The solver is warm-started ("hinted") with the cheapest fitting schedule of
 the fast baselines that lies in Checkmate's space. When the solver returns
 no schedule in time, that schedule (or else the best constructive baseline)
-is returned instead, with ``lower_bound = min(bound, its cost)`` (still a
+is returned instead, with ``model_bound = min(bound, its cost)`` (still a
 valid bound for Checkmate's space) and status ``feasible``; when the MILP is
-proven infeasible, ``lower_bound`` is None. Bounds are never below the sum
-of all costs, which holds for every schedule.
+proven infeasible, ``model_bound`` is None.
 """
 from __future__ import annotations
 
@@ -396,7 +397,8 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
             if start is not None and raw.status != RAW_OPTIMAL and start[0].cost < simulate(problem, schedule).cost:
                 schedule = start[0].schedule  # the solver did not improve on (or keep) its hint
                 info["schedule_from"] = "hint"
-            sol = finish(problem, schedule, method, started, lower_bound=bound,
+            info["model_bound"] = min(bound, simulate(problem, schedule).cost)
+            sol = finish(problem, schedule, method, started, lower_bound=problem.total_cost(),
                          status=OPTIMAL if raw.status == RAW_OPTIMAL else FEASIBLE, info=info)
             if not sol.fits:
                 raise RuntimeError(f"{method}: decoded schedule exceeds the budget (peak {sol.peak} > "
@@ -408,10 +410,11 @@ def solve_checkmate(problem: Problem, time_limit: Optional[float] = None, backen
     # No MILP schedule: hand back the hint (it lies in Checkmate's space) or the best constructive one.
     fallback = start[0] if scale is not None and start is not None else best_constructive(problem)
     info["fallback"] = fallback.method
-    lower = None
+    info["model_bound"] = None
     if raw is not None and raw.status != RAW_INFEASIBLE:
-        lower = min(bound, fallback.cost)
-    return finish(problem, fallback.schedule, method, started, lower_bound=lower, status=FEASIBLE, info=info)
+        info["model_bound"] = min(bound, fallback.cost)
+    return finish(problem, fallback.schedule, method, started, lower_bound=problem.total_cost(), status=FEASIBLE,
+                  info=info)
 
 
 def _warm_start(problem: Problem, form: _Formulation) -> Optional[tuple[Solution, dict[int, float]]]:

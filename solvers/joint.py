@@ -2,10 +2,10 @@
 and minimises step time (compute plus waits for host copies) under the budget.
 
 The model extends Checkmate's stage formulation (see `checkmate.py`) with a
-host link. Values to compute are taken in the problem's topological order;
-stage ``t`` recomputes some earlier values (each at most once, in index
-order) and then computes value ``t`` for the first time; a virtual end
-stage reads every sink. Binary variables, for stages ``t`` and values ``i``:
+host link. Values to compute are taken in a fixed topological order (the
+problem's, or another one, see below); stage ``t`` recomputes some earlier
+values (each at most once, in that order) and then computes the order's
+value ``t`` for the first time; a virtual end stage reads every sink. Binary variables, for stages ``t`` and values ``i``:
 
 * ``R[t,i]``: i is computed in stage t (``R[t,t] = 1``);
 * ``S[t,i]``: i is on the device when stage t starts;
@@ -55,21 +55,32 @@ start, computes in order, frees every value instance right after its last
 use (an offloaded one not before its stage ends), never frees the last
 instance of a sink, and drops prefetches that nobody reads.
 
-The method also runs the heuristic "offload" method (`offload.solve_offload`)
-and returns whichever schedule has the shorter simulated time among those
-that fit the budget (so it is never worse than that heuristic, and never
-worse than rematerialization alone when ``solve_offload``'s remat-only
-candidate wins). ``info`` records the MILP's own schedule (``milp_time``,
-``milp_fits``) and which candidate was chosen (``chosen``). The lower bound
-is the sum of all compute costs, the only bound valid for every schedule
-(the MILP's dual bound is not: its space is restricted).
+How the method runs (with a host link): first the heuristic "offload"
+method (`offload.solve_offload`, a quarter of the time limit); then the
+MILP in the problem's order and, when it differs, in the order in which the
+heuristic's schedule first computes values (that order comes from an
+any-order remat plan, which the problem's order may not allow at tight
+budgets), splitting the remaining time. Each MILP is warm-started with the
+cheapest fitting remat-only schedule that lies in its space (the
+heuristic's, when it has no transfers, or store-all / greedy / select). The
+method returns whichever schedule has the shortest simulated time among
+those that fit (ties: lower compute cost), so it is never slower than the
+heuristic run it made. ``info["milp"]`` records each MILP run (status,
+variables, seconds, warm start, its schedule's simulated time and whether
+it fits, the model's own time); ``info["chosen"]`` says which candidate won
+(``milp0``: problem order, ``milp1``: heuristic's order, ``offload``).
+The lower bound is the sum of all compute costs, the only bound valid for
+every schedule (the MILP's dual bound is not: its space is restricted).
 
 Without a host link the method is rematerialization only and delegates to
 "auto" (the exhaustive search on tiny graphs, Checkmate above).
 
 Size limit: graphs with more than `MAX_COMPUTE` values to compute raise
-`MethodFailed`: the model has O(m^2) binaries per family (about 5 m^2 in
-all), which HiGHS no longer solves in tens of seconds beyond that.
+`MethodFailed`. The model has O(m^2) variables per family (about 4 m^2 in
+all: 4.8k at 36 values to compute, 12k at 55); at 35-36 values HiGHS proves
+optimality in 3-10 s at mid budgets but may find nothing better than its warm
+start in 20 s at the remat-only minimum budget, and at 55 it stops at the
+time limit (30 s) with good but unproven schedules.
 """
 from __future__ import annotations
 
@@ -445,8 +456,10 @@ def _better(a: Solution, b: Optional[Solution]) -> bool:
         return a.fits
     if not a.fits:
         return a.peak < b.peak
-    return (a.time, a.cost) < (b.time - 1e-9 * max(1.0, b.time), b.cost) or \
-        (abs(a.time - b.time) <= 1e-9 * max(1.0, b.time) and a.cost < b.cost - 1e-9 * max(1.0, b.cost))
+    tol = 1e-9 * max(1.0, b.time)
+    if abs(a.time - b.time) > tol:
+        return a.time < b.time
+    return a.cost < b.cost - 1e-9 * max(1.0, b.cost)
 
 
 def first_compute_order(problem: Problem, schedule: Schedule) -> list[int]:

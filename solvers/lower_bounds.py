@@ -462,6 +462,8 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
     total = problem.total_cost()
     if memory_of(problem, ()) > problem.budget:
         return math.inf
+    if problem.has_host:
+        return total  # the bounds below price recomputation; a host copy can stand in for any of it
     ctx = _Context(problem)
     found = moments(problem, time_limit, keep_items=True, ctx=ctx)
     best = max((m.extra for m, _ in found), default=0.0)

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from .bounds import store_all_peak
 from .memory import alias_trees
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, SimResult, Step, simulate
@@ -92,17 +93,20 @@ class _Uses:
             elif op is Op.OFFLOAD:
                 self.offloaded[v] = k
 
-    def interval(self, v: int, k: int, end: int) -> Optional[tuple[int, int]]:
-        """The residency ``[start, stop)`` of ``v`` that contains step ``k``, if any."""
+    def latest(self, v: int, k: int, end: int) -> Optional[tuple[int, int]]:
+        """``[start, stop)`` of the last residency of ``v`` that began at or before step ``k``."""
         starts = self.starts[v]
         i = bisect.bisect_right(starts, k) - 1
         if i < 0:
             return None
-        start = starts[i]
         ends = self.ends[v]
-        j = bisect.bisect_right(ends, start)
-        stop = ends[j] if j < len(ends) else end
-        return (start, stop) if start <= k < stop else None
+        j = bisect.bisect_right(ends, starts[i])
+        return starts[i], ends[j] if j < len(ends) else end
+
+    def interval(self, v: int, k: int, end: int) -> Optional[tuple[int, int]]:
+        """The residency ``[start, stop)`` of ``v`` that contains step ``k``, if any."""
+        span = self.latest(v, k, end)
+        return span if span is not None and k < span[1] else None
 
     def last_use(self, v: int, start: int, k: int) -> int:
         """Last position in ``[start, k]`` where ``v`` is made resident or read."""
@@ -113,19 +117,14 @@ class _Uses:
     def held_by_views(self, v: int, k: int, end: int, views: list[int]) -> Optional[tuple[int, int, int]]:
         """``(start, end, free)`` when ``v``'s latest instance before ``k`` was freed at
         ``free`` < ``k`` while a view made from it is still resident at ``k``."""
-        starts = self.starts[v]
-        i = bisect.bisect_right(starts, k) - 1
-        if i < 0:
-            return None
-        start = starts[i]
-        ends = self.ends[v]
-        j = bisect.bisect_right(ends, start)
-        if j >= len(ends) or ends[j] >= k:
-            return None
+        span = self.latest(v, k, end)
+        if span is None or span[1] >= k:
+            return None  # resident at k, or never freed
+        start, freed = span
         for w in views:
-            span = self.interval(w, k, end)
-            if span is not None and span[0] >= start:
-                return start, end, ends[j]
+            w_span = self.interval(w, k, end)
+            if w_span is not None and w_span[0] >= start:
+                return start, end, freed
         return None
 
     def next_read(self, v: int, k: int, stop: int) -> Optional[int]:
@@ -332,12 +331,6 @@ def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.in
     return Schedule(tuple(best[1]))
 
 
-def _store_all_peak(problem: Problem) -> int:
-    from .store_all import solve_store_all
-
-    return solve_store_all(problem.with_budget(2**62), None).peak
-
-
 def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solution:
     from .auto import solve_auto  # auto dispatches here for problems with a host link
 
@@ -349,7 +342,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
                       info={"base": sol.info.get("chosen", sol.method), "offloaded": 0})
     limit = 60.0 if time_limit is None else time_limit
     deadline = started + limit
-    top = _store_all_peak(remat)
+    top = store_all_peak(remat)
     targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
     best: Optional[tuple[float, int, Schedule, dict]] = None  # (time, peak, schedule, info)
     fallback: Optional[tuple[int, Schedule, dict]] = None

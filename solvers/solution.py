@@ -48,7 +48,7 @@ class Solution:
     schedule: Schedule
     cost: float
     peak: int
-    lower_bound: Optional[float]  # proven bound on the cost of every schedule in the method's search space
+    lower_bound: Optional[float]  # proven bound on the step time of every schedule (a method's narrower bound: info)
     status: str
     solve_time: float
     method: str

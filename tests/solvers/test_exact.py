@@ -115,7 +115,7 @@ def test_checkmate_equals_exhaustive_over_its_space(cases):
             if ref.fits:
                 assert sol.info["milp_status"] == "optimal", where
                 assert sol.status == "optimal" and _close(sol.cost, ref.cost), where + (sol.cost, ref.cost)
-                assert _close(sol.lower_bound, ref.cost), where
+                assert _close(sol.info["model_bound"], ref.cost), where
             else:
                 assert sol.info["milp_status"] == "infeasible", where
 

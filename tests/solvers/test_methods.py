@@ -124,3 +124,33 @@ def test_auto_always_fits_above_the_minimum():
             with pytest.raises(Infeasible) as e:
                 solve(p.with_budget(need - 1), "greedy")
             assert e.value.min_budget == need
+
+
+def test_every_registered_method_is_valid_and_no_better_than_the_optimum():
+    """Each method in the registry, on small random graphs at the exact minimum budget and
+    half-way to store-all: a valid schedule (or ``over_budget`` / MethodFailed, never a
+    broken one), never cheaper than the exhaustive optimum, with a bound never above it."""
+    from solvers import MethodFailed, min_budget
+
+    tol = 1e-6
+    checked = {name: 0 for name in METHODS}
+    for name, p, peak in _problems(12, 9, 7_000):
+        if p.n_compute > 10:
+            continue  # beyond the exhaustive search
+        need, _ = min_budget(p)
+        for budget in (need, (need + peak) // 2):
+            q = p.with_budget(budget)
+            optimum = METHODS["exhaustive"](q, None)
+            assert optimum.fits and optimum.status == "optimal", name
+            for method, solve in METHODS.items():
+                try:
+                    sol = solve(q, 0.5)
+                except MethodFailed:
+                    continue
+                check_solution(q, sol, (name, budget, method))
+                checked[method] += 1
+                if sol.fits:
+                    assert sol.cost >= optimum.cost * (1 - tol), (name, budget, method)
+                if sol.lower_bound is not None:
+                    assert sol.lower_bound <= optimum.cost * (1 + tol), (name, budget, method)
+    assert all(count > 0 for count in checked.values()), checked
