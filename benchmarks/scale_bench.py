@@ -4,9 +4,9 @@
 
 For gpt12, gpt48, resnet50 and unet (`benchmarks/graphs`, torch-free) at
 50% and 30% of store-all's activation memory (budget = sources +
-fraction * (store-all peak - sources)), run greedy, select, auto, Checkmate
-and hierarchical (plus rotor, revolve and moccasin when they are registered
-in `solvers.METHODS`), each with the graph's time target as time limit, and
+fraction * (store-all peak - sources)), run greedy, select, Checkmate, rotor,
+revolve, moccasin and auto (the hierarchical strategy), each with the graph's
+time target as time limit, and
 report solve time, cost, cost / total_cost, the best lower bound known for
 the instance, the gap to it and whether the schedule fits (checked by
 `solvers.validate`). Writes `benchmarks/results/scale.md`.
@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib
 import math
 import multiprocessing
 import platform
 import queue
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-from solvers import METHODS, Problem, Solution, validate
-from solvers.hierarchical import solve_hierarchical
+from solvers import METHODS, Problem, validate
 from solvers.memory import memory_of
 
 GRAPHS_DIR = Path(__file__).resolve().parent / "graphs"
@@ -33,8 +31,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
 # Graph -> time target in seconds (issue #5), used as every method's time limit.
 TARGETS = {"gpt12": 30.0, "gpt48": 120.0, "resnet50": 20.0, "unet": 20.0}
 FRACTIONS = (0.5, 0.3)
-BASE_METHODS = ("greedy", "select", "auto", "checkmate", "hierarchical")
-OPTIONAL_METHODS = ("rotor", "revolve", "moccasin")  # other workers' solvers, when registered
+# "auto" is the hierarchical strategy (with the minimum-budget search as its fallback).
+METHODS_RUN = ("greedy", "select", "checkmate", "rotor", "revolve", "moccasin", "auto")
 WALL_FACTOR = 2  # a method still running after WALL_FACTOR * time limit + 30 s is killed
 
 
@@ -61,22 +59,8 @@ def instance_bound(problem: Problem, time_limit: float) -> tuple[float, str]:
     return max(value, problem.total_cost()), "lower_bounds"
 
 
-def find_method(name: str) -> Optional[Callable[..., Solution]]:
-    """A method by name: the registry first, else ``solvers.<name>.solve_<name>`` (not registered yet)."""
-    if name == "hierarchical":
-        return solve_hierarchical
-    if name in METHODS:
-        return METHODS[name]
-    try:
-        module = importlib.import_module(f"solvers.{name}")
-    except ImportError:
-        return None
-    return getattr(module, f"solve_{name}", None)
-
-
 def _run(name: str, problem: Problem, time_limit: float, out) -> None:
-    solve = find_method(name)
-    assert solve is not None
+    solve = METHODS[name]
     started = time.perf_counter()
     try:
         sol = solve(problem, time_limit)
@@ -119,7 +103,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     graphs = args.graphs or (["unet", "gpt12"] if args.quick else list(TARGETS))
-    methods = args.methods or [m for m in BASE_METHODS] + [m for m in OPTIONAL_METHODS if find_method(m)]
+    methods = args.methods or list(METHODS_RUN)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
     scale = 1 / 3 if args.quick else 1.0
 
     lines = [
