@@ -2,7 +2,9 @@
 
 * a problem with a host link goes to method "offload", which runs this
   strategy on the same graph without the link at several budgets and pages
-  values out to host memory on top;
+  values out to host memory on top (graphs of up to `joint.MAX_COMPUTE`
+  values to compute: method "joint", which also solves its MILP over keep /
+  recompute / offload and keeps the faster plan);
 * otherwise method "hierarchical" (coarsening, the drop-set ILP, rotor's
   chain program and the baselines; the exhaustive search or Checkmate on
   graphs small enough), within ``time_limit`` (`AUTO_TIME_LIMIT` seconds when
@@ -36,9 +38,12 @@ def _relabel(sol: Solution, started: float) -> Solution:
 def solve_auto(problem: Problem, time_limit: Optional[float] = None) -> Solution:
     started = time.perf_counter()
     if problem.has_host:
-        from .offload import solve_offload  # offload calls back into auto for its remat plans
+        # Both call back into auto (without the host link) for their remat plans.
+        from .joint import MAX_COMPUTE, solve_joint
+        from .offload import solve_offload
 
-        return _relabel(solve_offload(problem, time_limit), started)
+        method = solve_joint if problem.n_compute <= MAX_COMPUTE else solve_offload
+        return _relabel(method(problem, time_limit), started)
     sol = solve_hierarchical(problem, AUTO_TIME_LIMIT if time_limit is None else time_limit)
     if sol.fits:
         return _relabel(sol, started)

@@ -17,6 +17,7 @@ simulator.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -52,8 +53,9 @@ def store_all_peak(problem: Problem) -> int:
     return solve_store_all(problem.with_budget(2**62), None).peak
 
 
-def min_budget(problem: Problem) -> tuple[int, Schedule]:
-    """Smallest budget at which a schedule is found, and that schedule."""
+def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Schedule]:
+    """Smallest budget at which a schedule is found, and that schedule. The slower parts
+    (rotor, paging out) stop at ``deadline`` (a ``time.perf_counter()`` reading) when given."""
     assert EXACT_MIN_BUDGET_NODES <= EXHAUSTIVE_MAX_NODES
     if problem.n_compute <= EXACT_MIN_BUDGET_NODES:
         return min_peak(problem)
@@ -68,7 +70,8 @@ def min_budget(problem: Problem) -> tuple[int, Schedule]:
             best = (sol.peak, sol.schedule)
     assert best is not None  # store_all always succeeds
     try:
-        sol = solve_rotor(problem.with_budget(memory_lower_bound(problem)), ROTOR_TIME_LIMIT)
+        sol = solve_rotor(problem.with_budget(memory_lower_bound(problem)),
+                          max(0.1, min(ROTOR_TIME_LIMIT, deadline - time.perf_counter())))
         if sol.peak < best[0]:
             best = (sol.peak, sol.schedule)
     except MethodFailed:
@@ -95,18 +98,21 @@ def min_budget(problem: Problem) -> tuple[int, Schedule]:
 
         floor = problem.with_budget(memory_lower_bound(problem))
         for schedule in (best[1], solve_store_all(unlimited, None).schedule):
-            paged = add_offloads(floor, schedule, time.perf_counter() + PAGING_TIME_LIMIT)
+            paged = add_offloads(floor, schedule, min(deadline, time.perf_counter() + PAGING_TIME_LIMIT))
             paged_peak = simulate(problem, paged).peak
             if paged_peak < best[0]:
                 best = (paged_peak, paged)
     return best
 
 
-def min_budget_cached(problem: Problem) -> tuple[int, Schedule]:
-    """`min_budget`, remembered per graph (the budget does not change the answer)."""
+def min_budget_cached(problem: Problem, deadline: float = math.inf) -> tuple[int, Schedule]:
+    """`min_budget`, remembered per graph (the budget does not change the answer); a search
+    cut short by ``deadline`` is returned but not remembered."""
     key = "_min_budget"
     cached = problem.__dict__.get(key)
     if cached is None:
-        cached = min_budget(problem)
-        object.__setattr__(problem, key, cached)
+        found = min_budget(problem, deadline)
+        if time.perf_counter() < deadline:
+            object.__setattr__(problem, key, found)
+        return found
     return cached

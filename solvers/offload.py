@@ -362,7 +362,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
     if best is None:
         from .bounds import min_budget_cached
 
-        _, schedule = min_budget_cached(problem)
+        _, schedule = min_budget_cached(problem, deadline)
         info = {"base": "min_budget_search", "offloaded": len(schedule.offloads())}
         if simulate(problem, schedule).peak > fallback[0]:
             _, schedule, info = fallback

@@ -10,6 +10,7 @@ from .checkmate import solve_checkmate_cpsat, solve_checkmate_default, solve_che
 from .exhaustive import solve_exhaustive, solve_exhaustive_fixed, solve_exhaustive_stages
 from .greedy import solve_greedy
 from .hierarchical import solve_hierarchical
+from .joint import solve_joint
 from .moccasin import solve_moccasin, solve_moccasin_free
 from .offload import solve_offload
 from .problem import Problem
@@ -40,6 +41,7 @@ METHODS: dict[str, SolveFn] = {
     "moccasin": solve_moccasin,
     "moccasin_free": solve_moccasin_free,
     "offload": solve_offload,
+    "joint": solve_joint,
     "select": solve_select,
     "exhaustive": solve_exhaustive,
     "exhaustive_fixed": solve_exhaustive_fixed,
