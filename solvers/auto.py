@@ -44,10 +44,12 @@ def solve_auto(problem: Problem, time_limit: Optional[float] = None) -> Solution
 
         method = solve_joint if problem.n_compute <= MAX_COMPUTE else solve_offload
         return _relabel(method(problem, time_limit), started)
-    sol = solve_hierarchical(problem, AUTO_TIME_LIMIT if time_limit is None else time_limit)
+    limit = AUTO_TIME_LIMIT if time_limit is None else time_limit
+    sol = solve_hierarchical(problem, limit)
     if sol.fits:
         return _relabel(sol, started)
-    budget, schedule = min_budget_cached(problem)
+    # The search goes on past the limit only by its first steps (rotor, the baselines).
+    budget, schedule = min_budget_cached(problem, started + limit)
     if budget <= problem.budget:
         return finish(problem, schedule, "auto", started, lower_bound=sol.lower_bound,
                       info={**sol.info, "chosen": "min_budget_search"})
