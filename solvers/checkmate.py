@@ -54,7 +54,7 @@ from typing import Optional
 import numpy as np
 
 from .memory import memory_of
-from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_INFEASIBLE, RAW_OPTIMAL, Builder
+from .milp_backends import BACKENDS, ONE, RAW_FEASIBLE, RAW_INFEASIBLE, RAW_OPTIMAL, ZERO, Builder
 from .plan import Plan, schedule_from_plan
 from .portfolio import CONSTRUCTIVE, best_constructive
 from .problem import Problem
@@ -70,7 +70,6 @@ WARM_START_METHODS = ("store_all", "greedy", "select")  # fast baselines tried a
 # by 5-8x on a 415k-variable model (490-value training graph), CP-SAT stops on time.
 MAX_VARIABLES = {"cpsat": 3_000_000, "highs": 150_000, "scip": 150_000}
 
-ONE, ZERO = -1, -2  # constant operands in rows
 
 
 @dataclass(frozen=True)
@@ -235,20 +234,7 @@ class _Formulation:
         """lb <= sum(pos) - sum(neg) <= ub, with constant operands folded."""
         if lb == -math.inf and ub >= 0 and all(x == ZERO for x in pos):
             return  # -(non-negative terms) <= ub holds trivially
-        terms: dict[int, float] = {}
-        const = 0.0
-        for x, sign in [(x, 1.0) for x in pos] + [(x, -1.0) for x in neg]:
-            if x == ONE:
-                const += sign
-            elif x != ZERO:
-                terms[x] = terms.get(x, 0.0) + sign
-        terms = {h: c for h, c in terms.items() if c}
-        lo, hi = lb - const, ub - const
-        if not terms:
-            if lo > 1e-9 or hi < -1e-9:
-                raise AssertionError("checkmate: constant row is violated")
-            return
-        self.b.add(list(terms.items()), lo, hi)
+        self.b.add_folded(pos, neg, lb, ub)
 
     def _frees(self, t: int, k: int, size: list[int]) -> list[tuple[int, float]]:
         """FREE[t,i,k] variables for the values that may be freed after computing k."""

@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from .checkmate import MemoryScale, memory_scale
-from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL, Builder
+from .milp_backends import BACKENDS, ONE, RAW_FEASIBLE, RAW_OPTIMAL, ZERO, Builder
 from .problem import Problem
 from .schedule import Op, Schedule, Step, simulate
 from .solution import MethodFailed, Solution, finish
@@ -104,7 +104,6 @@ MEMORY_UNITS_LIMIT = 2**20  # as for Checkmate with HiGHS: coarser units beyond
 HEURISTIC_SHARE = 0.25  # of the time limit given to the "offload" heuristic run first
 THREADS: Optional[int] = None
 
-ONE, ZERO = -1, -2  # constant operands (as in checkmate.py)
 
 
 @dataclass(frozen=True)
@@ -265,20 +264,7 @@ class _JointModel:
 
     def _row(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
         """lb <= sum(pos) - sum(neg) <= ub, constants folded."""
-        terms: dict[int, float] = {}
-        const = 0.0
-        for h, sign in [(h, 1.0) for h in pos] + [(h, -1.0) for h in neg]:
-            if h == ONE:
-                const += sign
-            elif h != ZERO:
-                terms[h] = terms.get(h, 0.0) + sign
-        terms = {h: c for h, c in terms.items() if c}
-        lo, hi = lb - const, ub - const
-        if not terms:
-            if lo > 1e-9 or hi < -1e-9:
-                raise AssertionError("joint: a constant row is violated")
-            return
-        self.b.add(list(terms.items()), lo, hi)
+        self.b.add_folded(pos, neg, lb, ub)
 
     def _frees(self, t: int, k: int) -> list[tuple[int, float]]:
         """FREE[t,i,k] for the values that may be dropped right after computing k."""

@@ -36,6 +36,9 @@ def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+ONE, ZERO = -1, -2  # constant operands of `Builder.add_folded` rows (variable handles are >= 0)
+
+
 @dataclass
 class RawResult:
     status: str
@@ -55,6 +58,24 @@ class Builder:
     def minimize(self, terms: Terms, offset: float) -> None: ...
     def hint(self, values: dict[int, float]) -> None: ...
     def solve(self, time_limit: Optional[float], threads: Optional[int]) -> RawResult: ...
+
+    def add_folded(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
+        """``lb <= sum(pos) - sum(neg) <= ub`` where operands may be the constants `ONE`
+        and `ZERO` (folded into the bounds). A row left with no variable must hold."""
+        terms: dict[int, float] = {}
+        const = 0.0
+        for h, sign in [(h, 1.0) for h in pos] + [(h, -1.0) for h in neg]:
+            if h == ONE:
+                const += sign
+            elif h != ZERO:
+                terms[h] = terms.get(h, 0.0) + sign
+        terms = {h: c for h, c in terms.items() if c}
+        lo, hi = lb - const, ub - const
+        if not terms:
+            if lo > 1e-9 or hi < -1e-9:
+                raise AssertionError("a row of constants is violated")
+            return
+        self.add(list(terms.items()), lo, hi)
 
 
 class CpSatBuilder(Builder):
