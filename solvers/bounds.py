@@ -38,6 +38,9 @@ from .store_all import solve_store_all
 EXACT_MIN_BUDGET_NODES = 8
 ROTOR_TIME_LIMIT = 10.0  # seconds for rotor's lowest-peak schedule
 PAGING_TIME_LIMIT = 10.0  # seconds for paging out each schedule with a host link
+# The bisection stops within this share of the budget: the greedy's answers are not monotone
+# in the budget anyway, and each probe costs seconds on thousands of values.
+BISECTION_RESOLUTION = 1e-3
 RECOMPUTE_ALL_MAX_NODES = 500  # quadratic: 30 s on gpt12's 2108 values, where rotor's peak is lower anyway
 
 
@@ -81,7 +84,7 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
             best = (sol.peak, sol.schedule)
     lo = memory_lower_bound(problem) - 1  # greedy is not known to succeed at lo
     hi = best[0]
-    while hi - lo > 1 and time.perf_counter() < deadline:
+    while hi - lo > max(1, int(hi * BISECTION_RESOLUTION)) and time.perf_counter() < deadline:
         mid = (lo + hi) // 2
         probe = problem.with_budget(mid)
         sol = solve_greedy(probe, None)
@@ -109,13 +112,13 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
 
 
 def min_budget_cached(problem: Problem, deadline: float = math.inf) -> tuple[int, Schedule]:
-    """`min_budget`, remembered per graph (the budget does not change the answer); a search
+    """`min_budget`, remembered per graph and host link (the budget does not change the
+    answer, so every `Problem.with_budget` variant shares it); a search
     cut short by ``deadline`` is returned but not remembered."""
-    key = "_min_budget"
-    cached = problem.__dict__.get(key)
-    if cached is None:
+    cache = problem.budget_free_cache
+    if "min_budget" not in cache:
         found = min_budget(problem, deadline)
-        if time.perf_counter() < deadline:
-            object.__setattr__(problem, key, found)
-        return found
-    return cached
+        if time.perf_counter() >= deadline:
+            return found  # cut short: not the answer to remember
+        cache["min_budget"] = found
+    return cache["min_budget"]

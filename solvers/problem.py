@@ -63,6 +63,7 @@ class Problem:
     sources: tuple[int, ...] = field(init=False, repr=False)
     sinks: tuple[int, ...] = field(init=False, repr=False)
     non_sources: tuple[int, ...] = field(init=False, repr=False)
+    budget_free_cache: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -125,6 +126,8 @@ class Problem:
         setattr_(self, "sources", tuple(int(i) for i in np.flatnonzero(is_source)))
         setattr_(self, "sinks", tuple(int(i) for i in np.flatnonzero(is_sink & ~is_source)))
         setattr_(self, "non_sources", tuple(int(i) for i in np.flatnonzero(~is_source)))
+        # Results that do not depend on the budget, shared by every `with_budget` variant.
+        setattr_(self, "budget_free_cache", {})
 
     # ------------------------------------------------------------------ sizes
     @property
