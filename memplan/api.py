@@ -5,6 +5,7 @@ Like ``torch.compile`` it plans lazily, on the first call (or at once when
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -16,6 +17,7 @@ from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
 from memplan.plan import Plan, make_plan
 from memplan.planio import as_saved, make_plan_from_saved
+from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
 
 _UNITS = {
@@ -128,6 +130,8 @@ class OptimizedModule(nn.Module):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             profile = get_profile(self.device_profile, device)
             measure_on = device if self.options.get("profile") else None
+            if measure_on is not None:  # the host link is measured too, not taken from the table
+                profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
             # Offloading pays off where a host link runs beside compute: on by default on CUDA.
             offload = self.options.get("offload")
             offload = device.type == "cuda" if offload is None else bool(offload)

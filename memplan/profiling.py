@@ -1,4 +1,4 @@
-"""Measure the runtime of every op of a joint graph on the real device (``profile=True``).
+"""Measure the runtime of every op of a joint graph, and the host link, on the real device (``profile=True``).
 
 The roofline in :mod:`memplan.costs` is a guess; this runs each ATen node
 once more on real tensors of the right shapes and takes the median of a few
@@ -71,3 +71,28 @@ def measure_op_times(
                 continue
             times[node.name] = statistics.median(samples)
     return times
+
+
+def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a copy between ``device`` and host memory, the slower direction.
+
+    CUDA: device buffer to pinned host buffer and back, as the runtime's offloads
+    and prefetches do. CPU: a copy into another host buffer, which is what an
+    offload is there. The median of ``repeats`` timings per direction."""
+    device = torch.device(device)
+    numel = nbytes // 4
+    on_device = torch.empty(numel, dtype=torch.float32, device=device).normal_()
+    on_host = torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        samples = []
+        for _ in range(repeats):
+            _sync(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    seconds = max(timed(on_host, on_device), timed(on_device, on_host))
+    return nbytes / max(seconds, 1e-9)

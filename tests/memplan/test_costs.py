@@ -59,3 +59,14 @@ def test_measured_times_replace_the_roofline():
         if name in graph and v.alias_of is None and name in times:
             assert graph.nodes[name]["cost"] == pytest.approx(v.time)
     assert opt.plan.store_all_time == pytest.approx(sum(d["cost"] for _, d in graph.nodes(data=True)))
+    # ... and the host link is measured: a copy of 32 MiB timed on this machine, not the table's figure
+    measured_link = opt.plan.analysis.costs.profile.host_bandwidth
+    assert measured_link != PROFILES["cpu"].host_bandwidth and 1e8 < measured_link < 1e12
+
+
+def test_host_bandwidth_is_the_time_of_a_real_copy():
+    from memplan.profiling import measure_host_bandwidth
+
+    small, large = measure_host_bandwidth("cpu", 2**20), measure_host_bandwidth("cpu", 64 * 2**20)
+    print(f"host copy: {small / 1e9:.1f} GB/s at 1 MiB, {large / 1e9:.1f} GB/s at 64 MiB")
+    assert 1e8 < large < 1e12 and 1e8 < small < 1e13
