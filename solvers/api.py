@@ -1,12 +1,13 @@
 """`solve`: the one entry point memplan calls."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from .bounds import memory_lower_bound, min_budget_cached
 from .problem import Problem
 from .registry import METHODS
-from .solution import Infeasible, Solution
+from .solution import Infeasible, Solution, finish
 
 
 def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None) -> Solution:
@@ -21,9 +22,15 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
     lower = memory_lower_bound(problem)
     if problem.budget < lower:
         raise Infeasible(problem.budget, min_budget_cached(problem)[0], lower)
+    started = time.perf_counter()
     sol = METHODS[method](problem, time_limit)
     if not sol.fits:
-        needed, _ = min_budget_cached(problem)
+        needed, schedule = min_budget_cached(problem)
         if problem.budget < needed:
             raise Infeasible(problem.budget, needed, lower)
+        if method == "auto":
+            # Auto's own fallback may have been cut short by its time limit; the full search's
+            # schedule fits (a budget set to the minimum this search reported is met).
+            return finish(problem, schedule, "auto", started, lower_bound=sol.lower_bound,
+                          info={**sol.info, "chosen": "min_budget_search"})
     return sol

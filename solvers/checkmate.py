@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -126,6 +126,37 @@ def cost_scale(costs: list[float], n_terms: int) -> float:
     return min(2**30 / top, 2**50 / (top * n_terms))
 
 
+def add_stage_memory(b: Builder, t: int, size: list[int], budget: int, held: list[tuple[int, float]],
+                     r: Callable[[int, int], int], frees: Callable[[int], list[tuple[int, float]]],
+                     U: dict[tuple[int, int], int]) -> None:
+    """Memory rows of stage ``t`` in Checkmate's formulation (shared with `joint`).
+
+    ``U[t, k]`` is the memory while value k is computed in stage t: at k = 0 the
+    stage's start (``held``: terms for what it holds, as ``(handle, -bytes)``,
+    plus any discounts) plus value 0 if computed; then the previous U, less what
+    the FREE variables ``frees(k - 1)`` drop after the previous compute, plus k."""
+    prev_u: Optional[int] = None
+    prev_free: list[tuple[int, float]] = []
+    for k in range(t + 1):
+        u = b.num_var(-float(sum(size)), float(budget))
+        U[t, k] = u
+        terms: list[tuple[int, float]] = [(u, 1.0)]
+        const = 0.0
+        if prev_u is None:
+            terms.extend(held)
+        else:
+            terms.append((prev_u, -1.0))
+            terms.extend((f, +sz) for f, sz in prev_free)
+        rk = r(t, k)
+        if rk == ONE:
+            const += size[k]
+        elif rk != ZERO and size[k]:
+            terms.append((rk, -float(size[k])))
+        b.add(terms, const, const)  # u - (previous memory) = +size[k] * R[t,k]
+        prev_u = u
+        prev_free = frees(k) if rk != ZERO else []
+
+
 class _Formulation:
     def __init__(self, problem: Problem, builder: Builder, scale: MemoryScale, cost_factor: float) -> None:
         self.p, self.b = problem, builder
@@ -184,30 +215,9 @@ class _Formulation:
         self.alias_parent = dict(alias_pairs)
         # Memory, stage by stage, with FREE variables created on the way.
         for t in range(m):
-            discount = [(self.W[t, v], float(size[v])) for v, _ in alias_pairs if (t, v) in self.W]
-            prev_u: Optional[int] = None
-            prev_free: list[tuple[int, float]] = []
-            for k in range(t + 1):
-                u = b.num_var(-float(sum(size)), float(scale.budget))
-                self.U[t, k] = u
-                terms: list[tuple[int, float]] = [(u, 1.0)]
-                const = 0.0
-                if prev_u is None:
-                    for i in range(t):
-                        if size[i]:
-                            terms.append((self.S[t, i], -float(size[i])))
-                    terms.extend((w, +sz) for w, sz in discount)
-                else:
-                    terms.append((prev_u, -1.0))
-                    terms.extend((f, +sz) for f, sz in prev_free)
-                rk = self.r(t, k)
-                if rk == ONE:
-                    const += size[k]
-                elif rk != ZERO and size[k]:
-                    terms.append((rk, -float(size[k])))
-                b.add(terms, const, const)  # u - (previous memory) = +size[k] * R[t,k]
-                prev_u = u
-                prev_free = self._frees(t, k, size) if rk != ZERO else []
+            held = [(self.S[t, i], -float(size[i])) for i in range(t) if size[i]]
+            held += [(self.W[t, v], float(size[v])) for v, _ in alias_pairs if (t, v) in self.W]
+            add_stage_memory(b, t, size, scale.budget, held, self.r, lambda k: self._frees(t, k, size), self.U)
         # Objective.
         costs = [float(problem.cost[v]) for v in real] + [0.0]
         obj: list[tuple[int, float]] = []

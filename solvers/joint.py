@@ -24,8 +24,9 @@ Binary variables, for stages ``t`` and values ``i``:
 Memory after every compute of every stage (``U[t,k]``, device values held at
 the stage start plus prefetches issued at it, plus computes, minus frees) is
 within the budget, exactly as in Checkmate; host memory (the sum of offloaded
-sizes) is within ``host_capacity`` when that is set. Only non-source values
-that own their storage (``alias_of == -1``) can be offloaded.
+sizes) is within ``host_capacity`` when that is set. Only the values the
+problem allows (``Problem.offloadable``: non-sources that own their storage
+and are not marked otherwise) can be offloaded.
 
 Time: every stage lasts its compute time ``C_t`` (the sum of the costs of its
 computes) plus a wait ``w_t >= 0`` with ``w_t >= (seconds of offloads issued
@@ -90,7 +91,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .checkmate import MemoryScale, memory_scale
+from .checkmate import MemoryScale, add_stage_memory, memory_scale
 from .milp_backends import BACKENDS, ONE, RAW_FEASIBLE, RAW_OPTIMAL, ZERO, Builder
 from .problem import Problem
 from .schedule import Op, Schedule, Step, simulate
@@ -153,7 +154,7 @@ class _JointModel:
         self.size, self.budget_units = size, scale.budget
         has_host = problem.has_host
         # A zero-size value never needs to leave the device.
-        offloadable = [has_host and problem.alias_of[v] < 0 and size[i] > 0 for i, v in enumerate(real)] + [False]
+        offloadable = [has_host and bool(problem.offloadable[v]) and size[i] > 0 for i, v in enumerate(real)] + [False]
         transfer = [problem.transfer_time(v) if offloadable[i] else 0.0 for i, v in enumerate(real)] + [0.0]
         cost = [float(problem.cost[v]) for v in real] + [0.0]
         x = self.x = _Vars()
@@ -204,30 +205,9 @@ class _JointModel:
             b.add([(o, float(problem.mem[real[i]])) for (t, i), o in x.O.items()], -math.inf, cap)
         # Memory, stage by stage, as in Checkmate, with prefetches counted from the stage start.
         for t in range(m):
-            prev_u: Optional[int] = None
-            prev_free: list[tuple[int, float]] = []
-            for k in range(t + 1):
-                u = b.num_var(-float(sum(size)), float(scale.budget))
-                x.U[t, k] = u
-                terms: list[tuple[int, float]] = [(u, 1.0)]
-                const = 0.0
-                if prev_u is None:
-                    for i in range(t):
-                        if size[i]:
-                            terms.append((x.S[t, i], -float(size[i])))
-                            if (t, i) in x.P:
-                                terms.append((x.P[t, i], -float(size[i])))
-                else:
-                    terms.append((prev_u, -1.0))
-                    terms.extend((f, +sz) for f, sz in prev_free)
-                rk = self.r(t, k)
-                if rk == ONE:
-                    const += size[k]
-                elif rk != ZERO and size[k]:
-                    terms.append((rk, -float(size[k])))
-                b.add(terms, const, const)
-                prev_u = u
-                prev_free = self._frees(t, k) if rk != ZERO else []
+            held = [(x.S[t, i], -float(size[i])) for i in range(t) if size[i]]
+            held += [(x.P[t, i], -float(size[i])) for i in range(t) if size[i] and (t, i) in x.P]
+            add_stage_memory(b, t, size, scale.budget, held, self.r, lambda k: self._frees(t, k), x.U)
         # Time: compute of each stage plus the copy time it cannot hide, per direction.
         objective: list[tuple[int, float]] = []
         for (t, i), h in x.R.items():

@@ -238,6 +238,18 @@ def test_offloading_fits_where_no_remat_schedule_does():
     assert run.schedule is not None and math.isclose(validate(p, run.schedule).time, p.total_cost())
 
 
+def test_values_marked_not_offloadable_stay_on_the_device():
+    # The same graph with a marked as having no tensor to copy (a bookkeeping value in memplan).
+    G = _skip_chain(13).to_networkx()
+    G.nodes["a"]["offloadable"] = False
+    p = Problem.from_networkx(G, 13, host_bandwidth=8.0)
+    sol = solve_joint(p, TIME_LIMIT)
+    assert "a" not in sol.schedule.offloads()
+    assert not sol.fits  # a was the only way under 15
+    run = solve_milp(p, None, TIME_LIMIT)
+    assert run.schedule is None or "a" not in run.schedule.offloads()
+
+
 def test_slow_link_makes_compute_wait_or_fails():
     # Same graph, a link 20x slower: copying a takes 20 units, more than any stage's compute.
     p = _skip_chain(13).with_host(0.4)
