@@ -4,10 +4,11 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from .auto import from_min_budget_search
 from .bounds import memory_lower_bound, min_budget_cached
 from .problem import Problem
 from .registry import METHODS
-from .solution import Infeasible, Solution, finish
+from .solution import Infeasible, Solution
 
 
 def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None) -> Solution:
@@ -31,6 +32,5 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
         if method == "auto":
             # Auto's own fallback may have been cut short by its time limit; the full search's
             # schedule fits (a budget set to the minimum this search reported is met).
-            return finish(problem, schedule, "auto", started, lower_bound=sol.lower_bound,
-                          info={**sol.info, "chosen": "min_budget_search"})
+            return from_min_budget_search(problem, schedule, sol, started)
     return sol

@@ -23,6 +23,7 @@ from typing import Optional
 from .bounds import min_budget_cached
 from .hierarchical import solve_hierarchical
 from .problem import Problem
+from .schedule import Schedule
 from .solution import Solution, finish
 
 AUTO_TIME_LIMIT = 30.0
@@ -33,6 +34,13 @@ def _relabel(sol: Solution, started: float) -> Solution:
     sol.method = "auto"
     sol.solve_time = time.perf_counter() - started
     return sol
+
+
+def from_min_budget_search(problem: Problem, schedule: Schedule, failed: Solution, started: float) -> Solution:
+    """Auto's answer when its planner found nothing under the budget but the minimum-budget
+    search's schedule fits; the planner's bound (valid for every schedule) is kept."""
+    return finish(problem, schedule, "auto", started, lower_bound=failed.lower_bound,
+                  info={**failed.info, "chosen": "min_budget_search"})
 
 
 def solve_auto(problem: Problem, time_limit: Optional[float] = None) -> Solution:
@@ -51,6 +59,5 @@ def solve_auto(problem: Problem, time_limit: Optional[float] = None) -> Solution
     # The search goes on past the limit only by its first steps (rotor, the baselines).
     budget, schedule = min_budget_cached(problem, started + limit)
     if budget <= problem.budget:
-        return finish(problem, schedule, "auto", started, lower_bound=sol.lower_bound,
-                      info={**sol.info, "chosen": "min_budget_search"})
+        return from_min_budget_search(problem, schedule, sol, started)
     return _relabel(sol, started)

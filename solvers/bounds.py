@@ -64,10 +64,11 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
     if problem.n_compute <= EXACT_MIN_BUDGET_NODES:
         return min_peak(problem)
     unlimited = problem.with_budget(2**62)
+    floor = problem.with_budget(memory_lower_bound(problem))
     store_all = solve_store_all(unlimited, None)
     best: tuple[int, Schedule] = (store_all.peak, store_all.schedule)
     starts = (
-        lambda: solve_rotor(problem.with_budget(memory_lower_bound(problem)),
+        lambda: solve_rotor(floor,
                             max(0.1, min(ROTOR_TIME_LIMIT, deadline - time.perf_counter()))),
         lambda: solve_sqrt_n(unlimited, None),
     )
@@ -82,7 +83,7 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
             continue  # e.g. no chain in the graph for rotor
         if sol.peak < best[0]:
             best = (sol.peak, sol.schedule)
-    lo = memory_lower_bound(problem) - 1  # greedy is not known to succeed at lo
+    lo = floor.budget - 1  # greedy is not known to succeed at lo
     hi = best[0]
     while hi - lo > max(1, int(hi * BISECTION_RESOLUTION)) and time.perf_counter() < deadline:
         mid = (lo + hi) // 2
@@ -102,8 +103,7 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
         # them sit idle across the peak (tiny GPT: 2.38 MB paged from rotor's, 2.32 from store-all's).
         from .offload import add_offloads
 
-        floor = problem.with_budget(memory_lower_bound(problem))
-        for schedule in (best[1], solve_store_all(unlimited, None).schedule):
+        for schedule in (best[1], store_all.schedule):
             paged = add_offloads(floor, schedule, min(deadline, time.perf_counter() + PAGING_TIME_LIMIT))
             paged_peak = simulate(problem, paged).peak
             if paged_peak < best[0]:

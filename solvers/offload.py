@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .bounds import store_all_peak
+from .bounds import min_budget_cached, store_all_peak
 from .memory import alias_trees
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, SimResult, Step, simulate
@@ -151,13 +151,13 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
     for v in range(problem.n):
         if not offloadable[v]:
             continue
-        members = trees.members.get(int(trees.root[v]), ())
+        descendants = [w for w in trees.members.get(int(trees.root[v]), ()) if _descends(alias_of, w, v)]
         span = uses.interval(v, k, end)
         moved_free = None
         if span is None:
             # Freed before k, but views made from this instance may still hold its storage:
             # page the storage out all the same, v's own free moving to after the copy.
-            span = uses.held_by_views(v, k, end, [w for w in members if w != v and _descends(alias_of, w, v)])
+            span = uses.held_by_views(v, k, end, descendants)
             if span is None:
                 continue
             start, stop, moved_free = span
@@ -176,9 +176,7 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
         # Views of v still held across k go with it and are recomputed before their next read.
         views: list[tuple[int, int]] = []
         ok = True
-        for w in members:
-            if w == v or not _descends(alias_of, w, v):
-                continue
+        for w in descendants:
             w_span = uses.interval(w, k, end)
             if w_span is None or w_span[0] < start:
                 continue  # not held, or made from an earlier instance of v (another storage)
@@ -360,8 +358,6 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
         if time.perf_counter() > deadline and best is not None:
             break
     if best is None:
-        from .bounds import min_budget_cached
-
         _, schedule = min_budget_cached(problem, deadline)
         info = {"base": "min_budget_search", "offloaded": len(schedule.offloads())}
         if simulate(problem, schedule).peak > fallback[0]:
