@@ -55,3 +55,17 @@ class DataDependent(nn.Module):
         if y.sum().item() > 0:  # data-dependent Python control flow
             return y * 2
         return y
+
+
+def assert_measured_peak(opt: nn.Module, module: nn.Module, args: tuple, kwargs: dict, budget: int) -> int:
+    """One seeded step of ``opt``, planned for ``module``: its measured peak is under ``budget``
+    and within 5% of the plan's prediction. Returns the measured peak."""
+    from memplan.measure import measure_peak
+
+    clear_grads(module)
+    torch.manual_seed(0)
+    measured = measure_peak(lambda: opt(*args, **kwargs).backward())
+    predicted = opt.plan.predicted_peak
+    assert measured <= budget, (measured, budget)
+    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+    return measured
