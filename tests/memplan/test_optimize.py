@@ -11,7 +11,7 @@ import torch.nn as nn
 import memplan
 from memplan import zoo
 
-from .helpers import DataDependent, assert_same_step, build_step, clear_grads
+from .helpers import DataDependent, assert_measured_peak, assert_same_step, build_step, clear_grads
 
 ZOO = ["mlp", "cnn", "gpt", "unet", "dict_out"]
 LEVELS = ["store_all", "70%", "50%", "min+10%"]
