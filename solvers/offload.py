@@ -34,7 +34,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 from .bounds import min_budget_cached, store_all_peak
 from .memory import alias_trees
@@ -134,8 +134,9 @@ class _Uses:
         return reads[i] if i < len(reads) and reads[i] < stop else None
 
 
-def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> list[Window]:
-    """Every way of paging one idle value out across step ``k``."""
+def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int,
+             values: Optional[Iterable[int]] = None) -> list[Window]:
+    """Every way of paging one idle value out across step ``k`` (only ``values``, when given)."""
     uses = _Uses(problem, steps)
     trees = alias_trees(problem)
     clock = sim.clock
@@ -148,7 +149,7 @@ def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int) -> lis
         return float(clock[j - 1]) if j > 0 else 0.0
 
     out: list[Window] = []
-    for v in range(problem.n):
+    for v in (range(problem.n) if values is None else values):
         if not offloadable[v]:
             continue
         descendants = [w for w in trees.members.get(int(trees.root[v]), ()) if _descends(alias_of, w, v)]
@@ -252,30 +253,35 @@ def _descends(alias_of: list[int], w: int, v: int) -> bool:
     return False
 
 
-def _apply(problem: Problem, steps: list[Step], w: Window) -> list[Step]:
+def _apply(problem: Problem, steps: list[Step], windows: Sequence[Window]) -> list[Step]:
+    """``steps`` with ``windows`` applied; the windows' positions all refer to ``steps`` and
+    their values are distinct storages, so their insertions merge in one pass."""
     names = problem.names
     before: dict[int, list[Step]] = {}
 
     def put(j: int, step: Step) -> None:
         before.setdefault(j, []).append(step)
 
-    if w.offload_at is not None:
-        put(w.offload_at, Step(Op.OFFLOAD, names[w.value]))
-    for view in sorted((x for x, _ in w.views), reverse=True):  # views before their base
-        put(w.free_at, Step(Op.FREE, names[view]))
-    put(w.free_at, Step(Op.FREE, names[w.value]))
-    put(w.prefetch_at, Step(Op.PREFETCH, names[w.value]))
-    remakes = [(at, view) for view, at in w.views] + [(first, view) for view, first, _ in w.helpers]
-    for at, view in sorted(remakes):  # bases before their views (values are numbered in graph order)
-        put(at, Step(Op.COMPUTE, names[view]))
-    for view, _, last in w.helpers:  # after the computes put at the same position
-        put(last, Step(Op.FREE, names[view]))
-    if w.moved_free is not None:  # the prefetched instance goes once its views are made again
-        put(max(at for _, at in w.views), Step(Op.FREE, names[w.value]))
+    moved: set[int] = set()
+    for w in windows:
+        if w.offload_at is not None:
+            put(w.offload_at, Step(Op.OFFLOAD, names[w.value]))
+        for view in sorted((x for x, _ in w.views), reverse=True):  # views before their base
+            put(w.free_at, Step(Op.FREE, names[view]))
+        put(w.free_at, Step(Op.FREE, names[w.value]))
+        put(w.prefetch_at, Step(Op.PREFETCH, names[w.value]))
+        remakes = [(at, view) for view, at in w.views] + [(first, view) for view, first, _ in w.helpers]
+        for at, view in sorted(remakes):  # bases before their views (values are numbered in graph order)
+            put(at, Step(Op.COMPUTE, names[view]))
+        for view, _, last in w.helpers:  # after the computes put at the same position
+            put(last, Step(Op.FREE, names[view]))
+        if w.moved_free is not None:  # the prefetched instance goes once its views are made again
+            put(max(at for _, at in w.views), Step(Op.FREE, names[w.value]))
+            moved.add(w.moved_free)
     out: list[Step] = []
     for j, step in enumerate(steps):
         out.extend(before.get(j, ()))
-        if j != w.moved_free:
+        if j not in moved:
             out.append(step)
     out.extend(before.get(len(steps), ()))
     return out
@@ -312,7 +318,7 @@ def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.in
         choice = _choose(windows, sim.peak - problem.budget)
         if choice is None:
             break
-        candidate = _apply(problem, steps, choice)
+        candidate = _apply(problem, steps, [choice])
         try:
             after = simulate(problem, candidate)
         except ScheduleError:
