@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -53,9 +53,10 @@ from .exhaustive import solve_exhaustive
 from .greedy import solve_greedy
 from .memory import Residency, memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
+from .offload import Uses, Window, _apply, _windows
 from .plan import schedule_from_sequence
 from .problem import Problem
-from .schedule import Op, Schedule, simulate
+from .schedule import Op, Schedule, ScheduleError, Step, simulate
 from .select import solve_select
 from .solution import FEASIBLE, MethodFailed, Solution, finish
 from .sqrt_n import solve_sqrt_n
@@ -73,10 +74,28 @@ MAX_FEEDBACK_ROUNDS = 60
 MAX_MARGIN_STEPS = 4  # times the model's target may be lowered when stuck over budget
 EXACT_NODES = 8  # exhaustive search up to this many values to compute
 CHECKMATE_NODES = 60  # Checkmate on the fine (else coarse) graph up to this many values
+NEAR_MISS = 0.01  # a plan this much over budget is repaired on the spot
 SHORTFALL_PENALTY = 1e4  # objective per unit of uncovered need (needs are scaled to <= 1)
 
 
 # ----------------------------------------------------------------- drop plans
+@dataclass(frozen=True)
+class Paging:
+    """Page group ``group`` out to host memory across one gap between its clusters of uses: copied
+    out after the cluster before the gap, back in before the one after it. In the linear model the
+    device copy is gone over stages ``first..last`` (copy out done, copy in not yet begun, in
+    keep-all's clock) and the copies occupy the link during ``out_span`` and ``in_span``."""
+
+    cand: int  # candidate index
+    group: int
+    first: int
+    last: int
+    size: int
+    probe: int  # a stage inside the gap, where the group's values sit idle
+    out_span: tuple[float, float]
+    in_span: tuple[float, float]
+
+
 @dataclass
 class Evaluation:
     dropped: frozenset[int]
@@ -86,6 +105,9 @@ class Evaluation:
     stage_peak: np.ndarray  # fine memory peak per coarse stage (coarse index)
     peak_step: int
     charge: dict[int, float]  # recomputation cost charged to each dropped group
+    time: float = 0.0  # simulated step time (compute plus waits for copies)
+    paged: tuple[Paging, ...] = ()
+    step_stage: Optional[np.ndarray] = None  # coarse stage of each schedule step
 
     def fits(self, budget: int) -> bool:
         return self.peak <= budget
@@ -169,7 +191,7 @@ class DropPlanner:
                 alive_until[v] = self._cluster_end(v, v + 1) if self.clusters[v] else v
         return seq, stage, charge
 
-    def evaluate(self, dropped: frozenset[int]) -> Evaluation:
+    def evaluate(self, dropped: frozenset[int], paged: tuple[Paging, ...] = ()) -> Evaluation:
         c = self.c
         seq, stage, charge = self.sequence(dropped)
         fine_seq: list[int] = []
@@ -179,17 +201,116 @@ class DropPlanner:
             fine_seq.extend(ms)
             fine_stage.extend([s] * len(ms))
         schedule = schedule_from_sequence(c.fine, fine_seq)
-        result = simulate(c.fine, schedule)
         step_stage = np.empty(len(schedule), dtype=np.int64)
         k = -1
         for i, (op, _) in enumerate(schedule.steps):
             if op is Op.COMPUTE:
                 k += 1
             step_stage[i] = fine_stage[max(k, 0)]
+        if paged:
+            schedule, step_stage = self._page(schedule, step_stage, paged)
+        result = simulate(c.fine, schedule)
         stage_peak = np.full(self.cp.n, result.initial, dtype=np.int64)
         np.maximum.at(stage_peak, step_stage, result.timeline)
         return Evaluation(dropped=dropped, schedule=schedule, cost=result.cost, peak=result.peak,
-                          stage_peak=stage_peak, peak_step=result.peak_step, charge=charge)
+                          stage_peak=stage_peak, peak_step=result.peak_step, charge=charge, time=result.time,
+                          paged=tuple(paged), step_stage=step_stage)
+
+    def realizable(self, keep_all: Evaluation, pages: list[Paging]) -> list[Paging]:
+        """The pagings whose windows exist on keep-all's schedule, each sized by what its windows
+        save (a value the pager cannot move, such as a view held for nobody, saves nothing)."""
+        steps = list(keep_all.schedule.steps)
+        stage_of = {id(step): int(st) for step, st in zip(steps, keep_all.step_stage)}
+        out = []
+        for p, found in zip(pages, self.windows_per_paging(steps, stage_of, pages)):
+            saving = min(p.size, sum(w.saving for w in found))
+            if saving > 0:
+                out.append(replace(p, size=saving))
+        return out
+
+    def _page(self, schedule: Schedule, step_stage: np.ndarray, paged: tuple[Paging, ...]
+              ) -> tuple[Schedule, np.ndarray]:
+        """``schedule`` with the values of each paged group copied out across its gap (the offload
+        pager's windows), and the stage of every step. The windows are first computed on
+        ``schedule`` and merged in one pass; when that does not replay (views re-made from two
+        windows can clash), they are applied one paging at a time, each computed on the schedule
+        so far, and a paging that does not replay is left out: the simulator's excess then
+        steers the model."""
+        fine = self.c.fine
+        steps = list(schedule.steps)
+        order = sorted(paged, key=lambda p: p.probe)
+        stage_of = {id(step): int(st) for step, st in zip(steps, step_stage)}
+        windows = self._windows_of(steps, stage_of, order)
+        merged = _apply(fine, steps, windows)
+        if _replays(fine, merged):
+            steps = merged
+        else:
+            # Windows that re-make views are the ones that clash: merge the others, then add
+            # the pagings with such windows one at a time.
+            plain = [w for w in windows if not (w.views or w.helpers or w.moved_free is not None)]
+            merged = _apply(fine, steps, plain)
+            if _replays(fine, merged):
+                steps = merged
+                done = {w.value for w in plain}
+                order = [p for p in order if any(v not in done for v in self.c.members[p.group])]
+            for p in order:
+                found = self._windows_of(steps, stage_of, [p])  # values paged already have none
+                candidate = _apply(fine, steps, found)
+                if found and _replays(fine, candidate):
+                    steps = candidate
+        # Inserted steps belong to the stage of the step they precede (original steps are kept as objects).
+        new_stage = np.empty(len(steps), dtype=np.int64)
+        current = int(step_stage[-1]) if len(step_stage) else 0
+        for i in range(len(steps) - 1, -1, -1):
+            current = stage_of.get(id(steps[i]), current)
+            new_stage[i] = current
+        return Schedule(tuple(steps)), new_stage
+
+    def _windows_of(self, steps: list[Step], stage_of: dict[int, int], pages: list[Paging]) -> list[Window]:
+        """The pager's windows for the values of every paging, computed on ``steps`` (a value paged
+        in two gaps offloads once: the host copy stays)."""
+        windows: dict[int, list[Window]] = {}  # value -> its windows, in step order
+        for found in self.windows_per_paging(steps, stage_of, pages):
+            for w in found:
+                mine = windows.setdefault(w.value, [])
+                if mine and mine[-1].free_at == w.free_at:
+                    continue  # the same idle stretch, reached from two groups
+                if mine and w.offload_at is not None:
+                    w = replace(w, offload_at=None)  # the host copy of the earlier window is still there
+                mine.append(w)
+        return [w for ws in windows.values() for w in ws]
+
+    def windows_per_paging(self, steps: list[Step], stage_of: dict[int, int], pages: list[Paging]
+                           ) -> list[list[Window]]:
+        """For each paging, the pager's windows on ``steps`` at the first step of its probe stage,
+        for the group's values (a view's: its base's)."""
+        fine = self.c.fine
+        sim = simulate(fine, steps)
+        uses = Uses(fine, steps)
+        alias_of, is_source = fine.alias_of, fine.is_source
+        stage = np.array([stage_of.get(id(step), -1) for step in steps], dtype=np.int64)
+        stage = np.maximum.accumulate(stage)  # inserted steps: the stage of the step before
+        out: list[list[Window]] = []
+        for p in pages:
+            k = int(np.searchsorted(stage, p.probe, "left"))
+            if k >= len(steps):
+                out.append([])
+                continue
+            values = set()
+            for v in self.c.members[p.group]:
+                while alias_of[v] >= 0 and not is_source[alias_of[v]]:
+                    v = int(alias_of[v])  # a view's bytes are its base's: page the base
+                values.add(v)
+            out.append(_windows(fine, steps, sim, k, sorted(values), uses))
+        return out
+
+
+def _replays(problem: Problem, steps: list[Step]) -> bool:
+    try:
+        simulate(problem, steps)
+    except ScheduleError:
+        return False
+    return True
 
 
 # -------------------------------------------------------------- covering ILP
@@ -224,6 +345,7 @@ class Candidate:
     # bytes, consumers): a dropped group is recomputed (and held) there only when one of
     # those consumers is dropped too.
     potential: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    droppable: bool = True  # False: a group that cannot be recomputed, only paged out (host link)
 
 
 @dataclass
@@ -238,7 +360,9 @@ class Penalty:
 
 def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidate], list[Penalty]]:
     """Droppable groups and the penalties of keeping inputs of dropped ones. ``chains``: model the
-    clusters made only of consumers' recomputation points as conditional (else as real uses)."""
+    clusters made only of consumers' recomputation points as conditional (else as real uses).
+    With a host link on the fine problem, groups that cannot be recomputed are candidates too,
+    to be paged out only."""
     c, cp = planner.c, planner.cp
     fine = c.fine
     base = memory_of(fine, [])
@@ -250,9 +374,10 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
                 for v in range(fine.n)]
     out: list[Candidate] = []
     index: dict[int, int] = {}
+    pageable_only = fine.has_host
     for g in cp.non_sources:
         cs = planner.clusters[g]
-        if len(cs) < 2 or not planner.droppable[g]:
+        if len(cs) < 2 or not (planner.droppable[g] or (pageable_only and not cp.is_sink[g])):
             continue
         members = c.members[g]
         direct = sorted(cp.succs[g])
@@ -289,7 +414,8 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
                     gaps.append((a, a, -extra))
             index[g] = len(out)
             out.append(Candidate(group=g, cost=float(cp.cost[g]) * (len(real) - 1), gaps=gaps,
-                                 potential=[(a, b, held, hs) for a, b, hs in maybe]))
+                                 potential=[(a, b, held, hs) for a, b, hs in maybe],
+                                 droppable=planner.droppable[g]))
     for cd in out:  # consumers as candidate indices (a consumer that is no candidate is never dropped)
         cd.potential = [(a, b, s, [index[h] for h in hs if h in index]) for a, b, s, hs in cd.potential]
         cd.potential = [p for p in cd.potential if p[3]]
@@ -313,14 +439,69 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
     return out, penalties
 
 
+def pagings(planner: DropPlanner, cands: list[Candidate], problem: Problem) -> list[Paging]:
+    """The ways of paging a candidate out across one of its gaps that free device memory for at
+    least one stage, timed by keep-all's clock (the coarse costs in order): the copy out starts
+    when the gap does, the copy in ends when it ends."""
+    if not problem.has_host:
+        return []
+    cp = planner.cp
+    clock = np.concatenate([[0.0], np.cumsum(cp.cost)])  # start of each stage; clock[s + 1] is its end
+    offloadable, alias_of = problem.offloadable, problem.alias_of
+    out: list[Paging] = []
+    for i, cd in enumerate(cands):
+        members = planner.c.members[cd.group]
+        if not any(offloadable[v] or alias_of[v] >= 0 for v in members):
+            continue
+        for start, stop, size in cd.gaps:
+            if size <= 0:
+                continue  # the transient of a recomputation, not a gap
+            copy = size / problem.host_bandwidth
+            ready, due = float(clock[start]) + copy, float(clock[stop + 1]) - copy
+            first = max(start, int(np.searchsorted(clock, ready, "left")))
+            last = min(stop, int(np.searchsorted(clock, due, "right")) - 2)
+            if first > last:
+                continue  # the copies take longer than the gap
+            out.append(Paging(cand=i, group=cd.group, first=first, last=last, size=size, probe=(first + last) // 2,
+                              out_span=(float(clock[start]), ready), in_span=(due, float(clock[stop + 1]))))
+    return out
+
+
+def _link_rows(pages: list[Paging], clock: np.ndarray) -> list[tuple[float, list[tuple[int, float]]]]:
+    """One row per stage and direction: the copies overlapping a stage fit in its duration
+    (one copy at a time each way; a copy that would queue is not modelled, so forbid it)."""
+    rows = []
+    for span_of in (lambda p: p.out_span, lambda p: p.in_span):
+        by_stage: dict[int, list[tuple[int, float]]] = {}
+        for k, p in enumerate(pages):
+            a, b = span_of(p)
+            s = max(0, int(np.searchsorted(clock, a, "right")) - 1)
+            while s + 1 < len(clock) and clock[s] < b:
+                overlap = min(b, clock[s + 1]) - max(a, clock[s])
+                if overlap > 0:
+                    by_stage.setdefault(s, []).append((k, overlap))
+                s += 1
+        for s, terms in by_stage.items():
+            duration = float(clock[s + 1] - clock[s])
+            if sum(o for _, o in terms) > duration * (1 + 1e-9):
+                rows.append((duration, terms))
+    return rows
+
+
 class CoverModel:
     """min sum(cost * x) s.t. for each chosen stage t: bytes released at t >= need(t).
 
     Released bytes: the gaps of dropped candidates, minus what a kept input of
-    a dropped candidate holds until its recomputations (``z >= x_h - x_g``)."""
+    a dropped candidate holds until its recomputations (``z >= x_h - x_g``),
+    plus the pagings chosen (``y``, only for kept candidates, within the host
+    link's time and the host memory)."""
 
-    def __init__(self, cands: list[Candidate], penalties: list[Penalty], n_stages: int, cost: np.ndarray) -> None:
+    def __init__(self, cands: list[Candidate], penalties: list[Penalty], n_stages: int, cost: np.ndarray,
+                 pages: Optional[list[Paging]] = None, host_capacity: Optional[int] = None) -> None:
         self.cands = cands
+        self.pages = pages or []
+        self.host_capacity = host_capacity
+        self.clock = np.concatenate([[0.0], np.cumsum(cost)])
         self.cost_of = cost
         self.penalties = penalties
         self.n_stages = n_stages
@@ -338,9 +519,14 @@ class CoverModel:
         self.p_dropped = np.array([p.dropped for p in penalties], dtype=np.int64)
         self.p_kept = np.array([p.kept for p in penalties], dtype=np.int64)
 
-    def released(self, x: np.ndarray) -> np.ndarray:
-        """Bytes released at every stage by a 0/1 choice ``x`` (linear model)."""
+    def released(self, x: np.ndarray, y: Optional[np.ndarray] = None) -> np.ndarray:
+        """Bytes released at every stage by a 0/1 choice ``x`` (and pagings ``y``; linear model)."""
         diff = np.zeros(self.n_stages + 1, dtype=np.float64)
+        if y is not None:
+            for k in np.flatnonzero(y).tolist():
+                p = self.pages[k]
+                diff[p.first] += p.size
+                diff[p.last + 1] -= p.size
         on = x[self.owner] > 0.5
         np.add.at(diff, self.starts[on], self.sizes[on])
         np.add.at(diff, self.stops[on] + 1, -self.sizes[on])
@@ -355,10 +541,27 @@ class CoverModel:
                 diff[b_ + 1] += s
         return np.cumsum(diff)[: self.n_stages]
 
-    def solve(self, rows: dict[int, float], time_limit: float) -> Optional[np.ndarray]:
-        """Best 0/1 choice covering ``rows`` (stage -> bytes needed), or None (infeasible / no answer)."""
+    def solve(self, rows: dict[int, float], time_limit: float) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """Best 0/1 choice ``(x, y)`` covering ``rows`` (stage -> bytes needed), or None (no answer)."""
         b = BACKENDS["highs"]()
         xs = [b.bool_var() for _ in self.cands]
+        ys = [b.bool_var() for _ in self.pages]
+        for i, cd in enumerate(self.cands):
+            if not cd.droppable:
+                b.add([(xs[i], 1.0)], -math.inf, 0.0)
+        for k, p in enumerate(self.pages):
+            b.add([(xs[p.cand], 1.0), (ys[k], 1.0)], -math.inf, 1.0)  # a dropped group has nothing to page
+        for duration, terms in _link_rows(self.pages, self.clock):
+            b.add([(ys[k], o) for k, o in terms], -math.inf, duration)
+        if self.host_capacity is not None and self.pages:
+            on_host = np.zeros(self.n_stages + 1)
+            for p in self.pages:
+                on_host[p.first: p.last + 1] += p.size
+            for t in np.flatnonzero(on_host > self.host_capacity).tolist():
+                b.add([(ys[k], float(p.size)) for k, p in enumerate(self.pages) if p.first <= t <= p.last],
+                      -math.inf, float(self.host_capacity))
+        p_first = np.array([p.first for p in self.pages], dtype=np.int64)
+        p_last = np.array([p.last for p in self.pages], dtype=np.int64)
         zs: dict[int, int] = {}
         slacks: list[int] = []
         # w >= x_g + x_h - 1: a dropped group recomputed (and held) for a dropped consumer.
@@ -374,6 +577,8 @@ class CoverModel:
             hit = np.flatnonzero((self.starts <= t) & (self.stops >= t))
             for i, v in zip(self.owner[hit].tolist(), self.sizes[hit].tolist()):
                 terms[xs[i]] = terms.get(xs[i], 0.0) + v / scale
+            for k in np.flatnonzero((p_first <= t) & (p_last >= t)).tolist():
+                terms[ys[k]] = terms.get(ys[k], 0.0) + self.pages[k].size / scale
             if self.pots:
                 for k in np.flatnonzero((self.q_starts <= t) & (self.q_stops >= t)).tolist():
                     terms[ws[k]] = terms.get(ws[k], 0.0) - self.pots[k][3] / scale
@@ -398,12 +603,15 @@ class CoverModel:
         objective = [(xs[i], cd.cost / cmax + 1e-6) for i, cd in enumerate(self.cands)]
         for k, (i, _, _, _, _) in enumerate(self.pots):
             objective.append((ws[k], float(self.cost_of[self.cands[i].group]) / cmax))
+        # A page is free when its copies hide behind compute (the link rows see to that); a tiny
+        # cost per second on the link keeps useless ones out.
+        objective += [(ys[k], (p.out_span[1] - p.out_span[0]) * 1e-3 / cmax + 1e-7) for k, p in enumerate(self.pages)]
         objective += [(s, SHORTFALL_PENALTY) for s in slacks]
         b.minimize(objective, 0.0)
         raw = b.solve(max(0.05, time_limit), 1)
         if raw.status not in (RAW_OPTIMAL, RAW_FEASIBLE) or raw.values is None:
             return None
-        return np.array([raw.values[h] for h in xs]) > 0.5
+        return np.array([raw.values[h] for h in xs]) > 0.5, np.array([raw.values[h] for h in ys], dtype=float) > 0.5
 
 
 @dataclass
@@ -417,23 +625,30 @@ class SearchLog:
 
 def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
                 chains: bool = True) -> Optional[Evaluation]:
-    """Covering ILP with simulator feedback; the cheapest fitting evaluation found."""
+    """Covering ILP with simulator feedback; the fastest fitting evaluation found. With a host
+    link on the fine problem the ILP also chooses pagings (keep / recompute / offload)."""
     cands, penalties = candidates(planner, chains)
     if not cands:
         return None
-    model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost)
+    fine = planner.c.fine
+    pages = pagings(planner, cands, fine)
+    model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost, pages, fine.host_capacity)
     modelled = [cd.cost for cd in cands]
     keep_all = planner.evaluate(frozenset())
     log.simulations += 1
     if keep_all.fits(budget):
         return keep_all
+    if pages:
+        pages = planner.realizable(keep_all, pages)
+        model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost, pages, fine.host_capacity)
     base = keep_all.stage_peak.astype(np.float64)
     extra = np.zeros(planner.cp.n, dtype=np.float64)  # measured error of the linear model, per stage
     rows: dict[int, float] = {}
     best: Optional[Evaluation] = None
     closest: Optional[Evaluation] = None  # lowest peak among plans that do not fit
-    seen: set[frozenset[int]] = set()
+    seen: set[tuple[frozenset[int], tuple[int, ...]]] = set()
     x: Optional[np.ndarray] = None
+    y: Optional[np.ndarray] = None
     target = budget  # what the linear model aims at; lowered when the ILP is stuck over budget
     margin_steps = 0
     for _ in range(MAX_FEEDBACK_ROUNDS):
@@ -444,7 +659,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         dirty = x is not None
         while time.perf_counter() < deadline:
             need = base + extra - target
-            have = model.released(x) if x is not None else np.zeros_like(need)
+            have = model.released(x, y) if x is not None else np.zeros_like(need)
             short = need - have
             violated = np.array([t for t in np.flatnonzero(short > 0.5).tolist()
                                  if rows.get(t, -1.0) < need[t] - 0.5], dtype=np.int64)
@@ -459,11 +674,13 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             log.ilp_solves += 1
             if x_new is None:
                 return best
-            x = x_new
+            x, y = x_new
         if x is None:
             break
         dropped = frozenset(cands[i].group for i in np.flatnonzero(x))
-        if dropped in seen:
+        paged = tuple(pages[k] for k in np.flatnonzero(y))
+        key = (dropped, tuple(np.flatnonzero(y).tolist()))
+        if key in seen:
             # The ILP repeats itself: the stages over budget cannot be covered locally. Aim
             # lower everywhere by the last overshoot (a few times), then give up.
             if best is not None or closest is None or margin_steps >= MAX_MARGIN_STEPS:
@@ -473,12 +690,12 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             for t in list(rows):
                 rows[t] = float(base[t] + extra[t] - target)
             continue
-        seen.add(dropped)
-        ev = planner.evaluate(dropped)
+        seen.add(key)
+        ev = planner.evaluate(dropped, paged)
         log.simulations += 1
-        log.history.append({"dropped": len(dropped), "peak": ev.peak, "cost": ev.cost})
+        log.history.append({"dropped": len(dropped), "paged": len(paged), "peak": ev.peak, "time": ev.time})
         if ev.fits(budget):
-            if best is None or ev.cost < best.cost:
+            if best is None or ev.time < best.time:
                 best = ev
             # Cost feedback: a dropped group costs what its recomputations cost in the simulation
             # (chains of dropped inputs included); solve again with those costs.
@@ -489,6 +706,12 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             closest = ev
         if log.closest is None or ev.peak < log.closest.peak:
             log.closest = ev
+        if ev.peak <= budget * (1 + NEAR_MISS):
+            # A few more drops at the peak usually close a near miss; cheaper than more ILP rounds.
+            now = time.perf_counter()
+            fixed = repair(planner, ev, cands, budget, now + 0.1 * max(0.0, deadline - now), log)
+            if fixed is not None and (best is None or fixed.time < best.time):
+                best = fixed
         over = np.flatnonzero(ev.stage_peak > budget)
         for t in over.tolist():
             extra[t] += float(ev.stage_peak[t] - budget)
@@ -513,7 +736,7 @@ def repair(planner: DropPlanner, ev: Evaluation, cands: list[Candidate], budget:
             else:
                 resident.discard(v)
         groups = {int(c.group_of[v]) for v in resident} - ev.dropped
-        scored = sorted((g for g in groups if g in by_group),
+        scored = sorted((g for g in groups if g in by_group and by_group[g].droppable),
                         key=lambda g: -max(s for _, _, s in by_group[g].gaps) / (by_group[g].cost + 1e-12))
         if not scored:
             return None
@@ -523,22 +746,22 @@ def repair(planner: DropPlanner, ev: Evaluation, cands: list[Candidate], budget:
             freed += max(s for _, _, s in by_group[g].gaps)
             if freed >= excess:
                 break
-        ev = planner.evaluate(ev.dropped | extra)
+        ev = planner.evaluate(ev.dropped | extra, tuple(p for p in ev.paged if p.group not in extra))
         log.simulations += 1
-        log.history.append({"repair": len(extra), "peak": ev.peak, "cost": ev.cost})
+        log.history.append({"repair": len(extra), "peak": ev.peak, "time": ev.time})
     return ev if ev.fits(budget) else None
 
 
 def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: float, log: SearchLog) -> Evaluation:
-    """Undo drops, costliest first, while the simulator still fits."""
+    """Undo drops, costliest first, while the simulator still fits and the step is no slower."""
     cp = planner.cp
     order = sorted(best.dropped, key=lambda g: -float(cp.cost[g]))
     for g in order:
         if time.perf_counter() >= deadline:
             break
-        ev = planner.evaluate(best.dropped - {g})
+        ev = planner.evaluate(best.dropped - {g}, best.paged)
         log.simulations += 1
-        if ev.fits(budget) and ev.cost <= best.cost:
+        if ev.fits(budget) and ev.time <= best.time:
             best = ev
     return best
 
@@ -591,8 +814,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     fitting = [s for s in quick if s.fits]
     best_schedule, best_cost, chosen = None, math.inf, None
     if fitting:
-        top = min(fitting, key=lambda s: s.cost)
-        best_schedule, best_cost, chosen = top.schedule, top.cost, top.method
+        top = min(fitting, key=lambda s: s.objective)
+        best_schedule, best_cost, chosen = top.schedule, top.objective, top.method
     info["baseline_cost"] = best_cost
 
     t0 = time.perf_counter()
@@ -626,24 +849,24 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         share = max(0.5, (end - now) / 2)  # later variants get what the earlier ones leave
         found = drop_search(planner, budget, min(end, now + share), log, chains=chains)
         label = f"gap={gap},chains={int(chains)}" + (",again" if second_pass else "")
-        tried.append({"variant": label, "cost": None if found is None else found.cost,
+        tried.append({"variant": label, "cost": None if found is None else found.time,
                       "time": round(time.perf_counter() - now, 2)})
         if found is not None:
             results.append((planner, found, label))
     info["variants"] = tried
     info["ilp_time"] = round(time.perf_counter() - t0, 3)
     if results:
-        results.sort(key=lambda r: r[1].cost)
-        info["ilp_cost"] = results[0][1].cost
+        results.sort(key=lambda r: r[1].time)
+        info["ilp_cost"] = results[0][1].time
         t0 = time.perf_counter()
         for planner, found, label in results[:POLISHED]:
             if time.perf_counter() >= deadline:
                 break
             found = keep_again(planner, found, budget, deadline, log)
-            if found.cost < best_cost:
-                best_schedule, best_cost, chosen = found.schedule, found.cost, "drop_ilp"
+            if found.time < best_cost:
+                best_schedule, best_cost, chosen = found.schedule, found.time, "drop_ilp"
                 info["variant"] = label
-                info["keep_again_cost"] = found.cost
+                info["keep_again_cost"] = found.time
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
     info.update(rounds=log.rounds, ilp_solves=log.ilp_solves, simulations=log.simulations)
 
@@ -656,8 +879,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         try:
             sol = solve_exhaustive(problem, remaining)
             info["exact"] = sol.status
-            if sol.fits and sol.cost < best_cost:
-                best_schedule, best_cost, chosen = sol.schedule, sol.cost, "exhaustive"
+            if sol.fits and sol.objective < best_cost:
+                best_schedule, best_cost, chosen = sol.schedule, sol.objective, "exhaustive"
             if sol.fits and sol.lower_bound is not None:
                 exact_bound = sol.lower_bound
         except MethodFailed:
@@ -669,8 +892,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         schedule = sol.schedule if on_fine else c.fine_schedule_of(sol.schedule)
         result = simulate(problem, schedule)
         info["checkmate"] = {"graph": "fine" if on_fine else "coarse", "status": sol.status, "cost": result.cost}
-        if result.fits and result.cost < best_cost:
-            best_schedule, best_cost, chosen = schedule, result.cost, "checkmate_" + ("fine" if on_fine else "coarse")
+        if result.fits and result.time < best_cost:
+            best_schedule, best_cost, chosen = schedule, result.time, "checkmate_" + ("fine" if on_fine else "coarse")
 
     if best_schedule is None:
         # Nothing fits yet: the other constructive baselines if time allows, then the lowest peak.

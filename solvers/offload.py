@@ -17,7 +17,12 @@ parts:
   per byte. Every change is replayed through the simulator, which has the
   last word on memory and time.
 
-* `solve_offload` builds rematerialization plans at several budgets between
+* `solve_offload` first runs the hierarchical strategy on the problem with
+  its host link: its covering ILP chooses, per group of values, keep,
+  recompute, or page out across a gap between uses, with rows that keep the
+  copies within the link's time (`hierarchical.pagings`); the windows of
+  this module place the copies. Then, with the time left, it builds
+  rematerialization plans at several budgets between
   the target and store-all's peak (a looser budget means fewer
   recomputations), adds offloads to each until it fits the target, and keeps
   the plan with the shortest simulated step time. The plan at the target
@@ -45,6 +50,7 @@ from .solution import Solution, finish
 # Rematerialization plans are made at these points between the target budget (0)
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
+JOINT_SHARE = 0.5  # of the time limit for the hierarchical strategy's joint keep / recompute / offload ILP
 MAX_ROUNDS = 5000
 
 
@@ -70,7 +76,7 @@ class Window:
     moved_free: Optional[int] = None
 
 
-class _Uses:
+class Uses:
     """Where each value is made resident, read and freed in a schedule."""
 
     def __init__(self, problem: Problem, steps: list[Step]) -> None:
@@ -135,9 +141,10 @@ class _Uses:
 
 
 def _windows(problem: Problem, steps: list[Step], sim: SimResult, k: int,
-             values: Optional[Iterable[int]] = None) -> list[Window]:
-    """Every way of paging one idle value out across step ``k`` (only ``values``, when given)."""
-    uses = _Uses(problem, steps)
+             values: Optional[Iterable[int]] = None, uses: Optional[Uses] = None) -> list[Window]:
+    """Every way of paging one idle value out across step ``k`` (only ``values``, when given;
+    ``uses``: the scan of ``steps``, when the caller has it)."""
+    uses = Uses(problem, steps) if uses is None else uses
     trees = alias_trees(problem)
     clock = sim.clock
     lists = problem.lists()
@@ -337,6 +344,7 @@ def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.in
 
 def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solution:
     from .auto import solve_auto  # auto dispatches here for problems with a host link
+    from .hierarchical import solve_hierarchical  # which pages with this module's windows
 
     started = time.perf_counter()
     remat = problem.with_host(0.0, None)
@@ -346,10 +354,18 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
                       info={"base": sol.info.get("chosen", sol.method), "offloaded": 0})
     limit = 60.0 if time_limit is None else time_limit
     deadline = started + limit
-    top = store_all_peak(remat)
-    targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
     best: Optional[tuple[float, int, Schedule, dict]] = None  # (time, peak, schedule, info)
     fallback: Optional[tuple[int, Schedule, dict]] = None
+    # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group together.
+    joint = solve_hierarchical(problem, JOINT_SHARE * limit)
+    result = simulate(problem, joint.schedule)
+    info = {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen"),
+            "offloaded": len(joint.schedule.offloads()), "recomputations": result.recomputations}
+    if result.fits:
+        best = (result.time, result.peak, joint.schedule, info)
+    fallback = (result.peak, joint.schedule, info)
+    top = store_all_peak(remat)
+    targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
     for i, target in enumerate(targets):
         share = max(0.5, (deadline - time.perf_counter()) / (2 * (len(targets) - i)))
         base = solve_auto(remat.with_budget(target), share)
@@ -359,7 +375,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
                 "offloaded": len(schedule.offloads()), "recomputations": result.recomputations}
         if result.fits and (best is None or result.time < best[0]):
             best = (result.time, result.peak, schedule, info)
-        if fallback is None or result.peak < fallback[0]:
+        if result.peak < fallback[0]:
             fallback = (result.peak, schedule, info)
         if time.perf_counter() > deadline and best is not None:
             break

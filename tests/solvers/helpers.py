@@ -32,3 +32,26 @@ def chain_problem(sizes: list[int], budget: int = 10**9, input_size: int = 1) ->
 def budgets_between(lo: int, hi: int) -> list[int]:
     """The minimum, a point in between and the unconstrained peak."""
     return sorted({lo, lo + (hi - lo) // 3, (lo + hi) // 2, hi})
+
+
+def skip_chain(budget: int) -> Problem:
+    """x -> a (big, computed once) -> b1 .. b4 (slow) -> s (slow, small) -> c reads s and a.
+
+    Remat-only must hold a through the whole chain (it cannot be recomputed):
+    peak 1 + 8 + 3 + 3 = 15. Paging a out while b2..b4 run needs only 13
+    (b4, s and the prefetched a). Copies take 1 time unit, the chain's
+    computes 10 each, so they hide."""
+    G = nx.DiGraph()
+    G.add_node("x", mem=1, cost=0.0)
+    G.add_node("a", mem=8, cost=1.0, recomputable=False)
+    G.add_edge("x", "a")
+    prev = "a"
+    for i in range(1, 5):
+        G.add_node(f"b{i}", mem=3, cost=10.0)
+        G.add_edge(prev, f"b{i}")
+        prev = f"b{i}"
+    G.add_node("s", mem=1, cost=10.0)
+    G.add_edge(prev, "s")
+    G.add_node("c", mem=1, cost=1.0)
+    G.add_edges_from([("s", "c"), ("a", "c")])
+    return Problem.from_networkx(G, budget, host_bandwidth=8.0)

@@ -20,6 +20,8 @@ from solvers.joint import MAX_COMPUTE, MEMORY_UNITS_LIMIT, _JointModel, first_co
 from solvers.milp_backends import BACKENDS
 from solvers.store_all import solve_store_all
 
+from .helpers import skip_chain as _skip_chain
+
 TOL = 1e-6
 TIME_LIMIT = 4.0  # "offload" inside gets a quarter of it
 
@@ -197,29 +199,6 @@ def test_checkmate_space_plans_are_points_of_the_model_with_their_time():
             assert math.isclose(_check_assignment(builder, values), ref.time, rel_tol=TOL), (seed, budget)
             checked += 1
     assert checked >= 10
-
-
-def _skip_chain(budget: int) -> Problem:
-    """x -> a (big, computed once) -> b1 .. b4 (slow) -> s (slow, small) -> c reads s and a.
-
-    Remat-only must hold a through the whole chain (it cannot be recomputed):
-    peak 1 + 8 + 3 + 3 = 15. Paging a out while b2..b4 run needs only 13
-    (b4, s and the prefetched a). Copies take 1 time unit, the chain's
-    computes 10 each, so they hide."""
-    G = nx.DiGraph()
-    G.add_node("x", mem=1, cost=0.0)
-    G.add_node("a", mem=8, cost=1.0, recomputable=False)
-    G.add_edge("x", "a")
-    prev = "a"
-    for i in range(1, 5):
-        G.add_node(f"b{i}", mem=3, cost=10.0)
-        G.add_edge(prev, f"b{i}")
-        prev = f"b{i}"
-    G.add_node("s", mem=1, cost=10.0)
-    G.add_edge(prev, "s")
-    G.add_node("c", mem=1, cost=1.0)
-    G.add_edges_from([("s", "c"), ("a", "c")])
-    return Problem.from_networkx(G, budget, host_bandwidth=8.0)
 
 
 def test_offloading_fits_where_no_remat_schedule_does():
