@@ -59,8 +59,8 @@ def instance_bound(problem: Problem, time_limit: float) -> tuple[float, str]:
     return max(value, problem.total_cost()), "lower_bounds"
 
 
-def _run(name: str, problem: Problem, time_limit: float, out) -> None:
-    solve = METHODS[name]
+def _run(name: str, problem: Problem, time_limit: float, out, solve=None) -> None:
+    solve = solve or METHODS[name]
     started = time.perf_counter()
     try:
         sol = solve(problem, time_limit)
@@ -74,14 +74,15 @@ def _run(name: str, problem: Problem, time_limit: float, out) -> None:
         fits = True
     info = {k: v for k, v in sol.info.items() if isinstance(v, (str, int, float))}
     out.put({"method": name, "time": elapsed, "cost": sol.cost, "fits": fits, "bound": sol.lower_bound,
-             "peak": sol.peak, "info": info})
+             "peak": sol.peak, "step_time": sol.time, "offloads": len(sol.schedule.offloads()), "info": info})
 
 
-def run_method(name: str, problem: Problem, time_limit: float) -> dict:
-    """Solve in a child process, so that a method far past its time limit is cut off (reported as such)."""
+def run_method(name: str, problem: Problem, time_limit: float, solve=None) -> dict:
+    """Solve (with ``solve``, else the registered method ``name``) in a child process, so that a
+    method far past its time limit is cut off (reported as such)."""
     ctx = multiprocessing.get_context("fork")
     out = ctx.Queue()
-    proc = ctx.Process(target=_run, args=(name, problem, time_limit, out))
+    proc = ctx.Process(target=_run, args=(name, problem, time_limit, out, solve))
     started = time.perf_counter()
     proc.start()
     wall = WALL_FACTOR * time_limit + 30

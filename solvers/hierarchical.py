@@ -24,7 +24,18 @@ Layers, each cheap on its own:
    dropped group's recomputations really cost (chains included); when the
    ILP repeats itself, the target is lowered; a plan still over budget is
    repaired by dropping, most bytes per cost first, what is resident at the
-   peak. `keep_again` then undoes drops, costliest first, while it fits.
+   peak (a near miss, within `NEAR_MISS`, at once). `keep_again` then undoes
+   drops, costliest first, while it fits.
+
+   With a host link (``problem.has_host``) the ILP also chooses *pagings*
+   (`pagings`): a kept group copied to host memory across one gap between
+   its clusters, freeing its bytes from the end of the copy out to the start
+   of the copy in (keep-all's clock); rows keep the copies overlapping any
+   stage within its duration, one at a time each way, and the host memory
+   within its capacity. Groups that cannot be recomputed are candidates for
+   paging only. The offload pager's windows place the copies on the fine
+   schedule (`DropPlanner._page`); plans are compared by simulated step time.
+
 5. A small portfolio of cluster gaps and chain models shares the time; the
    cheapest fitting plan wins. Graphs small enough get the exhaustive search
    (<= 8 values) or Checkmate on the fine or coarse graph (<= 60).
@@ -32,7 +43,9 @@ Layers, each cheap on its own:
 The result is always a simulated schedule: the fast baselines (store_all,
 greedy, select, and rotor's chain DP when `solvers.rotor` is present; sqrt_n
 when time is left) compete with the drop plans and are the fallback; when nothing
-fits the lowest peak found is returned (status ``over_budget``).
+fits the lowest peak found is returned (status ``over_budget``). A fitting
+winner is polished by `polish.keep_recomputed` (recomputations the budget
+does not need are undone).
 ``lower_bound``: `solvers.lower_bounds.lower_bound` when that module is
 present (valid for every schedule), else the sum of all costs (`_bound` is
 the plug-in point).
@@ -55,6 +68,7 @@ from .memory import Residency, memory_of
 from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .offload import Uses, Window, _apply, _windows
 from .plan import schedule_from_sequence
+from .polish import keep_recomputed
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, Step, simulate
 from .select import solve_select
@@ -911,6 +925,14 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         fitting = [e for e in pool if e[0] <= budget]
         pick = min(fitting, key=lambda e: e[1]) if fitting else min(pool, key=lambda e: (e[0], e[1]))
         best_schedule, chosen = pick[2], pick[3]  # over budget when nothing fits: the caller sees it
+    if best_schedule is not None and best_cost < math.inf:
+        # The winner was planned in some model (rotor's chain, the stages); undo the
+        # recomputations the real budget does not need.
+        t0 = time.perf_counter()
+        polished = keep_recomputed(problem, best_schedule, started + 0.95 * limit)
+        if polished is not best_schedule:
+            info["polished"] = {"before": best_cost, "time": round(time.perf_counter() - t0, 3)}
+            best_schedule = polished
     info["chosen"] = chosen
     t0 = time.perf_counter()
     bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, started + limit - time.perf_counter())))

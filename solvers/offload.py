@@ -342,7 +342,10 @@ def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.in
     return Schedule(tuple(best[1]))
 
 
-def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint_share: float = JOINT_SHARE
+                  ) -> Solution:
+    """Fastest fitting plan of the joint covering ILP (``joint_share`` of the time; 0 leaves it
+    out) and of the paging sweep over remat plans (the rest)."""
     from .auto import solve_auto  # auto dispatches here for problems with a host link
     from .hierarchical import solve_hierarchical  # which pages with this module's windows
 
@@ -356,14 +359,15 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
     deadline = started + limit
     best: Optional[tuple[float, int, Schedule, dict]] = None  # (time, peak, schedule, info)
     fallback: Optional[tuple[int, Schedule, dict]] = None
-    # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group together.
-    joint = solve_hierarchical(problem, JOINT_SHARE * limit)
-    result = simulate(problem, joint.schedule)
-    info = {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen"),
-            "offloaded": len(joint.schedule.offloads()), "recomputations": result.recomputations}
-    if result.fits:
-        best = (result.time, result.peak, joint.schedule, info)
-    fallback = (result.peak, joint.schedule, info)
+    if joint_share > 0:
+        # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group together.
+        joint = solve_hierarchical(problem, joint_share * limit)
+        result = simulate(problem, joint.schedule)
+        info = {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen"),
+                "offloaded": len(joint.schedule.offloads()), "recomputations": result.recomputations}
+        if result.fits:
+            best = (result.time, result.peak, joint.schedule, info)
+        fallback = (result.peak, joint.schedule, info)
     top = store_all_peak(remat)
     targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
     for i, target in enumerate(targets):
@@ -375,7 +379,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None) -> Solut
                 "offloaded": len(schedule.offloads()), "recomputations": result.recomputations}
         if result.fits and (best is None or result.time < best[0]):
             best = (result.time, result.peak, schedule, info)
-        if result.peak < fallback[0]:
+        if fallback is None or result.peak < fallback[0]:
             fallback = (result.peak, schedule, info)
         if time.perf_counter() > deadline and best is not None:
             break

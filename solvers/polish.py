@@ -1,0 +1,138 @@
+"""Polish a schedule that fits: undo the recomputations the budget does not need.
+
+Planners reason in their own models (rotor's chain, the drop ILP's stages,
+Checkmate's rounded memory), so a plan that fits often recomputes values the
+real budget would let it keep. `keep_recomputed` walks a fitting schedule
+and, for each recomputation of a value, asks whether keeping the earlier
+instance resident instead (deleting its free and the recompute) still fits;
+the most cost saved per byte-step held first. A recomputation left unread
+(its only reader was itself a recomputation now undone) is then deleted
+with its free. Every change only lowers the compute cost.
+
+Memory is tracked on the simulator's timeline: keeping a value from its
+free at ``f`` to its recompute at ``j`` adds its bytes to every step in
+``[f, j)`` and changes nothing else, which holds for a value that owns its
+storage alone (no alias parent, no views) and is not moved to the host in
+between; other values are left as they are. The simulator replays the
+result, and the original schedule is returned if that replay disagrees.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from typing import Optional
+
+import numpy as np
+
+from .problem import Problem
+from .schedule import Op, Schedule, ScheduleError, simulate
+
+
+def _plain_values(problem: Problem) -> np.ndarray:
+    """Values whose bytes are theirs alone: no alias parent, no view made from them."""
+    alias_of = np.asarray(problem.alias_of)
+    plain = (alias_of < 0) & ~np.asarray(problem.is_source, dtype=bool)
+    parents = alias_of[alias_of >= 0]
+    plain[parents] = False
+    return plain
+
+
+def _instances(problem: Problem, steps: list) -> dict[int, list[tuple[int, Optional[int]]]]:
+    """Per value, its device instances as ``(made at, freed at or None)`` in step order; a value
+    with a host copy is left out (its residency has more than one meaning)."""
+    index = problem.index
+    out: dict[int, list[tuple[int, Optional[int]]]] = defaultdict(list)
+    moved: set[int] = set()
+    for k, (op, node) in enumerate(steps):
+        v = index[node]
+        if op is Op.COMPUTE:
+            out[v].append((k, None))
+        elif op is Op.FREE and out[v] and out[v][-1][1] is None:
+            out[v][-1] = (out[v][-1][0], k)
+        elif op in (Op.OFFLOAD, Op.PREFETCH):
+            moved.add(v)
+    for v in moved:
+        out.pop(v, None)
+    return out
+
+
+def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math.inf) -> Schedule:
+    """``schedule`` with recomputations undone while it still fits ``problem.budget`` (or
+    ``schedule`` itself when it does not fit, or when nothing can be undone)."""
+    steps = list(schedule.steps)
+    try:
+        sim = simulate(problem, steps)
+    except ScheduleError:
+        return schedule
+    if not sim.fits:
+        return schedule
+    budget = problem.budget
+    timeline = sim.timeline.astype(np.int64).copy()
+    plain = _plain_values(problem)
+    mem, cost = problem.mem, problem.cost
+    removed = np.zeros(len(steps), dtype=bool)
+    # Candidates: a recompute at j of a plain value whose previous instance was freed at f < j.
+    moves: list[tuple[float, int, int, int]] = []
+    for v, inst in _instances(problem, steps).items():
+        if not plain[v] or mem[v] <= 0:
+            continue
+        for (_, freed), (j, _) in zip(inst, inst[1:]):
+            if freed is not None and freed < j:
+                moves.append((float(cost[v]) / (float(mem[v]) * (j - freed)), v, freed, j))
+    moves.sort(reverse=True)
+    for _, v, f, j in moves:
+        if time.perf_counter() > deadline:
+            break
+        if int(timeline[f:j].max()) + int(mem[v]) > budget:
+            continue
+        timeline[f:j] += int(mem[v])
+        removed[f] = removed[j] = True
+        timeline[j] = timeline[j - 1]  # step j is gone: memory stays where it was before it
+    if not removed.any():
+        return schedule
+    kept = [s for s, gone in zip(steps, removed) if not gone]
+    kept = _drop_unread(problem, kept)
+    try:
+        after = simulate(problem, kept)
+    except ScheduleError:
+        return schedule
+    if not after.fits or after.cost > sim.cost or after.time > sim.time * (1 + 1e-9):
+        return schedule
+    return Schedule(tuple(kept))
+
+
+def _drop_unread(problem: Problem, steps: list) -> list:
+    """Delete recomputations that nothing reads before they are freed (with their frees); the
+    first compute of a value and anything moved to the host stay."""
+    index, preds, is_sink = problem.index, problem.preds, problem.is_sink
+    plain = _plain_values(problem)
+    while True:
+        live: dict[int, int] = {}  # value -> position of its current instance
+        reads: dict[int, int] = {}  # compute position -> reads of that instance
+        seen: set[int] = set()
+        dead: list[tuple[int, int]] = []
+        moved: set[int] = set()
+        for k, (op, node) in enumerate(steps):
+            v = index[node]
+            if op is Op.COMPUTE:
+                for p in preds[v]:
+                    if p in live:
+                        reads[live[p]] += 1
+                if v in seen:
+                    live[v] = k
+                    reads[k] = 0
+                else:
+                    seen.add(v)
+                    live[v] = -1 - k  # a first compute: never deleted
+                    reads[-1 - k] = 0
+            elif op is Op.FREE and v in live:
+                at = live.pop(v)
+                if at >= 0 and reads[at] == 0 and plain[v] and not is_sink[v] and v not in moved:
+                    dead.append((at, k))
+            elif op in (Op.OFFLOAD, Op.PREFETCH):
+                moved.add(v)
+        if not dead:
+            return steps
+        gone = {k for pair in dead for k in pair}
+        steps = [s for k, s in enumerate(steps) if k not in gone]
