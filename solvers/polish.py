@@ -11,13 +11,15 @@ with its free. Every change only lowers the compute cost.
 
 Memory is tracked on the simulator's timeline: keeping a value from its
 free at ``f`` to its recompute at ``j`` adds its bytes to every step in
-``[f, j)`` and changes nothing else, which holds for a value that owns its
-storage alone (no alias parent, no views) and is not moved to the host in
-between; other values are left as they are. The simulator replays the
+``[f, j)`` and changes nothing else. That holds for a value that is no view,
+is not moved to the host, and either has no views or has none touched in
+``[f, j]`` while its free released and its recompute took exactly its
+bytes; other recomputations are left as they are. The simulator replays the
 result, and the original schedule is returned if that replay disagrees.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import defaultdict
@@ -36,6 +38,36 @@ def _plain_values(problem: Problem) -> np.ndarray:
     parents = alias_of[alias_of >= 0]
     plain[parents] = False
     return plain
+
+
+def _descendants(problem: Problem) -> dict[int, list[int]]:
+    """Per value with views, every value made from its storage (views of views included)."""
+    alias_of = problem.alias_of
+    out: dict[int, list[int]] = defaultdict(list)
+    for w in range(problem.n):
+        a = int(alias_of[w])
+        while a >= 0:
+            out[a].append(w)
+            a = int(alias_of[a])
+    return out
+
+
+def _positions(problem: Problem, steps: list) -> dict[int, list[int]]:
+    """Per value, the positions of the steps that name it or read it."""
+    index, preds = problem.index, problem.preds
+    out: dict[int, list[int]] = defaultdict(list)
+    for k, (op, node) in enumerate(steps):
+        v = index[node]
+        out[v].append(k)
+        if op is Op.COMPUTE:
+            for p in preds[v]:
+                out[p].append(k)
+    return out
+
+
+def _touched_within(positions: list[int], f: int, j: int) -> bool:
+    i = bisect.bisect_left(positions, f)
+    return i < len(positions) and positions[i] <= j
 
 
 def _instances(problem: Problem, steps: list) -> dict[int, list[tuple[int, Optional[int]]]]:
@@ -72,14 +104,26 @@ def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math
     plain = _plain_values(problem)
     mem, cost = problem.mem, problem.cost
     removed = np.zeros(len(steps), dtype=bool)
-    # Candidates: a recompute at j of a plain value whose previous instance was freed at f < j.
+    # Candidates: a recompute at j of a value whose previous instance was freed at f < j, where
+    # the free released the value's bytes, the recompute took them again, and no view of its
+    # storage is touched in between (then only [f, j) changes, by exactly its bytes).
+    base = sim.timeline.astype(np.int64)
+    descendants = _descendants(problem)
+    touched = _positions(problem, steps) if descendants else {}
     moves: list[tuple[float, int, int, int]] = []
     for v, inst in _instances(problem, steps).items():
-        if not plain[v] or mem[v] <= 0:
+        size = int(mem[v])
+        if size <= 0 or problem.alias_of[v] >= 0:
             continue
-        for (_, freed), (j, _) in zip(inst, inst[1:]):
-            if freed is not None and freed < j:
-                moves.append((float(cost[v]) / (float(mem[v]) * (j - freed)), v, freed, j))
+        for (_, f), (j, _) in zip(inst, inst[1:]):
+            if f is None or f >= j or f == 0:
+                continue
+            if not plain[v]:
+                if base[f - 1] - base[f] != size or base[j] - base[j - 1] != size:
+                    continue
+                if any(_touched_within(touched.get(w, ()), f, j) for w in descendants.get(v, ())):
+                    continue
+            moves.append((float(cost[v]) / (float(size) * (j - f)), v, f, j))
     moves.sort(reverse=True)
     for _, v, f, j in moves:
         if time.perf_counter() > deadline:
