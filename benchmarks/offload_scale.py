@@ -13,7 +13,7 @@ of issue #5 as its limit:
 * joint ILP: the hierarchical strategy on the graph with the link (its
   covering ILP chooses keep / recompute / page per group);
 * offload (default): what `auto` runs on graphs with a host link: the joint
-  ILP for half the time, then the paging sweep; the faster plan.
+  ILP for `offload.JOINT_SHARE` of the time, then the paging sweep; the faster plan.
 
 Reported: simulated step time over the sum of compute costs (1.000 = nothing
 recomputed and no wait), whether the plan fits (checked by

@@ -50,7 +50,7 @@ from .solution import Solution, finish
 # Rematerialization plans are made at these points between the target budget (0)
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
-JOINT_SHARE = 0.5  # of the time limit for the hierarchical strategy's joint keep / recompute / offload ILP
+JOINT_SHARE = 0.7  # of the time limit for the hierarchical strategy's joint keep / recompute / offload ILP
 MAX_ROUNDS = 5000
 
 
