@@ -1,0 +1,435 @@
+"""Repair a schedule that is over the budget by recomputing values.
+
+The planners are approximate at tight budgets: coarsened models, chain
+programs run on a graph that is not a chain, time limits. Their schedules
+often miss the budget by a little (a fraction of a percent), sometimes by
+more. `add_recomputations` takes *any* valid schedule and pushes its peak
+down with local moves, the recomputation analog of `offload.add_offloads`
+(which needs a host link; this needs none):
+
+* at the schedule's peak step ``k`` it looks for values resident at ``k`` but
+  idle across it (last read before ``k``, next read after it, or a sink that
+  only has to be back by the end);
+* a move frees such a value right after its last read and computes it again
+  right before its next read. A value that was only *made* before ``k`` and
+  not read yet is simply computed later (its compute is moved, nothing is
+  paid twice: a gradient made early in the backward pass and held to the end);
+* inputs that are gone by the time of the remake are recomputed first (a
+  chain, freed as soon as it has been read) or, where recomputing would reach
+  too far back, kept longer: their free is moved to after the remake. Keeping
+  an input costs no compute but holds its bytes, at the peak too if it was
+  freed before it; each move is offered with several chain lengths and the
+  ranking chooses. On gpt12 at 30% of store-all's activations every planner
+  ends 0.15% over at the last step, where all the gradients are held; moving
+  one layer's weight gradient to the very end, made from a few kept inputs and
+  eight recomputed values, fits it;
+* views (``alias_of``) share their base's storage, so freeing a base frees
+  nothing while a view of it is held: views made from the value and held
+  across ``k`` are freed with it and made again from the recomputed value
+  before their own next read, the way `offload` handles them;
+* moves are ranked by bytes saved at the peak per unit of recompute cost;
+  the cheapest set that covers the excess at ``k`` is applied, and the
+  result is replayed through the simulator, which has the last word: a
+  `ScheduleError`, or a peak that goes up, rejects the move, and so does a
+  peak that stays the same unless the bytes over the budget, summed over all
+  steps, go down (progress along a plateau of equal peaks).
+
+Every accepted move lowers the peak or keeps it and lowers the bytes over
+the budget, so the loop ends, and the schedule it holds is always the
+lowest-peak one seen. It stops when the schedule fits, time runs out or no
+move helps.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .memory import AliasTrees, Residency, alias_trees
+from .offload import Uses, _descends, _remake_order
+from .problem import Problem
+from .schedule import Op, Schedule, ScheduleError, SimResult, Step, simulate
+
+MAX_ROUNDS = 5000
+# How a remake gets its missing inputs back (see `_resolve`): (most values recomputed, whether
+# an input freed after the peak is kept longer rather than recomputed). Beyond the limit inputs
+# are kept longer, their bytes held from their free to the remake. Each way gives a move of
+# its own; the ranking picks between compute and bytes, the simulator between moves.
+CHAIN_LIMITS = ((2, True), (8, True), (32, True), (128, True), (8, False), (128, False))
+COST_FLOOR = 1e-12  # a move that costs nothing (a moved compute) ranks first, by bytes
+
+
+@dataclass(frozen=True)
+class Move:
+    """Free ``value`` (and ``views`` of it) across the steps ``[free_at, remake_at)``.
+
+    Positions are insertion points: an item inserted at ``j`` runs right before
+    the current step ``j``."""
+
+    value: int
+    free_at: Optional[int]  # None: the compute at ``moved_from`` is moved instead (nothing to free)
+    remake_at: int
+    chain: tuple[int, ...]  # inputs recomputed before ``value`` at ``remake_at``, in graph order
+    views: tuple[tuple[int, int], ...]  # (view, position of its remake) for views freed with the value
+    helpers: tuple[tuple[int, int, int], ...]  # (view, first, last): intermediate views re-made for the purpose
+    saving: int  # bytes removed at the peak step
+    cost: float  # compute cost added
+    moved_from: Optional[int] = None  # position of the compute that is moved (a deferral)
+    needs: frozenset[int] = field(default_factory=frozenset)  # values assumed resident at the remakes
+    # (input, position of its free): inputs kept from that free until read at ``remake_at``.
+    extended: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def freed(self) -> frozenset[int]:
+        return frozenset([self.value, *(w for w, _ in self.views)])
+
+    @property
+    def kept(self) -> frozenset[int]:
+        return frozenset(p for p, _ in self.extended)
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the move on one schedule (to remember a rejected one)."""
+        return self.value, self.chain, self.extended, self.moved_from
+
+    @property
+    def score(self) -> float:
+        return self.saving / max(self.cost, COST_FLOOR)
+
+
+def _resident_at(problem: Problem, steps: list[Step], k: int) -> Residency:
+    """The resident set after step ``k`` (a compute counts while it runs)."""
+    mem = Residency(problem)
+    index = problem.index
+    for op, node in steps[:k + 1]:
+        if op is Op.COMPUTE or op is Op.PREFETCH:
+            mem.add(index[node])
+        elif op is Op.FREE:
+            mem.remove(index[node])
+    return mem
+
+
+class _Inputs:
+    """How to have ``root``'s inputs resident at position ``at`` (see `_resolve`)."""
+
+    def __init__(self) -> None:
+        self.chain: dict[int, None] = {}  # recomputed at ``at`` (ordered set)
+        self.extended: dict[int, int] = {}  # value -> position of the free that is delayed past ``at``
+        self.needs: set[int] = set()  # read as they are
+        self.failed: set[int] = set()  # could not be recomputed within the limit: not tried again
+        self._log: list[tuple[str, int]] = []
+
+    def mark(self) -> int:
+        return len(self._log)
+
+    def add(self, kind: str, v: int, free: int = -1) -> None:
+        if kind == "chain":
+            self.chain[v] = None
+        elif kind == "extended":
+            self.extended[v] = free
+        else:
+            self.needs.add(v)
+        self._log.append((kind, v))
+
+    def rollback(self, mark: int) -> None:
+        while len(self._log) > mark:
+            kind, v = self._log.pop()
+            if kind == "chain":
+                del self.chain[v]
+            elif kind == "extended":
+                del self.extended[v]
+            else:
+                self.needs.discard(v)
+
+    def has(self, v: int) -> bool:
+        return v in self.chain or v in self.extended or v in self.needs
+
+
+def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[int], k: int, end: int,
+             limit: int, keep_after_peak: bool = True) -> Optional[_Inputs]:
+    """Make ``root``'s inputs available at position ``at`` (``root`` is computed again
+    there, after the peak step ``k``). An input that is missing there is, in order
+    of preference: kept longer when its last free lies after ``k`` and
+    ``keep_after_peak`` (no compute, and no bytes at the peak, though it may make a
+    peak elsewhere), recomputed from inputs resolved the same way (at most
+    ``limit`` values recomputed), kept longer although that holds its bytes at the
+    peak. Values in ``gone`` are freed by the move and count as missing.
+    None when an input can be none of these."""
+    lists = problem.lists()
+    recomputable, is_source = lists.recomputable, lists.is_source
+    preds = problem.preds
+    plan = _Inputs()
+
+    def available(p: int) -> bool:
+        if is_source[p] or plan.has(p):
+            return True
+        if p not in gone and uses.interval(p, at - 1, end) is not None:
+            plan.add("needs", p)  # resident right before the remake
+            return True
+        earlier = uses.latest(p, at - 1, end) if p not in gone else None
+        if keep_after_peak and earlier is not None and earlier[1] > k:
+            plan.add("extended", p, earlier[1])
+            return True
+        if recomputable[p] and p not in plan.failed and len(plan.chain) < limit:
+            mark = plan.mark()
+            plan.add("chain", p)
+            if all(available(q) for q in preds[p]):
+                return True
+            plan.rollback(mark)
+            plan.failed.add(p)
+        if earlier is not None:
+            plan.add("extended", p, earlier[1])
+            return True
+        return False
+
+    if at <= 0 or not all(available(p) for p in preds[root]):
+        return None
+    return plan
+
+
+def _moves(problem: Problem, steps: list[Step], k: int) -> list[Move]:
+    """Every way of freeing one idle value (with its held views) across step ``k``."""
+    uses = Uses(problem, steps)
+    trees = alias_trees(problem)
+    lists = problem.lists()
+    alias_of, recomputable, cost, is_source = lists.alias_of, lists.recomputable, lists.cost, lists.is_source
+    is_sink = problem.is_sink
+    end = len(steps)
+    at_peak = _resident_at(problem, steps, k)
+    out: list[Move] = []
+    for v in range(problem.n):
+        if is_source[v] or not at_peak.resident[v]:
+            continue
+        span = uses.interval(v, k, end)
+        if span is None:
+            continue
+        start, stop = span
+        a = uses.last_use(v, start, k)
+        if a >= k:
+            continue  # read by (or made at) the peak step itself
+        b = uses.next_read(v, k, stop)
+        if b is None and is_sink[v] and stop == end:
+            b = end  # a sink only has to be back by the end of the step
+        group = _held_views(problem, uses, trees, v, start, k, end)
+        if group is None:
+            continue
+        views, last_view_use = group
+        a = max(a, last_view_use)
+        if a >= k:
+            continue
+        if views:
+            b = min([w_at for _, w_at in views] + ([b] if b is not None else []))
+        if b is None:
+            continue  # held for nobody (kept on purpose)
+        views, helpers = _remake_order(views, v, alias_of)
+        if helpers is None or any(not recomputable[u] for u, _, _ in helpers):
+            continue
+        deferral = a == start and steps[start].op is Op.COMPUTE and not views
+        if not deferral and not recomputable[v]:
+            continue
+        freed = frozenset([v, *(w for w, _ in views)])
+        base_cost = sum(cost[w] for w, _ in views) + sum(cost[u] for u, _, _ in helpers)
+        base_cost += 0.0 if deferral else cost[v]
+        seen: set[tuple] = set()
+        for limit, keep_after_peak in CHAIN_LIMITS:
+            plan = _resolve(problem, uses, v, b, freed, k, end, limit, keep_after_peak)
+            if plan is None:
+                continue
+            chain, extended, needs = sorted(plan.chain), sorted(plan.extended.items()), plan.needs
+            if (tuple(chain), tuple(extended)) in seen:
+                continue
+            seen.add((tuple(chain), tuple(extended)))
+            held = [p for p, _ in extended if not at_peak.resident[p]]  # kept across the peak: they count there
+            saving = at_peak.total - _total_with(at_peak, sorted(freed, reverse=True), held)
+            if saving <= 0:
+                continue  # another value still holds the storage, or the kept inputs weigh more
+            out.append(Move(v, None if deferral else a + 1, b, tuple(chain), tuple(views), tuple(helpers), saving,
+                            base_cost + sum(cost[u] for u in chain), start if deferral else None,
+                            frozenset(needs), tuple(extended)))
+    return out
+
+
+def _held_views(problem: Problem, uses: Uses, trees: AliasTrees, v: int, start: int, k: int, end: int
+                ) -> Optional[tuple[list[tuple[int, int]], int]]:
+    """Views made from ``v``'s instance that begins at ``start``: those held across ``k``
+    with the position of their next read, and the last position before ``k`` where
+    any of them is read or freed (``v``'s storage is only released after that).
+    None when a held view cannot go (read at ``k``, held for nobody, not recomputable)."""
+    alias_of, recomputable = problem.lists().alias_of, problem.lists().recomputable
+    is_sink = problem.is_sink
+    views: list[tuple[int, int]] = []
+    last = -1
+    for w in trees.members.get(int(trees.root[v]), ()):
+        if not _descends(alias_of, w, v):
+            continue
+        for e in uses.ends[w]:
+            if start <= e < k:
+                last = max(last, e)  # a view freed before k still held the storage until then
+        w_span = uses.interval(w, k, end)
+        if w_span is None or w_span[0] < start:
+            continue  # not held, or made from an earlier instance of v (another storage)
+        w_last = uses.last_use(w, w_span[0], k)
+        if w_last >= k or not recomputable[w]:
+            return None
+        w_next = uses.next_read(w, k, w_span[1])
+        if w_next is None and is_sink[w] and w_span[1] == end:
+            w_next = end
+        if w_next is None:
+            return None
+        views.append((w, w_next))
+        last = max(last, w_last)
+    return views, last
+
+
+def _total_with(mem: Residency, removed: list[int], added: list[int]) -> int:
+    """Memory of ``mem`` less ``removed`` (views first) plus ``added``, leaving ``mem`` unchanged."""
+    trial = mem.copy()
+    for u in removed:
+        trial.remove(u)
+    for u in sorted(added):  # bases before their views
+        trial.add(u)
+    return trial.total
+
+
+def _choose(moves: list[Move], excess: int) -> list[Move]:
+    """The moves to apply together at one peak step: by bytes per unit of cost until
+    the excess is covered (dropping ones made redundant), or the single cheapest move
+    that covers it alone, whichever costs less. Moves that touch the same storage,
+    or free a value another one reads, are not combined."""
+    ranked = sorted(moves, key=lambda m: (-m.score, -m.saving))
+    chosen: list[Move] = []
+    covered = 0
+    for m in ranked:
+        if covered >= excess:
+            break
+        if any(_conflict(m, c) for c in chosen):
+            continue
+        chosen.append(m)
+        covered += m.saving
+    for m in sorted(chosen, key=lambda m: m.score):  # drop the worst ones the rest make redundant
+        if len(chosen) > 1 and covered - m.saving >= excess:
+            chosen.remove(m)
+            covered -= m.saving
+    alone = [m for m in moves if m.saving >= excess]
+    if alone:
+        single = min(alone, key=lambda m: (m.cost, -m.saving))
+        if covered < excess or single.cost < sum(m.cost for m in chosen):
+            return [single]
+    return chosen
+
+
+def _conflict(m: Move, other: Move) -> bool:
+    mine, theirs = m.freed | m.needs | set(m.chain) | m.kept, other.freed | other.needs | set(other.chain) | other.kept
+    if m.freed & theirs or other.freed & mine or m.kept & other.kept:
+        return True
+    return m.moved_from is not None and m.moved_from == other.moved_from
+
+
+def _apply(problem: Problem, steps: list[Step], moves: list[Move]) -> list[Step]:
+    """Insert the moves' steps. At one position: frees of freed values first, then the
+    recompute blocks, then view remakes (bases before views), then helper frees."""
+    names = problem.names
+    before: dict[int, list[tuple[int, int, Step]]] = {}  # position -> (phase, order, step)
+    skip: set[int] = set()
+
+    def put(j: int, phase: int, order: int, step: Step) -> None:
+        before.setdefault(j, []).append((phase, order, step))
+
+    for m in moves:
+        if m.free_at is not None:
+            for u in sorted(m.freed, reverse=True):  # views before their base
+                put(m.free_at, 0, -u, Step(Op.FREE, names[u]))
+        if m.moved_from is not None:
+            skip.add(m.moved_from)
+        skip.update(f for _, f in m.extended)  # freed in the recompute block instead
+        for i, step in enumerate(_recompute_block(problem, m)):
+            put(m.remake_at, 1, i, step)
+        remakes = [(at, w) for w, at in m.views] + [(first, w) for w, first, _ in m.helpers]
+        for at, w in remakes:
+            put(at, 2, w, Step(Op.COMPUTE, names[w]))
+        for w, _, last in m.helpers:
+            put(last, 3, -w, Step(Op.FREE, names[w]))
+    out: list[Step] = []
+    for j, step in enumerate(steps):
+        out.extend(s for _, _, s in sorted(before.get(j, ()), key=lambda e: e[:2]))
+        if j not in skip:
+            out.append(step)
+    out.extend(s for _, _, s in sorted(before.get(len(steps), ()), key=lambda e: e[:2]))
+    return out
+
+
+def _recompute_block(problem: Problem, m: Move) -> list[Step]:
+    """Compute the chain and the value, freeing each chain member (and each input kept
+    for the purpose) once it has been read for the last time and after any view of it
+    in the chain (a view outliving its base would count on its own)."""
+    names, preds, alias_of = problem.names, problem.preds, problem.lists().alias_of
+    order = list(m.chain) + [m.value]
+    position = {u: i for i, u in enumerate(order)}
+    last = {u: position[u] for u in m.chain}
+    last.update((p, 0) for p, _ in m.extended)
+    for i, u in enumerate(order):
+        for p in preds[u]:
+            if p in last:
+                last[p] = max(last[p], i)
+    for u in reversed(m.chain):  # views come after their bases in graph order
+        a = alias_of[u]
+        if a in last:
+            last[a] = max(last[a], last[u])
+    frees_after: dict[int, list[int]] = {}
+    for u, i in last.items():
+        frees_after.setdefault(i, []).append(u)
+    block: list[Step] = []
+    for i, u in enumerate(order):
+        block.append(Step(Op.COMPUTE, names[u]))
+        for w in sorted(frees_after.get(i, ()), reverse=True):
+            block.append(Step(Op.FREE, names[w]))
+    return block
+
+
+def _excess_area(problem: Problem, sim: SimResult) -> int:
+    """Bytes over the budget summed over steps: progress on a plateau of equal peaks."""
+    over = sim.timeline - problem.budget
+    return int(over[over > 0].sum())
+
+
+def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = math.inf) -> Schedule:
+    """Free idle values across the peak and recompute them before their next read
+    until ``schedule`` fits ``problem.budget``, ``deadline`` (a `time.perf_counter`
+    time) passes, or no move lowers the peak. Returns the first schedule that fits,
+    else the one with the lowest peak (moves never raise it); a schedule that fits
+    comes back unchanged."""
+    steps = list(schedule.steps)
+    sim = simulate(problem, steps)
+    if sim.peak <= problem.budget:
+        return schedule
+    key = (sim.peak, _excess_area(problem, sim))
+    rejected: set[tuple] = set()  # moves that failed on the current schedule
+    for _ in range(MAX_ROUNDS):
+        if sim.peak <= problem.budget or time.perf_counter() > deadline:
+            break
+        k = sim.peak_step
+        if k < 0:
+            break  # the sources alone exceed the budget
+        moves = [m for m in _moves(problem, steps, k) if m.key not in rejected]
+        if not moves:
+            break
+        chosen = _choose(moves, sim.peak - problem.budget)
+        accepted = None
+        # The set together, else its best move alone: moves can interact in ways the scan does not see.
+        for attempt in ([chosen, chosen[:1]] if len(chosen) > 1 else [chosen]):
+            candidate = _apply(problem, steps, attempt)
+            try:
+                after = simulate(problem, candidate)
+            except ScheduleError:
+                continue
+            after_key = (after.peak, _excess_area(problem, after))
+            if after_key < key:
+                accepted = (candidate, after, after_key)
+                break
+        if accepted is None:
+            rejected.add(chosen[0].key)
+            continue
+        steps, sim, key = accepted
+        rejected.clear()
+    return Schedule(tuple(steps))
