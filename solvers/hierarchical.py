@@ -42,8 +42,10 @@ Layers, each cheap on its own:
 
 The result is always a simulated schedule: the fast baselines (store_all,
 greedy, select, and rotor's chain DP when `solvers.rotor` is present; sqrt_n
-when time is left) compete with the drop plans and are the fallback; when nothing
-fits the lowest peak found is returned (status ``over_budget``). A fitting
+when time is left) compete with the drop plans and are the fallback; plans
+over the budget that cost less than the best fitting one are repaired by
+`repair.add_recomputations`; when nothing fits the lowest peak found is
+returned (status ``over_budget``). A fitting
 winner is polished by `polish.keep_recomputed` (recomputations the budget
 does not need are undone).
 ``lower_bound``: `solvers.lower_bounds.lower_bound` when that module is
@@ -69,6 +71,7 @@ from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .offload import Uses, Window, _apply, _windows
 from .plan import schedule_from_sequence
 from .polish import keep_recomputed
+from .repair import add_recomputations
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, Step, simulate
 from .select import solve_select
@@ -83,6 +86,8 @@ VARIANTS = ((1 / 50, False), (1 / 50, True), (1 / 100, False), (1 / 25, False), 
             (1 / 200, False), (1 / 12, False), (1 / 200, True), (1 / 12, True), (1 / 400, False), (1 / 400, True))
 POLISHED = 3  # best plans (of different variants) polished by keep_again, time permitting
 SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
+SEARCH_END = 0.7  # when nothing fits, the drop searches go on until this share of the time limit
+REPAIR_END = 0.9  # repairs of cheaper plans over the budget end by this share
 ROWS_PER_ROUND = 40  # violated stages added to the ILP per round of row generation
 MAX_FEEDBACK_ROUNDS = 60
 MAX_MARGIN_STEPS = 4  # times the model's target may be lowered when stuck over budget
@@ -859,7 +864,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         second_pass = k >= len(VARIANTS)
         if second_pass and results:
             break
-        end = deadline if (second_pass or not results) and now >= search_end else search_end
+        # Nothing fits yet: search on, but leave the repairs their share.
+        end = started + SEARCH_END * limit if (second_pass or not results) and now >= search_end else search_end
         if now >= end:
             if second_pass or results:
                 break
@@ -916,6 +922,26 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         info["checkmate"] = {"graph": "fine" if on_fine else "coarse", "status": sol.status, "cost": result.cost}
         if result.fits and result.time < best_cost:
             best_schedule, best_cost, chosen = schedule, result.time, "checkmate_" + ("fine" if on_fine else "coarse")
+
+    # Plans over the budget that cost less than the best fitting one (rotor's chain model and the
+    # drop ILP miss tight budgets, often by little): repaired by recomputation, then polished.
+    over = [(s.peak, s.objective, s.schedule, s.method) for s in quick if not s.fits]
+    if log.closest is not None:
+        over.append((log.closest.peak, log.closest.time, log.closest.schedule, "drop_ilp (closest)"))
+    over = [e for e in sorted(over, key=lambda e: e[:2]) if e[1] < best_cost]  # nearest the budget first
+    repairs = []
+    repair_end = started + REPAIR_END * limit
+    for i, (_, cost, schedule, label) in enumerate(over):
+        now = time.perf_counter()
+        if cost >= best_cost or now >= repair_end:
+            continue
+        fixed = add_recomputations(problem, schedule, now + (repair_end - now) / (len(over) - i))
+        result = simulate(problem, fixed)
+        repairs.append({"from": label, "fits": result.fits, "time": result.time})
+        if result.fits and result.time < best_cost:
+            best_schedule, best_cost, chosen = fixed, result.time, label + " (repaired)"
+    if repairs:
+        info["repairs"] = repairs
 
     if best_schedule is None:
         # Nothing fits yet: the other constructive baselines if time allows, then the lowest peak.
