@@ -377,11 +377,12 @@ class Penalty:
     size: int
 
 
-def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidate], list[Penalty]]:
+def candidates(planner: DropPlanner, chains: bool = True, pageable: Optional[bool] = None
+               ) -> tuple[list[Candidate], list[Penalty]]:
     """Droppable groups and the penalties of keeping inputs of dropped ones. ``chains``: model the
     clusters made only of consumers' recomputation points as conditional (else as real uses).
-    With a host link on the fine problem, groups that cannot be recomputed are candidates too,
-    to be paged out only."""
+    With ``pageable`` (default: the fine problem has a host link), groups that cannot be
+    recomputed are candidates too, to be paged out only."""
     c, cp = planner.c, planner.cp
     fine = c.fine
     base = memory_of(fine, [])
@@ -393,7 +394,7 @@ def candidates(planner: DropPlanner, chains: bool = True) -> tuple[list[Candidat
                 for v in range(fine.n)]
     out: list[Candidate] = []
     index: dict[int, int] = {}
-    pageable_only = fine.has_host
+    pageable_only = fine.has_host if pageable is None else pageable
     for g in cp.non_sources:
         cs = planner.clusters[g]
         if len(cs) < 2 or not (planner.droppable[g] or (pageable_only and not cp.is_sink[g])):
@@ -643,14 +644,16 @@ class SearchLog:
 
 
 def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
-                chains: bool = True) -> Optional[Evaluation]:
+                chains: bool = True, paging: bool = True) -> Optional[Evaluation]:
     """Covering ILP with simulator feedback; the fastest fitting evaluation found. With a host
-    link on the fine problem the ILP also chooses pagings (keep / recompute / offload)."""
-    cands, penalties = candidates(planner, chains)
+    link on the fine problem (and ``paging``) the ILP also chooses pagings (keep / recompute /
+    offload)."""
+    fine = planner.c.fine
+    paging = paging and fine.has_host
+    cands, penalties = candidates(planner, chains, pageable=paging)
     if not cands:
         return None
-    fine = planner.c.fine
-    pages = pagings(planner, cands, fine)
+    pages = pagings(planner, cands, fine) if paging else []
     model = CoverModel(cands, penalties, planner.cp.n, planner.cp.cost, pages, fine.host_capacity)
     modelled = [cd.cost for cd in cands]
     keep_all = planner.evaluate(frozenset())
@@ -859,9 +862,12 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     search_end = started + SEARCH_SHARE * (deadline - started)
     # Second pass (first two variants again, from scratch, with all the time left) only when
     # nothing fits yet: polishing is worth nothing without a plan.
-    for k, (fraction, chains) in enumerate(list(VARIANTS) + list(VARIANTS[:2])):
+    # With a host link every model is run without pagings first (the remat-only search, quicker
+    # per round) and then with them, so the joint search starts from what remat alone finds.
+    variants = [(f, ch, paging) for f, ch in VARIANTS for paging in ((False, True) if problem.has_host else (False,))]
+    for k, (fraction, chains, paging) in enumerate(variants + variants[:2]):
         now = time.perf_counter()
-        second_pass = k >= len(VARIANTS)
+        second_pass = k >= len(variants)
         if second_pass and results:
             break
         # Nothing fits yet: search on, but leave the repairs their share.
@@ -875,8 +881,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             planners[gap] = DropPlanner(c, gap)
         planner = planners[gap]
         share = max(0.5, (end - now) / 2)  # later variants get what the earlier ones leave
-        found = drop_search(planner, budget, min(end, now + share), log, chains=chains)
-        label = f"gap={gap},chains={int(chains)}" + (",again" if second_pass else "")
+        found = drop_search(planner, budget, min(end, now + share), log, chains=chains, paging=paging)
+        label = f"gap={gap},chains={int(chains)}" + (",paging" if paging else "") + (",again" if second_pass else "")
         tried.append({"variant": label, "cost": None if found is None else found.time,
                       "time": round(time.perf_counter() - now, 2)})
         if found is not None:
