@@ -71,7 +71,7 @@ from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .offload import Uses, Window, _apply, _windows
 from .plan import schedule_from_sequence
 from .polish import keep_recomputed
-from .repair import add_recomputations
+from .repair import add_recomputations, resident_at
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, Step, simulate
 from .select import solve_select
@@ -124,7 +124,7 @@ class Evaluation:
     stage_peak: np.ndarray  # fine memory peak per coarse stage (coarse index)
     peak_step: int
     charge: dict[int, float]  # recomputation cost charged to each dropped group
-    time: float = 0.0  # simulated step time (compute plus waits for copies)
+    time: float  # simulated step time (compute plus waits for copies)
     paged: tuple[Paging, ...] = ()
     step_stage: Optional[np.ndarray] = None  # coarse stage of each schedule step
 
@@ -210,7 +210,10 @@ class DropPlanner:
                 alive_until[v] = self._cluster_end(v, v + 1) if self.clusters[v] else v
         return seq, stage, charge
 
-    def evaluate(self, dropped: frozenset[int], paged: tuple[Paging, ...] = ()) -> Evaluation:
+    def evaluate(self, dropped: frozenset[int], paged: tuple[Paging, ...] = (),
+                 deadline: float = math.inf) -> Evaluation:
+        """Simulate the plan of ``dropped`` with ``paged`` (pagings left out once ``deadline`` has
+        passed)."""
         c = self.c
         seq, stage, charge = self.sequence(dropped)
         fine_seq: list[int] = []
@@ -227,7 +230,7 @@ class DropPlanner:
                 k += 1
             step_stage[i] = fine_stage[max(k, 0)]
         if paged:
-            schedule, step_stage = self._page(schedule, step_stage, paged)
+            schedule, step_stage = self._page(schedule, step_stage, paged, deadline)
         result = simulate(c.fine, schedule)
         stage_peak = np.full(self.cp.n, result.initial, dtype=np.int64)
         np.maximum.at(stage_peak, step_stage, result.timeline)
@@ -239,57 +242,63 @@ class DropPlanner:
         """The pagings whose windows exist on keep-all's schedule, each sized by what its windows
         save (a value the pager cannot move, such as a view held for nobody, saves nothing)."""
         steps = list(keep_all.schedule.steps)
-        stage_of = {id(step): int(st) for step, st in zip(steps, keep_all.step_stage)}
+        stage = keep_all.step_stage
         out = []
-        for p, found in zip(pages, self.windows_per_paging(steps, stage_of, pages)):
+        for p, found in zip(pages, self.windows_per_paging(steps, stage, pages)):
             saving = min(p.size, sum(w.saving for w in found))
             if saving > 0:
                 out.append(replace(p, size=saving))
         return out
 
-    def _page(self, schedule: Schedule, step_stage: np.ndarray, paged: tuple[Paging, ...]
-              ) -> tuple[Schedule, np.ndarray]:
+    def _page(self, schedule: Schedule, step_stage: np.ndarray, paged: tuple[Paging, ...],
+              deadline: float = math.inf) -> tuple[Schedule, np.ndarray]:
         """``schedule`` with the values of each paged group copied out across its gap (the offload
         pager's windows), and the stage of every step. The windows are first computed on
         ``schedule`` and merged in one pass; when that does not replay (views re-made from two
-        windows can clash), they are applied one paging at a time, each computed on the schedule
-        so far, and a paging that does not replay is left out: the simulator's excess then
-        steers the model."""
+        windows can clash), the windows that re-make no view are merged and the other pagings
+        applied one at a time, each computed on the schedule so far, until ``deadline``; a
+        paging that does not replay is left out: the simulator's excess then steers the model."""
         fine = self.c.fine
-        steps = list(schedule.steps)
+        original = list(schedule.steps)
+        stage_of = {id(step): int(st) for step, st in zip(original, step_stage)}
+        steps = original
         order = sorted(paged, key=lambda p: p.probe)
-        stage_of = {id(step): int(st) for step, st in zip(steps, step_stage)}
-        windows = self._windows_of(steps, stage_of, order)
+        windows = self._windows_of(steps, step_stage, order)
         merged = _apply(fine, steps, windows)
         if _replays(fine, merged):
             steps = merged
         else:
-            # Windows that re-make views are the ones that clash: merge the others, then add
-            # the pagings with such windows one at a time.
             plain = [w for w in windows if not (w.views or w.helpers or w.moved_free is not None)]
             merged = _apply(fine, steps, plain)
             if _replays(fine, merged):
                 steps = merged
                 done = {w.value for w in plain}
-                order = [p for p in order if any(v not in done for v in self.c.members[p.group])]
+                order = [p for p in order if not self.paged_values(p) <= done]
             for p in order:
-                found = self._windows_of(steps, stage_of, [p])  # values paged already have none
+                if time.perf_counter() > deadline:
+                    break
+                found = self._windows_of(steps, _stages(steps, stage_of), [p])  # values paged already have none
                 candidate = _apply(fine, steps, found)
                 if found and _replays(fine, candidate):
                     steps = candidate
-        # Inserted steps belong to the stage of the step they precede (original steps are kept as objects).
-        new_stage = np.empty(len(steps), dtype=np.int64)
-        current = int(step_stage[-1]) if len(step_stage) else 0
-        for i in range(len(steps) - 1, -1, -1):
-            current = stage_of.get(id(steps[i]), current)
-            new_stage[i] = current
-        return Schedule(tuple(steps)), new_stage
+        return Schedule(tuple(steps)), _stages(steps, stage_of)
 
-    def _windows_of(self, steps: list[Step], stage_of: dict[int, int], pages: list[Paging]) -> list[Window]:
-        """The pager's windows for the values of every paging, computed on ``steps`` (a value paged
-        in two gaps offloads once: the host copy stays)."""
+    def paged_values(self, p: Paging) -> set[int]:
+        """The values a paging moves: its group's, a view's base in its place."""
+        alias_of, is_source = self.c.fine.alias_of, self.c.fine.is_source
+        values = set()
+        for v in self.c.members[p.group]:
+            while alias_of[v] >= 0 and not is_source[alias_of[v]]:
+                v = int(alias_of[v])
+            values.add(v)
+        return values
+
+    def _windows_of(self, steps: list[Step], stage: np.ndarray, pages: list[Paging]) -> list[Window]:
+        """The pager's windows for the values of every paging, computed on ``steps``: the windows
+        of one value in two gaps are both kept, the later one without its own offload (the host
+        copy stays)."""
         windows: dict[int, list[Window]] = {}  # value -> its windows, in step order
-        for found in self.windows_per_paging(steps, stage_of, pages):
+        for found in self.windows_per_paging(steps, stage, pages):
             for w in found:
                 mine = windows.setdefault(w.value, [])
                 if mine and mine[-1].free_at == w.free_at:
@@ -299,29 +308,29 @@ class DropPlanner:
                 mine.append(w)
         return [w for ws in windows.values() for w in ws]
 
-    def windows_per_paging(self, steps: list[Step], stage_of: dict[int, int], pages: list[Paging]
+    def windows_per_paging(self, steps: list[Step], stage: np.ndarray, pages: list[Paging]
                            ) -> list[list[Window]]:
-        """For each paging, the pager's windows on ``steps`` at the first step of its probe stage,
-        for the group's values (a view's: its base's)."""
+        """For each paging, the pager's windows on ``steps`` (``stage``: the coarse stage of each
+        step) at the first step of its probe stage, for the values it moves."""
         fine = self.c.fine
         sim = simulate(fine, steps)
         uses = Uses(fine, steps)
-        alias_of, is_source = fine.alias_of, fine.is_source
-        stage = np.array([stage_of.get(id(step), -1) for step in steps], dtype=np.int64)
-        stage = np.maximum.accumulate(stage)  # inserted steps: the stage of the step before
         out: list[list[Window]] = []
         for p in pages:
             k = int(np.searchsorted(stage, p.probe, "left"))
-            if k >= len(steps):
-                out.append([])
-                continue
-            values = set()
-            for v in self.c.members[p.group]:
-                while alias_of[v] >= 0 and not is_source[alias_of[v]]:
-                    v = int(alias_of[v])  # a view's bytes are its base's: page the base
-                values.add(v)
-            out.append(_windows(fine, steps, sim, k, sorted(values), uses))
+            out.append(_windows(fine, steps, sim, k, sorted(self.paged_values(p)), uses) if k < len(steps) else [])
         return out
+
+
+def _stages(steps: list[Step], stage_of: dict[int, int]) -> np.ndarray:
+    """The coarse stage of every step: an original step's (kept as the same object), and for a
+    step inserted by paging the stage of the original step it precedes."""
+    out = np.empty(len(steps), dtype=np.int64)
+    current = max(stage_of.values(), default=0)
+    for i in range(len(steps) - 1, -1, -1):
+        current = stage_of.get(id(steps[i]), current)
+        out[i] = current
+    return out
 
 
 def _replays(problem: Problem, steps: list[Step]) -> bool:
@@ -394,10 +403,10 @@ def candidates(planner: DropPlanner, chains: bool = True, pageable: Optional[boo
                 for v in range(fine.n)]
     out: list[Candidate] = []
     index: dict[int, int] = {}
-    pageable_only = fine.has_host if pageable is None else pageable
+    allow_paging = fine.has_host if pageable is None else pageable
     for g in cp.non_sources:
         cs = planner.clusters[g]
-        if len(cs) < 2 or not (planner.droppable[g] or (pageable_only and not cp.is_sink[g])):
+        if len(cs) < 2 or not (planner.droppable[g] or (allow_paging and not cp.is_sink[g])):
             continue
         members = c.members[g]
         direct = sorted(cp.succs[g])
@@ -573,13 +582,9 @@ class CoverModel:
             b.add([(xs[p.cand], 1.0), (ys[k], 1.0)], -math.inf, 1.0)  # a dropped group has nothing to page
         for duration, terms in _link_rows(self.pages, self.clock):
             b.add([(ys[k], o) for k, o in terms], -math.inf, duration)
-        if self.host_capacity is not None and self.pages:
-            on_host = np.zeros(self.n_stages + 1)
-            for p in self.pages:
-                on_host[p.first: p.last + 1] += p.size
-            for t in np.flatnonzero(on_host > self.host_capacity).tolist():
-                b.add([(ys[k], float(p.size)) for k, p in enumerate(self.pages) if p.first <= t <= p.last],
-                      -math.inf, float(self.host_capacity))
+        if self.host_capacity is not None and sum(p.size for p in self.pages) > self.host_capacity:
+            # A host copy stays until the end of the step (the simulator's rule): one row for all.
+            b.add([(ys[k], float(p.size)) for k, p in enumerate(self.pages)], -math.inf, float(self.host_capacity))
         p_first = np.array([p.first for p in self.pages], dtype=np.int64)
         p_last = np.array([p.last for p in self.pages], dtype=np.int64)
         zs: dict[int, int] = {}
@@ -713,7 +718,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
                 rows[t] = float(base[t] + extra[t] - target)
             continue
         seen.add(key)
-        ev = planner.evaluate(dropped, paged)
+        ev = planner.evaluate(dropped, paged, deadline)
         log.simulations += 1
         log.history.append({"dropped": len(dropped), "paged": len(paged), "peak": ev.peak, "time": ev.time})
         if ev.fits(budget):
@@ -750,14 +755,8 @@ def repair(planner: DropPlanner, ev: Evaluation, cands: list[Candidate], budget:
     fine = c.fine
     by_group = {cd.group: cd for cd in cands}
     while not ev.fits(budget) and time.perf_counter() < deadline:
-        resident: set[int] = set()
-        for op, node in ev.schedule.steps[: ev.peak_step + 1]:
-            v = fine.index[node]
-            if op is Op.COMPUTE:
-                resident.add(v)
-            else:
-                resident.discard(v)
-        groups = {int(c.group_of[v]) for v in resident} - ev.dropped
+        resident = resident_at(fine, list(ev.schedule.steps), ev.peak_step).resident
+        groups = {int(c.group_of[v]) for v in np.flatnonzero(resident)} - ev.dropped
         scored = sorted((g for g in groups if g in by_group and by_group[g].droppable),
                         key=lambda g: -max(s for _, _, s in by_group[g].gaps) / (by_group[g].cost + 1e-12))
         if not scored:
@@ -768,7 +767,7 @@ def repair(planner: DropPlanner, ev: Evaluation, cands: list[Candidate], budget:
             freed += max(s for _, _, s in by_group[g].gaps)
             if freed >= excess:
                 break
-        ev = planner.evaluate(ev.dropped | extra, tuple(p for p in ev.paged if p.group not in extra))
+        ev = planner.evaluate(ev.dropped | extra, tuple(p for p in ev.paged if p.group not in extra), deadline)
         log.simulations += 1
         log.history.append({"repair": len(extra), "peak": ev.peak, "time": ev.time})
     return ev if ev.fits(budget) else None
@@ -781,7 +780,7 @@ def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: fl
     for g in order:
         if time.perf_counter() >= deadline:
             break
-        ev = planner.evaluate(best.dropped - {g}, best.paged)
+        ev = planner.evaluate(best.dropped - {g}, best.paged, deadline)
         log.simulations += 1
         if ev.fits(budget) and ev.time <= best.time:
             best = ev
@@ -860,10 +859,10 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     planners: dict[int, DropPlanner] = {}
     tried = []
     search_end = started + SEARCH_SHARE * (deadline - started)
-    # Second pass (first two variants again, from scratch, with all the time left) only when
-    # nothing fits yet: polishing is worth nothing without a plan.
-    # With a host link every model is run without pagings first (the remat-only search, quicker
-    # per round) and then with them, so the joint search starts from what remat alone finds.
+    # Second pass (the first two variants again, from scratch, until `SEARCH_END` of the limit)
+    # only when nothing fits yet: polishing is worth nothing without a plan.
+    # With a host link every model is run without pagings (the remat-only search, quicker per
+    # round) and then, separately, with them: the remat-only plans stay in the running.
     variants = [(f, ch, paging) for f, ch in VARIANTS for paging in ((False, True) if problem.has_host else (False,))]
     for k, (fraction, chains, paging) in enumerate(variants + variants[:2]):
         now = time.perf_counter()
@@ -883,7 +882,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         share = max(0.5, (end - now) / 2)  # later variants get what the earlier ones leave
         found = drop_search(planner, budget, min(end, now + share), log, chains=chains, paging=paging)
         label = f"gap={gap},chains={int(chains)}" + (",paging" if paging else "") + (",again" if second_pass else "")
-        tried.append({"variant": label, "cost": None if found is None else found.time,
+        tried.append({"variant": label, "step_time": None if found is None else found.time,
                       "time": round(time.perf_counter() - now, 2)})
         if found is not None:
             results.append((planner, found, label))
@@ -891,7 +890,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     info["ilp_time"] = round(time.perf_counter() - t0, 3)
     if results:
         results.sort(key=lambda r: r[1].time)
-        info["ilp_cost"] = results[0][1].time
+        info["ilp_time_found"] = results[0][1].time
         t0 = time.perf_counter()
         for planner, found, label in results[:POLISHED]:
             if time.perf_counter() >= deadline:
@@ -900,7 +899,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             if found.time < best_cost:
                 best_schedule, best_cost, chosen = found.schedule, found.time, "drop_ilp"
                 info["variant"] = label
-                info["keep_again_cost"] = found.time
+                info["keep_again_step_time"] = found.time
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
     info.update(rounds=log.rounds, ilp_solves=log.ilp_solves, simulations=log.simulations)
 

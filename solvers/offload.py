@@ -261,8 +261,9 @@ def _descends(alias_of: list[int], w: int, v: int) -> bool:
 
 
 def _apply(problem: Problem, steps: list[Step], windows: Sequence[Window]) -> list[Step]:
-    """``steps`` with ``windows`` applied; the windows' positions all refer to ``steps`` and
-    their values are distinct storages, so their insertions merge in one pass."""
+    """``steps`` with ``windows`` applied; the windows' positions all refer to ``steps``, so
+    their insertions merge in one pass. Windows of one value must be disjoint in time, the
+    later ones without an offload of their own (the host copy stays)."""
     names = problem.names
     before: dict[int, list[Step]] = {}
 

@@ -31,6 +31,9 @@ from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, simulate
 
 
+GONE = -(1 << 62)  # timeline entry of a deleted step
+
+
 def _plain_values(problem: Problem) -> np.ndarray:
     """Values whose bytes are theirs alone: no alias parent, no view made from them."""
     alias_of = np.asarray(problem.alias_of)
@@ -132,7 +135,7 @@ def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math
             continue
         timeline[f:j] += int(mem[v])
         removed[f] = removed[j] = True
-        timeline[j] = timeline[j - 1]  # step j is gone: memory stays where it was before it
+        timeline[f] = timeline[j] = GONE  # steps that are gone never count in a maximum
     if not removed.any():
         return schedule
     kept = [s for s, gone in zip(steps, removed) if not gone]

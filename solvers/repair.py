@@ -98,7 +98,7 @@ class Move:
         return self.saving / max(self.cost, COST_FLOOR)
 
 
-def _resident_at(problem: Problem, steps: list[Step], k: int) -> Residency:
+def resident_at(problem: Problem, steps: list[Step], k: int) -> Residency:
     """The resident set after step ``k`` (a compute counts while it runs)."""
     mem = Residency(problem)
     index = problem.index
@@ -196,7 +196,7 @@ def _moves(problem: Problem, steps: list[Step], k: int) -> list[Move]:
     alias_of, recomputable, cost, is_source = lists.alias_of, lists.recomputable, lists.cost, lists.is_source
     is_sink = problem.is_sink
     end = len(steps)
-    at_peak = _resident_at(problem, steps, k)
+    at_peak = resident_at(problem, steps, k)
     out: list[Move] = []
     for v in range(problem.n):
         if is_source[v] or not at_peak.resident[v]:
@@ -336,7 +336,7 @@ def _apply(problem: Problem, steps: list[Step], moves: list[Move]) -> list[Step]
     def put(j: int, phase: int, order: int, step: Step) -> None:
         before.setdefault(j, []).append((phase, order, step))
 
-    for m in moves:
+    for mi, m in enumerate(moves):
         if m.free_at is not None:
             for u in sorted(m.freed, reverse=True):  # views before their base
                 put(m.free_at, 0, -u, Step(Op.FREE, names[u]))
@@ -344,7 +344,7 @@ def _apply(problem: Problem, steps: list[Step], moves: list[Move]) -> list[Step]
             skip.add(m.moved_from)
         skip.update(f for _, f in m.extended)  # freed in the recompute block instead
         for i, step in enumerate(_recompute_block(problem, m)):
-            put(m.remake_at, 1, i, step)
+            put(m.remake_at, 1, (mi, i), step)  # two moves' blocks at one position stay apart
         remakes = [(at, w) for w, at in m.views] + [(first, w) for w, first, _ in m.helpers]
         for at, w in remakes:
             put(at, 2, w, Step(Op.COMPUTE, names[w]))

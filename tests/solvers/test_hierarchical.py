@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from solvers import METHODS, Problem, simulate, validate
-from solvers.bounds import min_budget
+from solvers.bounds import min_budget, store_all_peak
 from solvers.coarsen import coarsen
 from solvers.exhaustive import solve_exhaustive
 from solvers.generators import layered, random_dag, training_like
@@ -132,31 +132,30 @@ DROP_SEARCH_TINY_MEAN = 1.5
 
 
 # --------------------------------------------- keep / recompute / offload (host link)
-def _transformer_below_remat_minimum(seed: int, fraction: float = 0.95) -> tuple[Problem, int]:
-    """A training graph with a host link fast enough to move every byte once in a step, at
-    ``fraction`` of the lowest budget the remat-only minimum-budget search reaches."""
+def _transformer_with_link(seed: int) -> Problem:
+    """A training graph with a host link fast enough to move every byte once in a step."""
     p = Problem.from_networkx(training_like(80, seed=seed, base="transformer"), 10**12)
-    lowest, _ = min_budget(p, time.perf_counter() + 10)
-    bandwidth = float(p.mem.sum()) / p.total_cost()
-    return p.with_budget(int(lowest * fraction)).with_host(bandwidth), lowest
+    return p.with_host(float(p.mem.sum()) / p.total_cost())
 
 
 def test_covering_ilp_pages_out_below_the_remat_minimum():
-    fitted = 0
+    paged = 0
     for seed in range(4):
-        p, lowest = _transformer_below_remat_minimum(seed)
-        sol = solve_hierarchical(p, 5.0, exact=False)
-        result = simulate(p, sol.schedule)
+        p = _transformer_with_link(seed)
+        lowest, _ = min_budget(p.with_host(0.0), time.perf_counter() + 30)
+        p = p.with_budget(int(0.95 * lowest))
+        sol = solve_hierarchical(p, 10.0, exact=False)
         if sol.fits:
-            validate(p, sol.schedule)  # the simulator has the last word on memory and time
-            assert sol.schedule.offloads(), "below the remat-only minimum, only paging can fit"
-            assert result.transferred > 0 and result.time >= result.cost
-            fitted += 1
-    assert fitted >= 3  # 4 of 4 when written (about 3 s each on 2 cores)
+            result = validate(p, sol.schedule)  # the simulator has the last word on memory and time
+            assert result.time >= result.cost
+            # Below the lowest budget the remat-only search reached, a fitting plan pages.
+            paged += bool(sol.schedule.offloads()) and result.transferred > 0
+    assert paged >= 3  # 4 of 4 when written (about 3 s each on 2 cores)
 
 
 def test_pagings_respect_the_link_and_what_cannot_be_recomputed():
-    p, _ = _transformer_below_remat_minimum(0)
+    p = _transformer_with_link(0)
+    p = p.with_budget(store_all_peak(p) // 2)
     c = coarsen(p)
     planner = DropPlanner(c, max(1, c.coarse.n // 50))
     cands, penalties = candidates(planner, chains=False)
