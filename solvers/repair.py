@@ -336,7 +336,7 @@ def _apply(problem: Problem, steps: list[Step], moves: list[Move]) -> list[Step]
     def put(j: int, phase: int, order: int, step: Step) -> None:
         before.setdefault(j, []).append((phase, order, step))
 
-    for mi, m in enumerate(moves):
+    for m in moves:
         if m.free_at is not None:
             for u in sorted(m.freed, reverse=True):  # views before their base
                 put(m.free_at, 0, -u, Step(Op.FREE, names[u]))
@@ -344,7 +344,10 @@ def _apply(problem: Problem, steps: list[Step], moves: list[Move]) -> list[Step]
             skip.add(m.moved_from)
         skip.update(f for _, f in m.extended)  # freed in the recompute block instead
         for i, step in enumerate(_recompute_block(problem, m)):
-            put(m.remake_at, 1, (mi, i), step)  # two moves' blocks at one position stay apart
+            # Two moves' blocks at one position interleave by step; a clash is caught by the replay.
+            # (Keeping the blocks apart was measured worse: resnet50 50% from store-all,
+            # 1.1067 -> 1.1919 of total cost, as it accepts move sets that interleaving rejects.)
+            put(m.remake_at, 1, i, step)
         remakes = [(at, w) for w, at in m.views] + [(first, w) for w, first, _ in m.helpers]
         for at, w in remakes:
             put(at, 2, w, Step(Op.COMPUTE, names[w]))
