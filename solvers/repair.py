@@ -436,3 +436,23 @@ def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = m
         steps, sim, key = accepted
         rejected.clear()
     return Schedule(tuple(steps))
+
+
+# Budgets a descent stops at, as shares of the way from the budget (0) to the start's peak (1).
+DESCENT = (0.5, 0.25, 0.1, 0.0)
+
+
+def recompute_down(problem: Problem, schedule: Schedule, deadline: float = math.inf,
+                   stops: tuple[float, ...] = DESCENT) -> Schedule:
+    """`add_recomputations` in steps: to budgets between ``schedule``'s peak and the budget, each
+    from the schedule of the step before. The moves chosen at a looser budget are cheaper ones,
+    so the descent usually ends cheaper than one repair straight to the budget (from store-all,
+    measured: unet 50% 1.2399 -> 1.1663 of total cost, resnet50 50% 1.1067 -> 1.0901)."""
+    peak = simulate(problem, schedule).peak
+    budget = problem.budget
+    for share in stops:
+        if time.perf_counter() > deadline:
+            break
+        schedule = add_recomputations(problem.with_budget(int(budget + share * max(0, peak - budget))), schedule,
+                                      deadline)
+    return schedule
