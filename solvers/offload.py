@@ -350,7 +350,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     out) and of the paging sweep over remat plans (the rest)."""
     from .auto import solve_auto  # auto dispatches here for problems with a host link
     from .hierarchical import solve_hierarchical  # which pages with this module's windows
-    from .repair import add_recomputations  # which builds on this module's scans
+    from .repair import descend  # which builds on this module's scans
 
     started = time.perf_counter()
     remat = problem.with_host(0.0, None)
@@ -388,11 +388,7 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     # Store-all recomputed down the targets, each from the one above (one repair in all), then
     # paged the rest of the way: seconds, and strong where recomputing a little then paging is
     # best (resnet50 at 50%: 1.0815 against 1.0977 for remat alone).
-    down = solve_store_all(remat).schedule
-    for target in sorted(targets, reverse=True):
-        if time.perf_counter() > deadline:
-            break
-        down = add_recomputations(remat.with_budget(target), down, deadline)
+    for target, down in descend(remat, solve_store_all(remat).schedule, sorted(targets, reverse=True), deadline):
         if not simulate(remat.with_budget(target), down).fits:
             break
         consider(down, "store_all (repaired)", target)
