@@ -52,6 +52,7 @@ from .store_all import solve_store_all
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 JOINT_SHARE = 0.7  # of the time limit for the hierarchical strategy's joint keep / recompute / offload ILP
+SWEEP_MIN = 0.5  # seconds: the least a remat plan of the sweep is given (none is started with less, once a plan fits)
 MAX_ROUNDS = 5000
 
 
@@ -393,7 +394,10 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
             break
         consider(down, "store_all (repaired)", target)
     for i, target in enumerate(targets):
-        share = max(0.5, (deadline - time.perf_counter()) / (2 * (len(targets) - i)))
+        left = deadline - time.perf_counter()
+        if best is not None and left < SWEEP_MIN:
+            break  # a plan fits: do not start a run that would end past the limit
+        share = max(SWEEP_MIN, left / (2 * (len(targets) - i)))
         base = solve_auto(remat.with_budget(target), share)
         consider(base.schedule, base.info.get("chosen", base.method), target)
         if time.perf_counter() > deadline and best is not None:

@@ -98,15 +98,24 @@ class Move:
         return self.saving / max(self.cost, COST_FLOOR)
 
 
-def resident_at(problem: Problem, steps: list[Step], k: int) -> Residency:
-    """The resident set after step ``k`` (a compute counts while it runs)."""
+def residencies(problem: Problem, steps: Iterable[Step]) -> Iterator[Residency]:
+    """The resident set after each step (a compute counts while it runs): one `Residency`,
+    updated in place and yielded once per step."""
     mem = Residency(problem)
     index = problem.index
-    for op, node in steps[:k + 1]:
+    for op, node in steps:
         if op is Op.COMPUTE or op is Op.PREFETCH:
             mem.add(index[node])
         elif op is Op.FREE:
             mem.remove(index[node])
+        yield mem
+
+
+def resident_at(problem: Problem, steps: list[Step], k: int) -> Residency:
+    """The resident set after step ``k`` (a compute counts while it runs)."""
+    mem = Residency(problem)
+    for mem in residencies(problem, steps[:k + 1]):
+        pass
     return mem
 
 

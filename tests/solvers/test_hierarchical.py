@@ -14,8 +14,10 @@ from solvers.bounds import min_budget, store_all_peak
 from solvers.coarsen import coarsen
 from solvers.exhaustive import solve_exhaustive
 from solvers.generators import layered, random_dag, training_like
-from solvers.hierarchical import CoverModel, DropPlanner, candidates, pagings, solve_hierarchical
+from solvers.hierarchical import CoverModel, DropPlanner, _floor_stages, candidates, pagings, solve_hierarchical
 from solvers.memory import memory_of
+
+from .helpers import graph
 
 GRAPHS = Path(__file__).resolve().parents[2] / "benchmarks" / "graphs"
 
@@ -179,3 +181,26 @@ def test_pagings_respect_the_link_and_what_cannot_be_recomputed():
     for q, on in zip(pages, y):
         assert not (on and x[q.cand])
     assert not any(x[i] for i, cd in enumerate(cands) if not cd.droppable)
+
+
+def test_floor_stages_are_the_peaks_no_drop_can_lower():
+    # a, b, c are read again later (idle across the stages in between); g1, g2 and s are
+    # gradients (sinks); p and q are each read once, by s. Keep-all at budget 45 is over at
+    # p (49: a, b idle), g2 (47: a idle), q and s (47: only sinks, the values the step reads
+    # and p, which is computed once and read once, so that a drop cannot release it).
+    G = graph({"x": (1, 0.0), "a": (10, 1.0), "b": (10, 1.0), "c": (10, 1.0), "g1": (8, 1.0), "p": (10, 1.0),
+               "g2": (8, 1.0), "q": (10, 1.0), "s": (10, 1.0)},
+              [("x", "a"), ("a", "b"), ("a", "c"), ("b", "c"), ("c", "g1"), ("c", "p"), ("b", "g2"), ("a", "q"),
+               ("p", "s"), ("q", "s")])
+    p = Problem.from_networkx(G, 45)
+    c = coarsen(p)
+    planner = DropPlanner(c, 1)
+    by_group = {cd.group: cd for cd in candidates(planner, False)[0]}
+    keep_all = planner.evaluate(frozenset())
+    stage = {p.names[ms[0]]: g for g, ms in enumerate(c.members)}
+    over = {name for name, g in stage.items() if keep_all.stage_peak[g] > 45}
+    assert over == {"p", "g2", "q", "s"}
+    floors = _floor_stages(planner, keep_all, by_group, np.full(c.coarse.n, 45))
+    assert floors == {stage["q"]: 47, stage["s"]: 47}
+    # Over a limit of 47 only p's stage is left, where a and b sit idle: not a floor.
+    assert _floor_stages(planner, keep_all, by_group, np.full(c.coarse.n, 47)) == {}

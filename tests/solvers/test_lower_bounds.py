@@ -149,12 +149,10 @@ def test_cascade_follows_the_inputs_of_a_recomputed_value():
     assert knapsack + 0.5 < cascade <= opt.cost + TOL
 
 
-def test_cascade_never_exceeds_the_optimum_where_it_is_tighter():
-    # Every budget from the minimum to store-all's peak on small chains, DAGs, layered
-    # graphs and U-Nets: wherever the cascade LP beats the knapsack, check it against
-    # the exhaustive optimum (those are the cases that exercise its rows).
-    tighter = 0
-    for i in range(1500):
+def _small_budgets(count: int):
+    """Every budget from the minimum to store-all's peak of small chains, DAGs, layered
+    graphs and U-Nets (exhaustive search solves them), as (seed, problem)."""
+    for i in range(count):
         rng = random.Random(i)
         opts = {"view_prob": rng.choice([0.0, 0.3, 0.6]), "nonrecomputable_prob": rng.choice([0.0, 0.0, 0.2])}
         n = rng.randint(4, 9)
@@ -168,11 +166,21 @@ def test_cascade_never_exceeds_the_optimum_where_it_is_tighter():
         need, _ = min_budget(p)
         peak = METHODS["store_all"](p.with_budget(2**40), None).peak
         for budget in range(need, peak + 1):
-            q = p.with_budget(budget)
-            cascade = lower_bound(q)
-            if cascade <= lower_bound(q, cascade=False) + TOL:
-                continue
-            tighter += 1
-            opt = METHODS["exhaustive"](q, None)
-            assert opt.fits and cascade <= opt.cost + TOL * max(1.0, opt.cost), (i, budget, cascade, opt.cost)
-    assert tighter > 30
+            yield i, p.with_budget(budget)
+
+
+@pytest.mark.parametrize("relaxation, least", [("cascade", 30), ("milp", 5)])
+def test_relaxation_never_exceeds_the_optimum_where_it_is_tighter(relaxation, least):
+    # "cascade": the cascade LP (`_cascade_rows`) against the knapsack bounds; "milp": the best
+    # moment's cascade with 0/1 variables (every schedule is one of its integer points) against
+    # the LP bounds. Wherever the relaxation raises the bound, it must stay at or below the
+    # exhaustive optimum (those are the cases that exercise its rows).
+    tighter = 0
+    for i, q in _small_budgets(1500):
+        bound = lower_bound(q)
+        if bound <= lower_bound(q, **{relaxation: False}) + TOL:
+            continue
+        tighter += 1
+        opt = METHODS["exhaustive"](q, None)
+        assert opt.fits and bound <= opt.cost + TOL * max(1.0, opt.cost), (i, q.budget, bound, opt.cost)
+    assert tighter > least
