@@ -91,11 +91,11 @@ from .store_all import solve_store_all
 
 DEFAULT_TIME_LIMIT = 30.0
 # (cluster gap as a share of the coarse graph, chains modelled) for each run of the drop search:
-# uses further apart than the gap start a new cluster. The first run gets half the search time:
-# 1/100 first, as it settles within it on gpt12 at 30% (1.2042 of total cost before the repair of
-# its floor, against 1.2111 for 1/50 first), where the others do not.
+# uses further apart than the gap start a new cluster. 1/100 first: on gpt12 at 30% it settles
+# in about 6 s at 1.2042 of total cost before the repair of its floor (1/50: 1.2111).
 VARIANTS = ((1 / 100, False), (1 / 50, False), (1 / 50, True), (1 / 25, False), (1 / 100, True), (1 / 25, True),
             (1 / 200, False), (1 / 12, False), (1 / 200, True), (1 / 12, True), (1 / 400, False), (1 / 400, True))
+FIRST_SHARE = 2 / 3  # of the search window for the first variant
 POLISHED = 3  # best plans (of different variants) polished by keep_again, time permitting
 SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
 SEARCH_END = 0.7  # when nothing fits, the drop searches go on until this share of the time limit
@@ -661,6 +661,7 @@ class SearchLog:
     simulations: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     closest: Optional[Evaluation] = None  # lowest peak seen among plans that do not fit
+    floored: Optional[Evaluation] = None  # cheapest plan over the budget only at floors (`_floor_stages`)
 
 
 def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
@@ -759,6 +760,8 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         if floored:
             if ev.fits(budget) and (best is None or ev.time < best.time):
                 best = ev
+            if not ev.fits(budget) and (log.floored is None or ev.time < log.floored.time):
+                log.floored = ev
             # Cost feedback: a dropped group costs what its recomputations cost in the simulation
             # (chains of dropped inputs included); solve again with those costs.
             for i, cd in enumerate(cands):
@@ -978,7 +981,9 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         if gap not in planners:
             planners[gap] = DropPlanner(c, gap)
         planner = planners[gap]
-        share = max(0.5, (end - now) / 2)  # later variants get what the earlier ones leave
+        # Two thirds of the window to the first variant (it ends early once its ILP repeats itself),
+        # then half of what is left to each next one (later ones get what the earlier ones leave).
+        share = max(0.5, (end - now) * (FIRST_SHARE if k == 0 else 0.5))
         found = drop_search(planner, budget, min(end, now + share), log, chains=chains, paging=paging)
         label = f"gap={gap},chains={int(chains)}" + (",paging" if paging else "") + (",again" if second_pass else "")
         tried.append({"variant": label, "step_time": None if found is None else found.time,
@@ -1032,6 +1037,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     over = [(s.peak, s.objective, s.schedule, s.method) for s in quick if not s.fits]
     if log.closest is not None:
         over.append((log.closest.peak, log.closest.time, log.closest.schedule, "drop_ilp (closest)"))
+    if log.floored is not None and log.floored is not log.closest:
+        over.append((log.floored.peak, log.floored.time, log.floored.schedule, "drop_ilp (floored)"))
     over = [e for e in sorted(over, key=lambda e: e[:2]) if e[1] < best_cost]  # nearest the budget first
     repairs = []
     repair_end = started + REPAIR_END * limit
