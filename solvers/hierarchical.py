@@ -81,7 +81,7 @@ from .milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .offload import Uses, Window, _apply, _windows
 from .plan import schedule_from_sequence
 from .polish import keep_recomputed
-from .repair import add_recomputations, recompute_down, residencies, resident_at
+from .repair import DESCENT, add_recomputations, recompute_down, residencies, resident_at
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, Step, simulate
 from .select import solve_select
@@ -874,6 +874,17 @@ def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: fl
 
 
 # ------------------------------------------------------------------- method
+def _descent(problem: Problem, schedule: Schedule, end: float, stops: tuple[float, ...] = DESCENT
+             ) -> Optional[tuple[Schedule, float]]:
+    """``schedule`` recomputed down to the budget through ``stops`` (`repair.recompute_down`),
+    then polished, with its simulated step time; None when it does not fit by ``end``."""
+    down = recompute_down(problem, schedule, end, stops)
+    if not simulate(problem, down).fits:
+        return None
+    polished = keep_recomputed(problem, down, end)
+    return polished, simulate(problem, polished).time
+
+
 def _random_stops(rng: random.Random) -> tuple[float, ...]:
     """Stops for `repair.recompute_down`: one to eight shares of the way, decreasing, then 0."""
     return tuple(sorted({round(rng.random(), 2) for _ in range(rng.randint(1, 8))}, reverse=True)) + (0.0,)
@@ -940,13 +951,11 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     # the best plan on CNNs and U-Nets (unet 50%: 1.1597 of total cost, rotor 1.1846).
     store_all = next((s for s in quick if s.method == "store_all"), None)
     if store_all is not None:
-        descended = recompute_down(problem, store_all.schedule, started + DESCENT_END * limit)
-        if simulate(problem, descended).fits:
-            descended = keep_recomputed(problem, descended, started + DESCENT_END * limit)
-            result = simulate(problem, descended)
-            info["descent"] = result.time
-            if result.time < best_cost:
-                best_schedule, best_cost, chosen = descended, result.time, "store_all (recomputed down)"
+        found = _descent(problem, store_all.schedule, started + DESCENT_END * limit)
+        if found is not None:
+            info["descent"] = found[1]
+            if found[1] < best_cost:
+                best_schedule, best_cost, chosen = found[0], found[1], "store_all (recomputed down)"
     info["baseline_polished"] = best_cost
 
     t0 = time.perf_counter()
@@ -1060,22 +1069,20 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     # most as long again as the solve so far: a quick answer stays quick.
     if store_all is not None and best_schedule is not None:
         rng = random.Random(0)
-        tries = []
+        fitting_descents = 0
         descents_end = min(deadline, time.perf_counter() + (time.perf_counter() - started))
         for _ in range(MORE_DESCENTS):
             if time.perf_counter() >= descents_end:
                 break
             stops = _random_stops(rng)
-            down = recompute_down(problem, store_all.schedule, descents_end, stops)
-            if not simulate(problem, down).fits:
+            found = _descent(problem, store_all.schedule, descents_end, stops)
+            if found is None:
                 continue
-            down = keep_recomputed(problem, down, descents_end)
-            result = simulate(problem, down)
-            tries.append(result.time)
-            if result.fits and result.time < best_cost:
-                best_schedule, best_cost, chosen = down, result.time, "store_all (recomputed down, other stops)"
+            fitting_descents += 1
+            if found[1] < best_cost:
+                best_schedule, best_cost, chosen = found[0], found[1], "store_all (recomputed down, other stops)"
                 info["descent_stops"] = stops
-        info["more_descents"] = len(tries)  # those that fit
+        info["more_descents"] = fitting_descents
 
     if best_schedule is None:
         # Nothing fits yet: the other constructive baselines if time allows, then the lowest peak.
