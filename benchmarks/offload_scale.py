@@ -12,8 +12,9 @@ of issue #5 as its limit:
   several budgets, then the pager);
 * joint ILP: the hierarchical strategy on the graph with the link (its
   covering ILP chooses keep / recompute / page per group);
-* offload (default): what `auto` runs on graphs with a host link: the joint
-  ILP for `offload.JOINT_SHARE` of the time, then the paging sweep; the faster plan.
+* offload (default): what `auto` runs on graphs with a host link: store-all
+  recomputed down and paged (at most `offload.DESCENT_SHARE` of the time), then
+  the joint ILP with nearly all the time left; the faster plan.
 
 Reported: simulated step time over the sum of compute costs (1.000 = nothing
 recomputed and no wait), whether the plan fits (checked by

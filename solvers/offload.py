@@ -17,17 +17,18 @@ parts:
   per byte. Every change is replayed through the simulator, which has the
   last word on memory and time.
 
-* `solve_offload` first runs the hierarchical strategy on the problem with
-  its host link: its covering ILP chooses, per group of values, keep,
-  recompute, or page out across a gap between uses, with rows that keep the
-  copies within the link's time (`hierarchical.pagings`); the windows of
-  this module place the copies. Then, with the time left, it builds
-  rematerialization plans at several budgets between
-  the target and store-all's peak (a looser budget means fewer
-  recomputations), adds offloads to each until it fits the target, and keeps
-  the plan with the shortest simulated step time. The plan at the target
-  budget itself, with no offloads, is among the candidates, so the result is
-  never slower than rematerialization alone when that fits.
+* `solve_offload` first pages store-all's schedule recomputed down to
+  budgets between the target and store-all's peak (seconds; capped at
+  `DESCENT_SHARE` of the time), then gives nearly all the time left to the
+  hierarchical strategy on the problem with its host link: its covering ILP
+  chooses, per group of values, keep, recompute, or page out across a gap
+  between uses, with rows that keep the copies within the link's time
+  (`hierarchical.pagings`), and it runs every model without pagings too, so
+  remat-only plans are among its candidates; the windows of this module place
+  the copies. With time still left it builds rematerialization plans at
+  several budgets between the target and store-all's peak (a looser budget
+  means fewer recomputations) and pages each down to the target. The plan
+  with the shortest simulated step time wins.
 
 Values that cannot be offloaded: sources (parameters, inputs), views (their
 base is offloaded instead), values the problem marks (``offloadable``), and
@@ -51,7 +52,8 @@ from .store_all import solve_store_all
 # Rematerialization plans are made at these points between the target budget (0)
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
-JOINT_SHARE = 0.7  # of the time limit for the hierarchical strategy's joint keep / recompute / offload ILP
+DESCENT_SHARE = 0.12  # of the time limit, at most, for paging store-all recomputed down (the first candidates)
+JOINT_SHARE = 0.95  # of the time left then, for the hierarchical strategy's joint keep / recompute / offload ILP
 SWEEP_MIN = 0.5  # seconds: the least a remat plan of the sweep is given (none is started with less, once a plan fits)
 MAX_ROUNDS = 5000
 
@@ -347,8 +349,9 @@ def add_offloads(problem: Problem, schedule: Schedule, deadline: float = math.in
 
 def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint_share: float = JOINT_SHARE
                   ) -> Solution:
-    """Fastest fitting plan of the joint covering ILP (``joint_share`` of the time; 0 leaves it
-    out) and of the paging sweep over remat plans (the rest)."""
+    """Fastest fitting plan of paging store-all recomputed down, of the joint covering ILP
+    (``joint_share`` of the time left after that; 0 leaves it out) and of the paging sweep over
+    remat plans (with any time still left)."""
     from .auto import solve_auto  # auto dispatches here for problems with a host link
     from .hierarchical import solve_hierarchical  # which pages with this module's windows
     from .repair import descend  # which builds on this module's scans
@@ -363,24 +366,13 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     deadline = started + limit
     best: Optional[tuple[float, int, Schedule, dict]] = None  # (time, peak, schedule, info)
     fallback: Optional[tuple[int, Schedule, dict]] = None
-    if joint_share > 0:
-        # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group together.
-        joint = solve_hierarchical(problem, joint_share * limit)
-        result = simulate(problem, joint.schedule)
-        info = {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen"),
-                "offloaded": len(joint.schedule.offloads()), "recomputations": result.recomputations}
-        if result.fits:
-            best = (result.time, result.peak, joint.schedule, info)
-        fallback = (result.peak, joint.schedule, info)
     top = store_all_peak(remat)
     targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
 
-    def consider(base: Schedule, label: str, target: int) -> None:
+    def consider(schedule: Schedule, info: dict) -> None:
         nonlocal best, fallback
-        schedule = add_offloads(problem, base, deadline)
         result = simulate(problem, schedule)
-        info = {"base_budget": target, "base": label, "offloaded": len(schedule.offloads()),
-                "recomputations": result.recomputations}
+        info = {**info, "offloaded": len(schedule.offloads()), "recomputations": result.recomputations}
         if result.fits and (best is None or result.time < best[0]):
             best = (result.time, result.peak, schedule, info)
         if fallback is None or result.peak < fallback[0]:
@@ -388,18 +380,34 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
 
     # Store-all recomputed down the targets, each from the one above (one repair in all), then
     # paged the rest of the way: seconds, and strong where recomputing a little then paging is
-    # best (resnet50 at 50%: 1.0815 against 1.0977 for remat alone).
-    for target, down in descend(remat, solve_store_all(remat).schedule, sorted(targets, reverse=True), deadline):
+    # best (resnet50 at 50%: 1.0755 against 1.0901 for remat alone). Capped at DESCENT_SHARE of
+    # the time: on graphs where paging store-all cannot reach the target it would take it all.
+    # The repairs take well under a second; paging is what takes long, the longest from the
+    # highest budgets (gpt12 at 30%: 0.03 s from 0.0, 5.7 s from store-all), so it goes from the lowest up.
+    descent_end = started + (DESCENT_SHARE if joint_share > 0 else 1.0) * limit
+    downs = []
+    for target, down in descend(remat, solve_store_all(remat).schedule, sorted(targets, reverse=True), descent_end):
         if not simulate(remat.with_budget(target), down).fits:
             break
-        consider(down, "store_all (repaired)", target)
+        downs.append((target, down))
+    for target, down in reversed(downs):
+        if time.perf_counter() > descent_end:
+            break
+        consider(add_offloads(problem, down, descent_end), {"base_budget": target, "base": "store_all (repaired)"})
+    if joint_share > 0:
+        # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group
+        # together; it gets all but ``1 - joint_share`` of the time that is left.
+        left = deadline - time.perf_counter()
+        joint = solve_hierarchical(problem, max(SWEEP_MIN, joint_share * left))
+        consider(joint.schedule, {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen")})
     for i, target in enumerate(targets):
         left = deadline - time.perf_counter()
         if best is not None and left < SWEEP_MIN:
             break  # a plan fits: do not start a run that would end past the limit
         share = max(SWEEP_MIN, left / (2 * (len(targets) - i)))
         base = solve_auto(remat.with_budget(target), share)
-        consider(base.schedule, base.info.get("chosen", base.method), target)
+        consider(add_offloads(problem, base.schedule, deadline),
+                 {"base_budget": target, "base": base.info.get("chosen", base.method)})
         if time.perf_counter() > deadline and best is not None:
             break
     if best is None:
