@@ -57,7 +57,7 @@ Fix a non-source value w and look at the instant of w's FIRST compute.
    any one item of weight >= D already suffices) gives a number every
    schedule's cost is at least, solved greedily by C/W.
 
-The bound is the maximum over all moments w of four relaxations:
+The bound is the largest of these relaxations:
 
 * the fractional knapsack of each moment (above);
 * an LP over the moments with the largest knapsack bounds that share one
@@ -70,7 +70,11 @@ The bound is the maximum over all moments w of four relaxations:
   graph. This charges recomputing a cheap value whose expensive input was
   not kept;
 * the best moment's cascade as a MILP (the same rows with 0/1 variables),
-  solved with the time left: its dual bound is at least the LP's.
+  solved with the time left: its dual bound is at least the LP's;
+* an interval model over a chain of moments (`_interval_rows`), as a MILP:
+  residency at each moment and computes in each interval between two
+  moments, so that a value no budget lets stay across several tight
+  moments is charged once per recomputation, not once in all.
 
 Every schedule gives an integer solution of each LP, so their optima and the
 MILP's optimum (dual bounds, with costs scaled to at most 1 and shaved by 1e-6 against solver
@@ -452,26 +456,223 @@ def _solve_lp(problem: Problem, b, y: dict[int, int], time_limit: Optional[float
     return max(0.0, raw.bound - 1e-6 * max(1.0, abs(raw.bound))) * scale
 
 
+def main_chain(problem: Problem, ctx: _Context) -> list[int]:
+    """A longest path, in values, through the non-source values that can add memory (not views
+    of sources): each is an ancestor of the next, so their first computes come in this order."""
+    skip = problem.is_source | ctx.st.covered
+    length = np.zeros(problem.n, dtype=np.int64)
+    prev = np.full(problem.n, -1, dtype=np.int64)
+    for v in range(problem.n):
+        if skip[v]:
+            continue
+        for q in problem.preds[v]:
+            if not skip[q] and length[q] > length[v]:
+                length[v], prev[v] = length[q], q
+        length[v] += 1
+    path = []
+    v = int(np.argmax(length)) if problem.n else -1
+    while v >= 0 and length[v] > 0:
+        path.append(v)
+        v = int(prev[v])
+    return path[::-1]
+
+
+def interval_moments(chain: list[int], by_node: dict[int, Moment], k: int) -> list[int]:
+    """Up to ``k`` moments on ``chain`` for `_interval_rows`: the one with the largest knapsack
+    bound, then those with the most memory forced at them (the tightest instants: where a
+    value held across them has to be recomputed once more), at least ``len(chain) / 2k``
+    chain positions apart, in chain order."""
+    ranked = [w for w in chain if w in by_node]
+    if not ranked or k < 1:
+        return []
+    pos = {w: i for i, w in enumerate(chain)}
+    spacing = max(1, len(chain) // (2 * k))
+    chosen = [max(ranked, key=lambda w: by_node[w].extra)]
+    for w in sorted(ranked, key=lambda w: (-by_node[w].forced, -by_node[w].extra)):
+        if len(chosen) >= k:
+            break
+        if all(abs(pos[w] - pos[c]) >= spacing for c in chosen):
+            chosen.append(w)
+    return sorted(chosen, key=pos.__getitem__)
+
+
+def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, int]:
+    """The interval model over moments ``ws`` (a chain: each an ancestor of the next) in builder
+    ``b``; returns the extra-compute variable of each value (``e_v``, cost ``cost[v]``).
+
+    Moment i is the first compute of ``ws[i]``; interval i is the open time between moments i
+    and i+1 (the last one runs to the end). Unlike the cascade, which asks only whether a value
+    is computed again after one moment, this model counts recomputations per interval, so a
+    value that no budget lets stay across two tight moments pays twice. For every value x that
+    adds memory, and every value v that owns its storage (the root of its alias tree), 0/1 in
+    any schedule:
+
+    * ``r[x,i]``: some value on x's alias chain (x, its alias parent, ... the root) is resident
+      at moment i; 0 when the root is a descendant of ``ws[i]`` (not computed yet); 1 for
+      ``ws[i]`` and its inputs;
+    * ``c[v,i]``: v is computed in interval i; 0 when v is ``ws[i+1]`` or a descendant of it,
+      and for a value that cannot be recomputed once computed.
+
+    Rows (each argued for any schedule):
+
+    * a value x is first computed after moment lo and before moment hi (lo: the last moment
+      it descends from; hi: the first it is an ancestor of): each input q of x is then resident,
+      so r[q,lo] + sum of c[root(q), lo..hi-1] >= 1 (if no value on q's chain is resident at
+      moment lo, the first one to become resident after it was computed, and a view's compute
+      reads its parent, which is on the chain: so the root was computed); a sink likewise at
+      the end;
+    * v computed in interval i reads each input q there: r[q,i] + c[root(q),i] >= c[v,i];
+    * residency carries over: r[x,i+1] <= r[x,i] + c[root(x),i] (except for the root
+      ``ws[i+1]`` itself, computed at the moment);
+    * memory at moment i: sources + mem[x] * r[x,i] for values in no alias tree + a weight per
+      alias tree, at least chain_min[x] * r[x,i] for each member x (a resident value on x's
+      chain counts a size on that chain), within the budget;
+    * computes after the first: e_v >= sum of c[v,j] over the intervals after the first moment
+      v is an ancestor of (or is), and e_v >= sum of all c[v,j] - 1.
+    """
+    from .milp_backends import ONE, ZERO
+
+    p, st, n, k = ctx.p, ctx.st, ctx.p.n, len(ws)
+    skip = p.is_source | st.covered
+    vals = [x for x in range(n) if not skip[x]]
+    root = st.root.tolist()
+    roots = sorted({root[x] for x in vals})
+    unit = b.bool_var if integer else (lambda: b.num_var(0.0, 1.0))
+    desc = [_to_mask(ctx.desc[w], n) for w in ws]
+    upto = [_to_mask(ctx.anc[w] | (1 << w), n) for w in ws]  # ancestors of ws[i], and ws[i]
+    r: list[dict[int, int]] = []
+    c: list[dict[int, int]] = []
+    for i, w in enumerate(ws):
+        forced = {q for q in p.preds[w] if not skip[q]} | {w}
+        r.append({x: ONE if x in forced else ZERO if desc[i][root[x]] and root[x] != w else unit()
+                  for x in vals})
+        later = desc[i + 1] if i + 1 < k else None
+        c.append({v: ZERO if (later is not None and (later[v] or v == ws[i + 1]))
+                  or (not p.recomputable[v] and upto[i][v]) else unit() for v in roots})
+    add = b.add_folded
+    # Inputs read between two moments (or after the last), and sinks at the end.
+    lo_of = np.full(n, -1, dtype=np.int64)
+    hi_of = np.full(n, k, dtype=np.int64)
+    for i in range(k):
+        lo_of[desc[i]] = i
+    for i in range(k - 1, -1, -1):
+        hi_of[upto[i]] = i
+    seen: set[tuple[int, int, int]] = set()
+    for x in range(n):
+        lo, hi = int(lo_of[x]), int(hi_of[x])
+        if lo < 0 or p.is_source[x]:
+            continue
+        for q in p.preds[x]:
+            if skip[q] or (q, lo, hi) in seen:
+                continue
+            seen.add((q, lo, hi))
+            add([r[lo][q]] + [c[j][root[q]] for j in range(lo, hi)], [], 1.0, math.inf)
+    for s in p.sinks:
+        if not skip[s]:
+            add([r[k - 1][s], c[k - 1][root[s]]], [], 1.0, math.inf)
+    scale = float(p.budget)  # memory in budgets: byte-sized coefficients wreck the LP's tolerances
+    cap = (p.budget - ctx.base) / scale
+    for i in range(k):
+        ri, ci = r[i], c[i]
+        for v in roots:
+            if ci[v] == ZERO:
+                continue
+            for q in p.preds[v]:
+                if not skip[q]:
+                    add([ri[q], c[i][root[q]]], [ci[v]], 0.0, math.inf)
+        if i + 1 < k:
+            nxt = ws[i + 1]
+            for x in vals:
+                if root[x] != nxt:
+                    add([r[i + 1][x]], [ri[x], ci[root[x]]], -math.inf, 0.0)
+        row: dict[int, float] = {}
+        fixed = 0.0
+        trees: dict[int, list[int]] = {}
+        for x in vals:
+            if st.treed[x]:
+                trees.setdefault(root[x], []).append(x)
+            elif ri[x] == ONE:
+                fixed += float(p.mem[x]) / scale
+            elif ri[x] != ZERO:
+                row[ri[x]] = float(p.mem[x]) / scale
+        for members in trees.values():
+            heavy = max(float(st.chain_min[m]) for m in members) / scale
+            least = max((float(st.chain_min[m]) / scale for m in members if ri[m] == ONE), default=0.0)
+            live = [m for m in members if ri[m] not in (ONE, ZERO)]
+            if not live:
+                fixed += least
+                continue
+            weight = b.num_var(least, heavy)
+            for m in live:
+                b.add([(weight, 1.0), (ri[m], -float(st.chain_min[m]) / scale)], 0.0, math.inf)
+            row[weight] = 1.0
+        if fixed > cap + 1e-12:
+            raise ValueError("the memory forced at a moment exceeds the budget")
+        if row:
+            b.add(list(row.items()), -math.inf, cap - fixed)
+    extra: dict[int, int] = {}
+    for v in roots:
+        if p.cost[v] <= 0:
+            continue
+        first = next((i for i in range(k) if upto[i][v]), k)
+        late = [c[j][v] for j in range(first, k)]
+        early = [c[j][v] for j in range(first)]
+        if all(h == ZERO for h in late + early):
+            continue
+        e = b.num_var(0.0, math.inf)
+        extra[v] = e
+        add([e], late, 0.0, math.inf)
+        if early:
+            add([e], late + early, -1.0, math.inf)
+    return extra
+
+
+def _interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float],
+              integer: bool = True) -> float:
+    """The interval model's bound on the extra cost over moments ``ws`` (`_interval_rows`): its
+    LP optimum, or with ``integer`` its MILP's dual bound reached within ``time_limit`` (which
+    includes building the model)."""
+    from ortools.math_opt.python import mathopt
+
+    from .milp_backends import MathOptBuilder
+
+    if not ws:
+        return 0.0
+    started = time.perf_counter()
+    b = MathOptBuilder(mathopt.SolverType.HIGHS)
+    try:
+        extra = _interval_rows(ctx, ws, b, integer)
+    except (ValueError, AssertionError):  # no schedule fits (`moments` reports that): no bound here
+        return 0.0
+    if time_limit is not None:  # building took part of it (seconds on gpt48)
+        time_limit = max(0.1, time_limit - (time.perf_counter() - started))
+    return _solve_lp(problem, b, extra, time_limit)
+
+
 COMBINE = 24  # moments combined in the knapsack LP (the ones with the largest single bounds)
-# The best moment's cascade as a MILP, with the time left (at most MILP_TIME seconds, and only
-# when at least MILP_MIN are left): its dual bound after HiGHS's root cuts and some branching
-# is above the LP's (gpt12 at 30%: extra cost 0.1730 -> 0.1751 of the total in 3 s).
-MILP_TIME = 10.0
+# The MILPs (the best moment's cascade, the interval model on one and on INTERVAL_MOMENTS
+# moments) share the time left, each at most MILP_TIME seconds, and only when at least MILP_MIN
+# are left: their dual bounds after HiGHS's root cuts and some branching are above the LPs'
+# (gpt12 at 30%: extra cost 0.1730 -> 0.1751 of the total in 3 s for the cascade).
+MILP_TIME = 15.0
 MILP_MIN = 0.5
+MILP_END = 0.97  # share of the time limit by which the MILPs end (loading a model into HiGHS is not timed by it)
+INTERVAL_MOMENTS = 9  # moments of the interval model's larger run (`interval_moments`)
 CASCADE_SIZE = 12_000  # values (summed over moments) in the cascade LP
 CASCADE_MOMENTS = 4  # at most this many moments in it
 
 
 def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: int = COMBINE,
-                cascade: bool = True, milp: bool = True) -> float:
+                cascade: bool = True, milp: bool = True, interval: bool = True) -> float:
     """A lower bound on the cost of every schedule of ``problem`` (see the module
     docstring), at least ``problem.total_cost()``; ``math.inf`` when no schedule
     can fit the budget. With ``time_limit``, moments not reached in time are skipped
     (the bound stays valid, only weaker). ``combine`` > 1 also solves the LP that
     combines that many moments (`_combined`); ``cascade`` the LP that follows the
-    inputs of recomputed values (`_cascade_rows`) on the best moments; ``milp`` the
-    best moment's cascade with 0/1 variables in the time left (`MILP_TIME` at most).
-    The largest of these bounds is returned."""
+    inputs of recomputed values (`_cascade_rows`) on the best moments; with it, ``milp``
+    the best moment's cascade with 0/1 variables, then (``interval``) the interval model
+    (`_interval_rows`) on that moment and on `INTERVAL_MOMENTS` moments, as MILPs, in the
+    time left (`MILP_TIME` at most each). The largest of these bounds is returned."""
     started = time.perf_counter()
     total = problem.total_cost()
     if memory_of(problem, ()) > problem.budget:
@@ -491,9 +692,8 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
 
     if combine > 1 and len(ranked) > 1:
         best = max(best, _combined(problem, [its for _, its in ranked[:combine]], left()))
-    if time_limit is not None and time.perf_counter() - started > time_limit / 2:
-        cascade = False  # building the cascade LP takes as long as everything before
-    if cascade and ranked:
+    late = time_limit is not None and time.perf_counter() - started > time_limit / 2
+    if cascade and ranked and not late:  # building the cascade LP takes as long as everything before
         chosen, size = [], 0
         for m, _ in ranked:
             size += bin(ctx.anc[m.node]).count("1")
@@ -501,11 +701,25 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
                 break
             chosen.append(m.node)
         best = max(best, _cascade(problem, ctx, chosen, left()))
-        spare = MILP_TIME if time_limit is None else time_limit - (time.perf_counter() - started)
-        if milp and spare >= MILP_MIN:
+    if cascade and milp and ranked:
+        # Three MILPs share the time left: the best moment's cascade, then the interval model
+        # on that moment alone (stronger where the tree rows bind: gpt12 at 30%), then on
+        # INTERVAL_MOMENTS moments (stronger where values must be recomputed more than once:
+        # unet at 30%, 1.2806 -> 1.3269 of the total in 15 s).
+        by_node = {m.node: m for m, _ in found}
+        chain = main_chain(problem, ctx)
+        runs = [(3, lambda t: _cascade(problem, ctx, [ranked[0][0].node], t, integer=True))]
+        if interval:
+            runs += [(2, lambda t: _interval(problem, ctx, interval_moments(chain, by_node, 1), t)),
+                     (1, lambda t: _interval(problem, ctx, interval_moments(chain, by_node, INTERVAL_MOMENTS), t))]
+        for share, run in runs:
+            spare = MILP_TIME if time_limit is None else \
+                (MILP_END * time_limit - (time.perf_counter() - started)) / share
+            if spare < MILP_MIN:
+                break
             try:
-                best = max(best, _cascade(problem, ctx, chosen[:1], min(spare, MILP_TIME), integer=True))
-            except RuntimeError:  # the solver gave up (numerics): the LP bounds stand
+                best = max(best, run(min(spare, MILP_TIME)))
+            except RuntimeError:  # the solver gave up (numerics): the other bounds stand
                 pass
     return total + best
 

@@ -12,7 +12,8 @@ import pytest
 from solvers import METHODS, Problem
 from solvers import generators as gen
 from solvers.bounds import min_budget
-from solvers.lower_bounds import lower_bound, lp_lower_bound, moments
+from solvers.lower_bounds import (_Context, _interval, interval_moments, lower_bound, lp_lower_bound, main_chain,
+                                  moments)
 
 from .helpers import graph
 
@@ -169,11 +170,12 @@ def _small_budgets(count: int):
             yield i, p.with_budget(budget)
 
 
-@pytest.mark.parametrize("relaxation, least", [("cascade", 30), ("milp", 5)])
+@pytest.mark.parametrize("relaxation, least", [("cascade", 30), ("milp", 5), ("interval", 5)])
 def test_relaxation_never_exceeds_the_optimum_where_it_is_tighter(relaxation, least):
     # "cascade": the cascade LP (`_cascade_rows`) against the knapsack bounds; "milp": the best
-    # moment's cascade with 0/1 variables (every schedule is one of its integer points) against
-    # the LP bounds. Wherever the relaxation raises the bound, it must stay at or below the
+    # moment's cascade and the interval models with 0/1 variables (every schedule is one of
+    # their integer points) against the LP bounds; "interval": the interval models against all
+    # the others. Wherever the relaxation raises the bound, it must stay at or below the
     # exhaustive optimum (those are the cases that exercise its rows).
     tighter = 0
     for i, q in _small_budgets(1500):
@@ -184,3 +186,25 @@ def test_relaxation_never_exceeds_the_optimum_where_it_is_tighter(relaxation, le
         opt = METHODS["exhaustive"](q, None)
         assert opt.fits and bound <= opt.cost + TOL * max(1.0, opt.cost), (i, q.budget, bound, opt.cost)
     assert tighter > least
+
+
+def test_interval_model_never_exceeds_the_optimum_on_any_chain_of_moments():
+    # The interval model (`_interval_rows`) on the whole main chain, on its first and last
+    # halves, and on the moments `lower_bound` would pick, as LP and MILP: each a relaxation
+    # of every schedule, so at or below the exhaustive optimum wherever it charges anything.
+    charged = above_cascade = 0
+    for i, q in _small_budgets(600):
+        ctx = _Context(q)
+        chain = main_chain(q, ctx)
+        by_node = {m.node: m for m in moments(q, ctx=ctx)}
+        half = len(chain) // 2
+        choices = [chain, chain[:half], chain[half:], interval_moments(chain, by_node, 3)]
+        extras = [_interval(q, ctx, ws, None, integer) for ws in choices if ws for integer in (False, True)]
+        best = max(extras, default=0.0)
+        if best <= TOL:
+            continue
+        charged += 1
+        opt = METHODS["exhaustive"](q, None)
+        assert opt.fits and q.total_cost() + best <= opt.cost + TOL * max(1.0, opt.cost), (i, q.budget, best)
+        above_cascade += q.total_cost() + best > lower_bound(q, interval=False) + TOL
+    assert charged > 100 and above_cascade > 5, (charged, above_cascade)
