@@ -52,8 +52,8 @@ from .store_all import solve_store_all
 # Rematerialization plans are made at these points between the target budget (0)
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
-DESCENT_SHARE = 0.12  # of the time limit, at most, for paging store-all recomputed down (the first candidates)
-JOINT_SHARE = 0.95  # of the time left then, for the hierarchical strategy's joint keep / recompute / offload ILP
+DESCENT_SHARE = 0.05  # of the time limit, at most, for paging store-all recomputed down (the first candidates)
+JOINT_SHARE = 0.93  # of the time left then, for the hierarchical strategy's joint keep / recompute / offload ILP
 SWEEP_MIN = 0.5  # seconds: the least a remat plan of the sweep is given (none is started with less, once a plan fits)
 MAX_ROUNDS = 5000
 
@@ -393,7 +393,10 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     for target, down in reversed(downs):
         if time.perf_counter() > descent_end:
             break
+        before = best
         consider(add_offloads(problem, down, descent_end), {"base_budget": target, "base": "store_all (repaired)"})
+        if best is before and before is not None:
+            break  # not faster than the plan from a lower budget: higher ones recompute less but page far more
     if joint_share > 0:
         # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group
         # together; it gets all but ``1 - joint_share`` of the time that is left.
