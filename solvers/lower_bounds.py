@@ -213,7 +213,8 @@ class _Context:
         self.st = _storage(problem)
         self.anc, self.desc, self.read_after = _reach(problem)
         self.sink_bits = sum(1 << v for v in problem.sinks)
-        self.drop_bits = sum(1 << v for v in range(n) if problem.is_source[v] or self.st.covered[v])
+        self.skip = problem.is_source | self.st.covered  # never add memory: sources and views of them
+        self.drop_bits = sum(1 << v for v in np.flatnonzero(self.skip).tolist())
         self.base = memory_of(problem, ())
         self.mem = problem.mem.astype(np.int64)
 
@@ -459,7 +460,7 @@ def _solve_lp(problem: Problem, b, y: dict[int, int], time_limit: Optional[float
 def main_chain(problem: Problem, ctx: _Context) -> list[int]:
     """A longest path, in values, through the non-source values that can add memory (not views
     of sources): each is an ancestor of the next, so their first computes come in this order."""
-    skip = problem.is_source | ctx.st.covered
+    skip = ctx.skip
     length = np.zeros(problem.n, dtype=np.int64)
     prev = np.full(problem.n, -1, dtype=np.int64)
     for v in range(problem.n):
@@ -533,7 +534,7 @@ def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, 
     from .milp_backends import ONE, ZERO
 
     p, st, n, k = ctx.p, ctx.st, ctx.p.n, len(ws)
-    skip = p.is_source | st.covered
+    skip = ctx.skip
     vals = [x for x in range(n) if not skip[x]]
     root = st.root.tolist()
     roots = sorted({root[x] for x in vals})
@@ -572,6 +573,11 @@ def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, 
             add([r[k - 1][s], c[k - 1][root[s]]], [], 1.0, math.inf)
     scale = float(p.budget)  # memory in budgets: byte-sized coefficients wreck the LP's tolerances
     cap = (p.budget - ctx.base) / scale
+    trees: dict[int, list[int]] = {}
+    for x in vals:
+        if st.treed[x]:
+            trees.setdefault(root[x], []).append(x)
+    plain = [x for x in vals if not st.treed[x]]
     for i in range(k):
         ri, ci = r[i], c[i]
         for v in roots:
@@ -579,7 +585,7 @@ def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, 
                 continue
             for q in p.preds[v]:
                 if not skip[q]:
-                    add([ri[q], c[i][root[q]]], [ci[v]], 0.0, math.inf)
+                    add([ri[q], ci[root[q]]], [ci[v]], 0.0, math.inf)
         if i + 1 < k:
             nxt = ws[i + 1]
             for x in vals:
@@ -587,11 +593,8 @@ def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, 
                     add([r[i + 1][x]], [ri[x], ci[root[x]]], -math.inf, 0.0)
         row: dict[int, float] = {}
         fixed = 0.0
-        trees: dict[int, list[int]] = {}
-        for x in vals:
-            if st.treed[x]:
-                trees.setdefault(root[x], []).append(x)
-            elif ri[x] == ONE:
+        for x in plain:
+            if ri[x] == ONE:
                 fixed += float(p.mem[x]) / scale
             elif ri[x] != ZERO:
                 row[ri[x]] = float(p.mem[x]) / scale
@@ -706,10 +709,10 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
         # on that moment alone (stronger where the tree rows bind: gpt12 at 30%), then on
         # INTERVAL_MOMENTS moments (stronger where values must be recomputed more than once:
         # unet at 30%, 1.2806 -> 1.3269 of the total in 15 s).
-        by_node = {m.node: m for m, _ in found}
-        chain = main_chain(problem, ctx)
         runs = [(3, lambda t: _cascade(problem, ctx, [ranked[0][0].node], t, integer=True))]
         if interval:
+            by_node = {m.node: m for m, _ in found}
+            chain = main_chain(problem, ctx)
             runs += [(2, lambda t: _interval(problem, ctx, interval_moments(chain, by_node, 1), t)),
                      (1, lambda t: _interval(problem, ctx, interval_moments(chain, by_node, INTERVAL_MOMENTS), t))]
         for share, run in runs:

@@ -369,14 +369,17 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     top = store_all_peak(remat)
     targets = sorted({min(top, int(problem.budget + f * max(0, top - problem.budget))) for f in BASE_FRACTIONS})
 
-    def consider(schedule: Schedule, info: dict) -> None:
+    def consider(schedule: Schedule, info: dict) -> bool:
+        """Keep ``schedule`` if it is the fastest fitting plan so far (True) or the lowest peak."""
         nonlocal best, fallback
         result = simulate(problem, schedule)
         info = {**info, "offloaded": len(schedule.offloads()), "recomputations": result.recomputations}
-        if result.fits and (best is None or result.time < best[0]):
-            best = (result.time, result.peak, schedule, info)
         if fallback is None or result.peak < fallback[0]:
             fallback = (result.peak, schedule, info)
+        if result.fits and (best is None or result.time < best[0]):
+            best = (result.time, result.peak, schedule, info)
+            return True
+        return False
 
     # Store-all recomputed down the targets, each from the one above (one repair in all), then
     # paged the rest of the way: seconds, and strong where recomputing a little then paging is
@@ -393,9 +396,9 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
     for target, down in reversed(downs):
         if time.perf_counter() > descent_end:
             break
-        before = best
-        consider(add_offloads(problem, down, descent_end), {"base_budget": target, "base": "store_all (repaired)"})
-        if best is before and before is not None:
+        paged = add_offloads(problem, down, descent_end)
+        faster = consider(paged, {"base_budget": target, "base": "store_all (repaired)"})
+        if not faster and best is not None:
             break  # not faster than the plan from a lower budget: higher ones recompute less but page far more
     if joint_share > 0:
         # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group
