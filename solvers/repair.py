@@ -197,8 +197,9 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
     return plan
 
 
-def _moves(problem: Problem, steps: list[Step], k: int) -> list[Move]:
-    """Every way of freeing one idle value (with its held views) across step ``k``."""
+def _moves(problem: Problem, steps: list[Step], k: int, pinned: frozenset[int] = frozenset()) -> list[Move]:
+    """Every way of freeing one idle value (with its held views) across step ``k``; values in
+    ``pinned`` are never freed."""
     uses = Uses(problem, steps)
     trees = alias_trees(problem)
     lists = problem.lists()
@@ -208,7 +209,7 @@ def _moves(problem: Problem, steps: list[Step], k: int) -> list[Move]:
     at_peak = resident_at(problem, steps, k)
     out: list[Move] = []
     for v in range(problem.n):
-        if is_source[v] or not at_peak.resident[v]:
+        if is_source[v] or not at_peak.resident[v] or v in pinned:
             continue
         span = uses.interval(v, k, end)
         if span is None:
@@ -405,12 +406,14 @@ def _excess_area(problem: Problem, sim: SimResult) -> int:
     return int(over[over > 0].sum())
 
 
-def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = math.inf) -> Schedule:
+def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = math.inf,
+                       pinned: frozenset[int] = frozenset(), max_cost: float = math.inf) -> Schedule:
     """Free idle values across the peak and recompute them before their next read
     until ``schedule`` fits ``problem.budget``, ``deadline`` (a `time.perf_counter`
     time) passes, or no move lowers the peak. Returns the first schedule that fits,
     else the one with the lowest peak (moves never raise it); a schedule that fits
-    comes back unchanged."""
+    comes back unchanged. Values in ``pinned`` are never freed by a move; the repair gives up
+    (over the budget) once the compute cost passes ``max_cost`` (the caller has a cheaper plan)."""
     steps = list(schedule.steps)
     sim = simulate(problem, steps)
     if sim.peak <= problem.budget:
@@ -418,12 +421,12 @@ def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = m
     key = (sim.peak, _excess_area(problem, sim))
     rejected: set[tuple] = set()  # moves that failed on the current schedule
     for _ in range(MAX_ROUNDS):
-        if sim.peak <= problem.budget or time.perf_counter() > deadline:
+        if sim.peak <= problem.budget or time.perf_counter() > deadline or sim.cost > max_cost:
             break
         k = sim.peak_step
         if k < 0:
             break  # the sources alone exceed the budget
-        moves = [m for m in _moves(problem, steps, k) if m.key not in rejected]
+        moves = [m for m in _moves(problem, steps, k, pinned) if m.key not in rejected]
         if not moves:
             break
         chosen = _choose(moves, sim.peak - problem.budget)

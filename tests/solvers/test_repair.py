@@ -167,3 +167,30 @@ def test_recomputing_down_in_steps(family):
         direct_fits += d.fits
         descent_fits += s.fits
     assert descent_fits >= direct_fits - 1 and descent_fits >= 11
+
+
+def _first_instance_serves_every_reader(p: Problem, schedule: Schedule, v: int) -> bool:
+    """Whether ``v``'s first instance lives until each of its readers has been computed once."""
+    steps = [(op.value, p.index[node]) for op, node in schedule]
+    first_free = steps.index(("free", v)) if ("free", v) in steps else len(steps)
+    return all(steps.index(("compute", u)) < first_free for u in p.succs[v])
+
+
+def test_pinned_values_are_never_freed_and_cost_caps_the_repair():
+    checked = 0
+    for seed in range(4):
+        p0, schedule = _store_all(gen.training(gen.unet(3, seed), seed))
+        p = p0.with_budget(int(store_all_peak(p0) * 0.6))
+        free = add_recomputations(p, schedule)
+        # Values the repair frees across a peak; pinned, it must find other moves.
+        moved = [v for v in p.non_sources if not _first_instance_serves_every_reader(p, free, v)]
+        for v in moved[:3]:
+            pinned = add_recomputations(p, schedule, pinned=frozenset([v]))
+            _check(p, schedule, pinned)
+            # Chains may still recompute v after its last read; its first instance serves them all.
+            assert _first_instance_serves_every_reader(p, pinned, v)
+            checked += 1
+        # Capped at the cost it starts from, the repair gives up after its first move.
+        capped = simulate(p, add_recomputations(p, schedule, max_cost=simulate(p, schedule).cost))
+        assert not capped.fits and capped.recomputations <= simulate(p, free).recomputations
+    assert checked >= 6
