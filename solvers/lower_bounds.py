@@ -420,19 +420,26 @@ def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int], integer: bool = F
     return True
 
 
+def _left(time_limit: Optional[float], started: float) -> Optional[float]:
+    """What is left of ``time_limit`` seconds counted from ``started`` (at least 0.1 s)."""
+    return None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
+
+
 def _cascade(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float],
              integer: bool = False) -> float:
     """Optimum of the cascade LPs of moments ``ws`` sharing y (a bound on the extra cost); with
-    ``integer``, the dual bound of their MILP reached within ``time_limit``."""
+    ``integer``, the dual bound of their MILP reached within ``time_limit`` (which includes
+    building the model)."""
     from ortools.math_opt.python import mathopt
 
     from .milp_backends import MathOptBuilder
 
+    started = time.perf_counter()
     b = MathOptBuilder(mathopt.SolverType.HIGHS)
     y: dict[int, int] = {}
     if not any([_cascade_rows(ctx, w, b, y, integer) for w in ws]):
         return 0.0
-    return _solve_lp(problem, b, y, time_limit)
+    return _solve_lp(problem, b, y, _left(time_limit, started))
 
 
 def _solve_lp(problem: Problem, b, y: dict[int, int], time_limit: Optional[float]) -> float:
@@ -647,9 +654,7 @@ def _interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: Option
         extra = _interval_rows(ctx, ws, b, integer)
     except (ValueError, AssertionError):  # no schedule fits (`moments` reports that): no bound here
         return 0.0
-    if time_limit is not None:  # building took part of it (seconds on gpt48)
-        time_limit = max(0.1, time_limit - (time.perf_counter() - started))
-    return _solve_lp(problem, b, extra, time_limit)
+    return _solve_lp(problem, b, extra, _left(time_limit, started))  # building took seconds on gpt48
 
 
 COMBINE = 24  # moments combined in the knapsack LP (the ones with the largest single bounds)
@@ -690,11 +695,8 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
     ranked = sorted((pair for pair in found if pair[0].extra > 0 and pair[1] is not None),
                     key=lambda pair: -pair[0].extra)
 
-    def left() -> Optional[float]:
-        return None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
-
     if combine > 1 and len(ranked) > 1:
-        best = max(best, _combined(problem, [its for _, its in ranked[:combine]], left()))
+        best = max(best, _combined(problem, [its for _, its in ranked[:combine]], _left(time_limit, started)))
     late = time_limit is not None and time.perf_counter() - started > time_limit / 2
     if cascade and ranked and not late:  # building the cascade LP takes as long as everything before
         chosen, size = [], 0
@@ -703,7 +705,7 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
             if chosen and (size > CASCADE_SIZE or len(chosen) >= CASCADE_MOMENTS):
                 break
             chosen.append(m.node)
-        best = max(best, _cascade(problem, ctx, chosen, left()))
+        best = max(best, _cascade(problem, ctx, chosen, _left(time_limit, started)))
     if cascade and milp and ranked:
         # Three MILPs share the time left: the best moment's cascade, then the interval model
         # on that moment alone (stronger where the tree rows bind: gpt12 at 30%), then on

@@ -127,6 +127,7 @@ class _Inputs:
         self.extended: dict[int, int] = {}  # value -> position of the free that is delayed past ``at``
         self.needs: set[int] = set()  # read as they are
         self.failed: set[int] = set()  # could not be recomputed within the limit: not tried again
+        self.limited = False  # the chain limit turned a recomputation down (a larger one may differ)
         self._log: list[tuple[str, int]] = []
 
     def mark(self) -> int:
@@ -156,7 +157,7 @@ class _Inputs:
 
 
 def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[int], k: int, end: int,
-             limit: int, keep_after_peak: bool = True) -> Optional[_Inputs]:
+             limit: int, keep_after_peak: bool = True) -> tuple[Optional[_Inputs], bool]:
     """Make ``root``'s inputs available at position ``at`` (``root`` is computed again
     there, after the peak step ``k``). An input that is missing there is, in order
     of preference: kept longer when its last free lies after ``k`` and
@@ -164,7 +165,8 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
     peak elsewhere), recomputed from inputs resolved the same way (at most
     ``limit`` values recomputed), kept longer although that holds its bytes at the
     peak. Values in ``gone`` are freed by the move and count as missing.
-    None when an input can be none of these."""
+    None when an input can be none of these. Also whether ``limit`` turned a recomputation
+    down: when it did not, any larger limit gives the same answer."""
     lists = problem.lists()
     recomputable, is_source = lists.recomputable, lists.is_source
     preds = problem.preds
@@ -180,7 +182,9 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
         if keep_after_peak and earlier is not None and earlier[1] > k:
             plan.add("extended", p, earlier[1])
             return True
-        if recomputable[p] and p not in plan.failed and len(plan.chain) < limit:
+        if recomputable[p] and p not in plan.failed and len(plan.chain) >= limit:
+            plan.limited = True
+        elif recomputable[p] and p not in plan.failed:
             mark = plan.mark()
             plan.add("chain", p)
             if all(available(q) for q in preds[p]):
@@ -193,8 +197,8 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
         return False
 
     if at <= 0 or not all(available(p) for p in preds[root]):
-        return None
-    return plan
+        return None, plan.limited
+    return plan, plan.limited
 
 
 def _moves(problem: Problem, steps: list[Step], k: int, pinned: frozenset[int] = frozenset()) -> list[Move]:
@@ -242,8 +246,13 @@ def _moves(problem: Problem, steps: list[Step], k: int, pinned: frozenset[int] =
         base_cost = sum(cost[w] for w, _ in views) + sum(cost[u] for u, _, _ in helpers)
         base_cost += 0.0 if deferral else cost[v]
         seen: set[tuple] = set()
+        settled: set[bool] = set()  # ways whose answer no larger limit changes
         for limit, keep_after_peak in CHAIN_LIMITS:
-            plan = _resolve(problem, uses, v, b, freed, k, end, limit, keep_after_peak)
+            if keep_after_peak in settled:
+                continue
+            plan, limited = _resolve(problem, uses, v, b, freed, k, end, limit, keep_after_peak)
+            if not limited:
+                settled.add(keep_after_peak)
             if plan is None:
                 continue
             chain, extended, needs = sorted(plan.chain), sorted(plan.extended.items()), plan.needs
