@@ -1089,10 +1089,11 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
                 info["descent_stops"] = stops
         info["more_descents"] = fitting_descents
 
-    # The rest of the search time: pin what the best plan recomputes, repairing elsewhere.
+    # The rest of the search time, at most as long again as the solve so far (a quick answer
+    # stays quick): pin what the best plan recomputes, repairing elsewhere.
     if best_schedule is not None and time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        pinned = pin_search(problem, best_schedule, deadline)
+        pinned = pin_search(problem, best_schedule, min(deadline, t0 + (t0 - started)))
         if pinned is not best_schedule:
             before = best_cost
             best_schedule, best_cost = pinned, simulate(problem, pinned).time
