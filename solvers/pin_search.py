@@ -48,7 +48,6 @@ from .repair import add_recomputations
 from .schedule import Op, Schedule, ScheduleError, simulate
 
 
-
 def compute_sequence(problem: Problem, schedule: Schedule) -> list[int]:
     """The values ``schedule`` computes, in order (recomputations included)."""
     index = problem.index
@@ -110,16 +109,17 @@ def _moved(seq: list[int], key: tuple[int, int]) -> list[int]:
 
 def _try(problem: Problem, seq: list[int], pinned: int, deadline: float, max_cost: float
          ) -> Optional[tuple[Schedule, float]]:
+    """``seq`` made a fitting schedule (repaired with ``pinned`` kept, then polished) and its
+    time; None when it does not fit. The repair returns a schedule that fits unchanged, and the
+    polish one that does not."""
     try:
         schedule = schedule_from_sequence(problem, without_unread(problem, seq))
-        if not simulate(problem, schedule).fits:
-            schedule = add_recomputations(problem, schedule, deadline, frozenset([pinned]), max_cost)
-            if not simulate(problem, schedule).fits:
-                return None
+        schedule = add_recomputations(problem, schedule, deadline, frozenset([pinned]), max_cost)
         schedule = keep_recomputed(problem, schedule, deadline)
-        return schedule, simulate(problem, schedule).time
+        result = simulate(problem, schedule)
     except ScheduleError:
         return None
+    return (schedule, result.time) if result.fits else None
 
 
 def _local(problem: Problem, schedule: Schedule, schedule_time: float, deadline: float

@@ -139,7 +139,7 @@ def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math
     if not removed.any():
         return schedule
     kept = [s for s, gone in zip(steps, removed) if not gone]
-    kept = drop_unread(problem, kept)
+    kept = _drop_unread(problem, kept)
     try:
         after = simulate(problem, kept)
     except ScheduleError:
@@ -149,7 +149,7 @@ def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math
     return Schedule(tuple(kept))
 
 
-def drop_unread(problem: Problem, steps: list) -> list:
+def _drop_unread(problem: Problem, steps: list) -> list:
     """Delete recomputations that nothing reads before they are freed (with their frees); the
     first compute of a value and anything moved to the host stay."""
     index, preds, is_sink = problem.index, problem.preds, problem.is_sink

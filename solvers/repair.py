@@ -182,15 +182,16 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
         if keep_after_peak and earlier is not None and earlier[1] > k:
             plan.add("extended", p, earlier[1])
             return True
-        if recomputable[p] and p not in plan.failed and len(plan.chain) >= limit:
-            plan.limited = True
-        elif recomputable[p] and p not in plan.failed:
-            mark = plan.mark()
-            plan.add("chain", p)
-            if all(available(q) for q in preds[p]):
-                return True
-            plan.rollback(mark)
-            plan.failed.add(p)
+        if recomputable[p] and p not in plan.failed:
+            if len(plan.chain) >= limit:
+                plan.limited = True
+            else:
+                mark = plan.mark()
+                plan.add("chain", p)
+                if all(available(q) for q in preds[p]):
+                    return True
+                plan.rollback(mark)
+                plan.failed.add(p)
         if earlier is not None:
             plan.add("extended", p, earlier[1])
             return True
