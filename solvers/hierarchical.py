@@ -878,6 +878,26 @@ def keep_again(planner: DropPlanner, best: Evaluation, budget: int, deadline: fl
 
 
 # ------------------------------------------------------------------- method
+@dataclass
+class _Incumbent:
+    """The fastest fitting plan found so far, and the fastest without host transfers (where
+    `pin_search` starts: it moves recomputations, not copies)."""
+
+    schedule: Optional[Schedule] = None
+    time: float = math.inf
+    label: Optional[str] = None
+    remat: Optional[tuple[Schedule, float, str]] = None
+
+    def offer(self, schedule: Schedule, step_time: float, label: str) -> bool:
+        """Keep ``schedule`` (which fits) if it is faster; True when it is the best plan now."""
+        if not schedule.has_transfers() and (self.remat is None or step_time < self.remat[1]):
+            self.remat = (schedule, step_time, label)
+        if step_time < self.time:
+            self.schedule, self.time, self.label = schedule, step_time, label
+            return True
+        return False
+
+
 def _descent(problem: Problem, schedule: Schedule, end: float, stops: tuple[float, ...] = DESCENT
              ) -> Optional[tuple[Schedule, float]]:
     """``schedule`` recomputed down to the budget through ``stops`` (`repair.recompute_down`),
@@ -939,18 +959,16 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             return finish(problem, quick[-1].schedule, "hierarchical", started, lower_bound=problem.total_cost(),
                           info=info)
     fitting = [s for s in quick if s.fits]
-    best_schedule, best_cost, chosen = None, math.inf, None
-    if fitting:
-        top = min(fitting, key=lambda s: s.objective)
-        best_schedule, best_cost, chosen = top.schedule, top.objective, top.method
-    info["baseline_cost"] = best_cost
+    best = _Incumbent()
+    for s in fitting:
+        best.offer(s.schedule, s.objective, s.method)
+    info["baseline_cost"] = best.time
     # Each baseline polished (milliseconds): the ranking can change once their models' slack is used.
     for s in fitting:
         polished = keep_recomputed(problem, s.schedule, started + 0.2 * limit)
         if polished is not s.schedule:
             result = simulate(problem, polished)
-            if result.time < best_cost:
-                best_schedule, best_cost, chosen = polished, result.time, s.method + " (polished)"
+            best.offer(polished, result.time, s.method + " (polished)")
     # Store-all recomputed down to the budget in steps (a second or so), then polished: often
     # the best plan on CNNs and U-Nets (unet 50%: 1.1597 of total cost, rotor 1.1846).
     store_all = next((s for s in quick if s.method == "store_all"), None)
@@ -958,9 +976,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         found = _descent(problem, store_all.schedule, started + DESCENT_END * limit)
         if found is not None:
             info["descent"] = found[1]
-            if found[1] < best_cost:
-                best_schedule, best_cost, chosen = found[0], found[1], "store_all (recomputed down)"
-    info["baseline_polished"] = best_cost
+            best.offer(*found, "store_all (recomputed down)")
+    info["baseline_polished"] = best.time
 
     t0 = time.perf_counter()
     c = coarsen(problem)
@@ -1013,8 +1030,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             if time.perf_counter() >= deadline:
                 break
             found = keep_again(planner, found, budget, deadline, log)
-            if found.time < best_cost:
-                best_schedule, best_cost, chosen = found.schedule, found.time, "drop_ilp"
+            if best.offer(found.schedule, found.time, "drop_ilp"):
                 info["variant"] = label
                 info["keep_again_step_time"] = found.time
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
@@ -1029,8 +1045,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         try:
             sol = solve_exhaustive(problem, remaining)
             info["exact"] = sol.status
-            if sol.fits and sol.objective < best_cost:
-                best_schedule, best_cost, chosen = sol.schedule, sol.objective, "exhaustive"
+            if sol.fits:
+                best.offer(sol.schedule, sol.objective, "exhaustive")
             if sol.fits and sol.lower_bound is not None:
                 exact_bound = sol.lower_bound
         except MethodFailed:
@@ -1042,8 +1058,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         schedule = sol.schedule if on_fine else c.fine_schedule_of(sol.schedule)
         result = simulate(problem, schedule)
         info["checkmate"] = {"graph": "fine" if on_fine else "coarse", "status": sol.status, "cost": result.cost}
-        if result.fits and result.time < best_cost:
-            best_schedule, best_cost, chosen = schedule, result.time, "checkmate_" + ("fine" if on_fine else "coarse")
+        if result.fits:
+            best.offer(schedule, result.time, "checkmate_" + ("fine" if on_fine else "coarse"))
 
     # Plans over the budget that cost less than the best fitting one (rotor's chain model and the
     # drop ILP miss tight budgets, often by little): repaired by recomputation, then polished.
@@ -1052,18 +1068,18 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         over.append((log.closest.peak, log.closest.time, log.closest.schedule, "drop_ilp (closest)"))
     if log.floored is not None and log.floored is not log.closest:
         over.append((log.floored.peak, log.floored.time, log.floored.schedule, "drop_ilp (floored)"))
-    over = [e for e in sorted(over, key=lambda e: e[:2]) if e[1] < best_cost]  # nearest the budget first
+    over = [e for e in sorted(over, key=lambda e: e[:2]) if e[1] < best.time]  # nearest the budget first
     repairs = []
     repair_end = started + REPAIR_END * limit
     for i, (_, cost, schedule, label) in enumerate(over):
         now = time.perf_counter()
-        if cost >= best_cost or now >= repair_end:
+        if cost >= best.time or now >= repair_end:
             continue
         fixed = add_recomputations(problem, schedule, now + (repair_end - now) / (len(over) - i))
         result = simulate(problem, fixed)
         repairs.append({"from": label, "fits": result.fits, "time": result.time})
-        if result.fits and result.time < best_cost:
-            best_schedule, best_cost, chosen = fixed, result.time, label + " (repaired)"
+        if result.fits:
+            best.offer(fixed, result.time, label + " (repaired)")
     if repairs:
         info["repairs"] = repairs
 
@@ -1071,7 +1087,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     # where it ends depends much on the stops (unet 30%: 1.56 to 2.05 of total cost over 40 stop
     # sets), so more descents are a cheap search; seeded, so a run is reproducible. They take at
     # most as long again as the solve so far: a quick answer stays quick.
-    if store_all is not None and best_schedule is not None:
+    if store_all is not None and best.schedule is not None:
         rng = random.Random(0)
         fitting_descents = 0
         now = time.perf_counter()
@@ -1084,22 +1100,24 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             if found is None:
                 continue
             fitting_descents += 1
-            if found[1] < best_cost:
-                best_schedule, best_cost, chosen = found[0], found[1], "store_all (recomputed down, other stops)"
+            if best.offer(*found, "store_all (recomputed down, other stops)"):
                 info["descent_stops"] = stops
         info["more_descents"] = fitting_descents
 
-    # The rest of the search time, at most as long again as the solve so far (a quick answer
-    # stays quick): pin what the best plan recomputes, repairing elsewhere.
-    if best_schedule is not None and time.perf_counter() < deadline:
+    # The rest of the search time: pin what the best plan recomputes, repairing elsewhere. It
+    # stops once it has gone as long as the solve so far without finding a faster plan: a quick
+    # answer stays quick, and a long time limit buys more search where it keeps paying.
+    # With a host link it starts from the fastest plan without copies, which may then win.
+    if best.remat is not None and time.perf_counter() < deadline:
         t0 = time.perf_counter()
-        pinned = pin_search(problem, best_schedule, min(deadline, t0 + (t0 - started)))
-        if pinned is not best_schedule:
-            before = best_cost
-            best_schedule, best_cost = pinned, simulate(problem, pinned).time
-            info["pin_search"] = {"before": before, "after": best_cost, "time": round(time.perf_counter() - t0, 3)}
-            chosen = f"{chosen} (pinned)"
+        start, start_time, start_label = best.remat
+        pinned = pin_search(problem, start, deadline, patience=t0 - started)
+        if pinned is not start:
+            after = simulate(problem, pinned).time
+            info["pin_search"] = {"before": start_time, "after": after, "time": round(time.perf_counter() - t0, 3)}
+            best.offer(pinned, after, f"{start_label} (pinned)")
 
+    best_schedule, best_cost, chosen = best.schedule, best.time, best.label
     if best_schedule is None:
         # Nothing fits yet: the other constructive baselines if time allows, then the lowest peak.
         pool: list[tuple[int, float, Schedule, str]] = [(s.peak, s.cost, s.schedule, s.method) for s in quick]

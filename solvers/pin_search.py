@@ -122,18 +122,37 @@ def _try(problem: Problem, seq: list[int], pinned: int, deadline: float, max_cos
     return (schedule, result.time) if result.fits else None
 
 
-def _local(problem: Problem, schedule: Schedule, schedule_time: float, deadline: float
+class _Clock:
+    """When the search stops: at ``deadline``, or once ``patience`` seconds have passed without a
+    plan faster than the best so far (a quick answer stays quick, a search that keeps finding
+    better plans goes on)."""
+
+    def __init__(self, deadline: float, patience: float, best_time: float) -> None:
+        self.deadline, self.patience, self.best_time = deadline, patience, best_time
+        self.last = time.perf_counter()
+
+    def improved(self, found_time: float) -> None:
+        if found_time < self.best_time * (1 - 1e-9):
+            self.best_time, self.last = found_time, time.perf_counter()
+
+    def stopped(self) -> bool:
+        now = time.perf_counter()
+        return now >= self.deadline or now - self.last >= self.patience
+
+
+def _local(problem: Problem, schedule: Schedule, schedule_time: float, clock: _Clock
            ) -> tuple[Schedule, float]:
     """First-improvement descent from ``schedule`` (which fits) to a schedule no move improves,
-    or the best one reached by ``deadline``."""
+    or the best one reached when ``clock`` stops."""
     best, best_time = schedule, schedule_time
     tried: set[tuple[int, int]] = set()  # moves that did not help (on some earlier schedule)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    deadline = clock.deadline
+    while improved and not clock.stopped():
         improved = False
         seq = compute_sequence(problem, best)
         for key in _moves(problem, seq, tried):
-            if time.perf_counter() >= deadline:
+            if clock.stopped():
                 break
             tried.add(key)
             # A repair that already costs more than the best plan is abandoned (the polish after
@@ -141,16 +160,19 @@ def _local(problem: Problem, schedule: Schedule, schedule_time: float, deadline:
             found = _try(problem, _moved(seq, key), key[0], deadline, best_time)
             if found is not None and found[1] < best_time * (1 - 1e-9):
                 best, best_time = found
+                clock.improved(best_time)
                 improved = True
                 break
     return best, best_time
 
 
 def pin_search(problem: Problem, schedule: Schedule, deadline: float = math.inf, kicks: Optional[int] = None,
-               seed: int = 0) -> Schedule:
+               seed: int = 0, patience: float = math.inf) -> Schedule:
     """A schedule that fits and is at least as fast as ``schedule`` (which must fit; one with
     host transfers, or that does not fit, comes back unchanged). After the first local optimum
-    the search is kicked ``kicks`` times (None: until ``deadline``, never without one)."""
+    the search is kicked ``kicks`` times (None: until it stops; never when neither ``deadline``
+    nor ``patience`` is finite). It stops at ``deadline``, or after ``patience`` seconds without
+    a faster plan."""
     if schedule.has_transfers():
         return schedule
     try:
@@ -159,10 +181,11 @@ def pin_search(problem: Problem, schedule: Schedule, deadline: float = math.inf,
         return schedule
     if not result.fits:
         return schedule
-    best, best_time = _local(problem, schedule, result.time, deadline)
+    clock = _Clock(deadline, patience, result.time)
+    best, best_time = _local(problem, schedule, result.time, clock)
     rng = random.Random(seed)
-    left = (math.inf if math.isfinite(deadline) else 0) if kicks is None else kicks
-    while left > 0 and time.perf_counter() < deadline:
+    left = (math.inf if math.isfinite(min(deadline, patience)) else 0) if kicks is None else kicks
+    while left > 0 and not clock.stopped():
         left -= 1
         seq = compute_sequence(problem, best)
         keys = _moves(problem, seq, set())
@@ -172,7 +195,7 @@ def pin_search(problem: Problem, schedule: Schedule, deadline: float = math.inf,
         kicked = _try(problem, _moved(seq, key), key[0], deadline, math.inf)
         if kicked is None:
             continue
-        found, found_time = _local(problem, *kicked, deadline)
+        found, found_time = _local(problem, *kicked, clock)
         if found_time < best_time * (1 - 1e-9):
             best, best_time = found, found_time
     return best

@@ -14,8 +14,10 @@ from solvers.bounds import min_budget, store_all_peak
 from solvers.coarsen import coarsen
 from solvers.exhaustive import solve_exhaustive
 from solvers.generators import layered, random_dag, training_like
-from solvers.hierarchical import CoverModel, DropPlanner, _floor_stages, candidates, pagings, solve_hierarchical
+from solvers.hierarchical import (CoverModel, DropPlanner, _floor_stages, _Incumbent, candidates, pagings,
+                                  solve_hierarchical)
 from solvers.memory import memory_of
+from solvers.schedule import Op, Schedule, Step
 
 from .helpers import graph
 
@@ -204,3 +206,14 @@ def test_floor_stages_are_the_peaks_no_drop_can_lower():
     assert floors == {stage["q"]: 47, stage["s"]: 47}
     # Over a limit of 47 only p's stage is left, where a and b sit idle: not a floor.
     assert _floor_stages(planner, keep_all, by_group, np.full(c.coarse.n, 47)) == {}
+
+
+def test_the_incumbent_keeps_the_fastest_plan_and_the_fastest_without_copies():
+    remat = Schedule((Step(Op.COMPUTE, "a"),))
+    paged = Schedule((Step(Op.COMPUTE, "a"), Step(Op.OFFLOAD, "a")))
+    best = _Incumbent()
+    assert best.offer(remat, 2.0, "remat")
+    assert best.offer(paged, 1.0, "paged")  # faster, with a copy: the best plan, not pin_search's start
+    assert not best.offer(remat, 1.5, "slower remat")
+    assert (best.schedule, best.time, best.label) == (paged, 1.0, "paged")
+    assert best.remat == (remat, 1.5, "slower remat")

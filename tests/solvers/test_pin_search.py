@@ -74,3 +74,16 @@ def test_kicks_go_on_past_the_local_optimum_and_never_lose_it():
             checked += 1
             improved += kicked.cost < local.cost * (1 - 1e-9)
     assert checked >= 5 and improved >= 2  # 6 and 3 when written
+
+
+def test_patience_stops_the_search_only_while_it_finds_nothing():
+    p0 = Problem.from_networkx(training(unet(3, seed=3), 3), 10**12)
+    p = p0.with_budget(int(store_all_peak(p0) * 0.6))
+    start = recompute_down(p, METHODS["store_all"](p, None).schedule)
+    before = simulate(p, start)
+    assert before.fits
+    assert pin_search(p, start, patience=0.0) is start  # no time at all without a faster plan
+    # Every improvement restarts the wait: with an hour of patience the search runs to its end,
+    # the same local optimum as without a clock (first improvement, same order: deterministic).
+    patient = validate(p, pin_search(p, start, kicks=0, patience=3600.0))
+    assert patient.cost == simulate(p, pin_search(p, start, kicks=0)).cost < before.cost
