@@ -100,6 +100,9 @@ VARIANTS = ((1 / 100, False), (1 / 50, False), (1 / 50, True), (1 / 25, False), 
             (1 / 200, False), (1 / 12, False), (1 / 200, True), (1 / 12, True), (1 / 400, False), (1 / 400, True))
 FIRST_SHARE = 2 / 3  # of the search window for the first variant
 POLISHED = 3  # best plans (of different variants) polished by keep_again, time permitting
+# keep_again takes back at most about half of a plan's cost (unet 30%: 6.43 -> 2.91 of the total,
+# 3.30 -> 2.73): a drop plan more than this many times slower than the best plan is not polished.
+KEEP_AGAIN_REACH = 2.0
 SEARCH_SHARE = 0.6  # of the time limit for the drop searches; the rest polishes the best plan
 SEARCH_END = 0.7  # when nothing fits, the drop searches go on until this share of the time limit
 REPAIR_END = 0.9  # repairs of cheaper plans over the budget end by this share
@@ -946,6 +949,10 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     deadline = started + 0.85 * limit  # leave room for the final simulation and the bound
     info: dict[str, Any] = {}
     budget = problem.budget
+    clock: dict[str, float] = {}  # phase -> seconds since the start when it ended (where the time went)
+
+    def lap(phase: str) -> None:
+        clock[phase] = round(time.perf_counter() - started, 3)
 
     # Fast baselines first: a schedule to return whatever happens next.
     quick: list[Solution] = []
@@ -958,6 +965,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             info["chosen"] = "store_all"
             return finish(problem, quick[-1].schedule, "hierarchical", started, lower_bound=problem.total_cost(),
                           info=info)
+    lap("baselines")
     fitting = [s for s in quick if s.fits]
     best = _Incumbent()
     for s in fitting:
@@ -978,6 +986,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             info["descent"] = found[1]
             best.offer(*found, "store_all (recomputed down)")
     info["baseline_polished"] = best.time
+    lap("descent")
 
     t0 = time.perf_counter()
     c = coarsen(problem)
@@ -1021,19 +1030,21 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         if found is not None:
             results.append((planner, found, label))
     info["variants"] = tried
+    lap("drop_search")
     info["ilp_time"] = round(time.perf_counter() - t0, 3)
     if results:
         results.sort(key=lambda r: r[1].time)
         info["ilp_time_found"] = results[0][1].time
         t0 = time.perf_counter()
         for planner, found, label in results[:POLISHED]:
-            if time.perf_counter() >= deadline:
+            if time.perf_counter() >= deadline or found.time > KEEP_AGAIN_REACH * best.time:
                 break
             found = keep_again(planner, found, budget, deadline, log)
             if best.offer(found.schedule, found.time, "drop_ilp"):
                 info["variant"] = label
                 info["keep_again_step_time"] = found.time
         info["keep_again_time"] = round(time.perf_counter() - t0, 3)
+        lap("keep_again")
     info.update(rounds=log.rounds, ilp_solves=log.ilp_solves, simulations=log.simulations)
 
     # Small graphs: the exact search, or Checkmate on the fine or coarse graph, with the time left.
@@ -1082,6 +1093,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             best.offer(fixed, result.time, label + " (repaired)")
     if repairs:
         info["repairs"] = repairs
+    lap("exact_and_repairs")
 
     # Time left: store-all recomputed down through other stops. The stepwise repair is greedy and
     # where it ends depends much on the stops (unet 30%: 1.56 to 2.05 of total cost over 40 stop
@@ -1103,6 +1115,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             if best.offer(*found, "store_all (recomputed down, other stops)"):
                 info["descent_stops"] = stops
         info["more_descents"] = fitting_descents
+        lap("more_descents")
 
     # The rest of the search time: pin what the best plan recomputes, repairing elsewhere. It
     # stops once it has gone as long as the solve so far without finding a faster plan: a quick
@@ -1116,6 +1129,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             after = simulate(problem, pinned).time
             info["pin_search"] = {"before": start_time, "after": after, "time": round(time.perf_counter() - t0, 3)}
             best.offer(pinned, after, f"{start_label} (pinned)")
+        lap("pin_search")
 
     best_schedule, best_cost, chosen = best.schedule, best.time, best.label
     if best_schedule is None:
@@ -1146,6 +1160,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     t0 = time.perf_counter()
     bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, started + BOUND_END * limit - time.perf_counter())))
     info["bound_time"] = round(time.perf_counter() - t0, 3)
+    lap("bound")
+    info["clock"] = clock
     if exact_bound > bound:
         bound, bound_source = exact_bound, "exhaustive"
     cost = simulate(problem, best_schedule).cost
