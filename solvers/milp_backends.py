@@ -10,11 +10,15 @@ coefficients; the formulation is responsible for scaling (see
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import math
 import os
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 from ortools.math_opt.python import mathopt
@@ -34,6 +38,75 @@ LINEARIZATION_LEVEL = 1  # CP-SAT default; 2 (full LP) did not help on Checkmate
 
 def default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
+
+
+# A debugging print left in HiGHS 1.12 (bundled with OR-Tools 9.15): it goes to the process's
+# standard output whatever the solver's output settings (ERGO-Code/HiGHS#2783), a dozen times in
+# a solve that repairs its incumbents. `_without_stray_prints` drops it and passes the rest on.
+STRAY_PRINTS = (b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n",)
+NATIVE_STDOUT = 1  # the descriptor native code prints to, whatever ``sys.stdout`` is
+_FILTERING = threading.Lock()  # one solve at a time swaps the descriptor
+
+
+def _flush_native_stdout() -> None:
+    """Flush the C library's stdout buffer (a native print sits there until flushed)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to load by that name (not POSIX)
+        pass
+
+
+@contextlib.contextmanager
+def _without_stray_prints() -> Iterator[None]:
+    """While the block runs, the process's standard output (`NATIVE_STDOUT`) is a pipe whose
+    reader passes everything on except `STRAY_PRINTS`; Python's own writes (a progress bar
+    redrawn by another thread) go through the same pipe, in order. Does nothing when there is no
+    standard output, or while a solve in another thread filters."""
+    try:
+        os.fstat(NATIVE_STDOUT)
+    except OSError:
+        yield
+        return
+    if not _FILTERING.acquire(blocking=False):
+        yield
+        return
+    try:
+        with _filtered(NATIVE_STDOUT):
+            yield
+    finally:
+        _FILTERING.release()
+
+
+@contextlib.contextmanager
+def _filtered(fd: int) -> Iterator[None]:
+    """Descriptor ``fd`` through a pipe and a reader thread that drops `STRAY_PRINTS`."""
+    with contextlib.suppress(ValueError, OSError):  # sys.stdout may be closed or replaced
+        sys.stdout.flush()
+    _flush_native_stdout()
+    saved = os.dup(fd)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, fd)
+    os.close(write_end)
+
+    def forward() -> None:
+        while chunk := os.read(read_end, 1 << 16):
+            for stray in STRAY_PRINTS:
+                chunk = chunk.replace(stray, b"")
+            if chunk:
+                os.write(saved, chunk)
+
+    reader = threading.Thread(target=forward, name="stray-print-filter", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError, OSError):
+            sys.stdout.flush()
+        _flush_native_stdout()
+        os.dup2(saved, fd)  # closes the pipe's last write end: the reader sees its end
+        reader.join()
+        os.close(read_end)
+        os.close(saved)
 
 
 ONE, ZERO = -1, -2  # constant operands of `Builder.add_folded` rows (variable handles are >= 0)
@@ -230,7 +303,8 @@ class MathOptBuilder(Builder):
         hints = [mathopt.SolutionHint(variable_values={variables[i]: float(x) for i, x in h.items()})
                  for h in self.hints]
         model_params = mathopt.ModelSolveParameters(solution_hints=hints) if hints else None
-        result = mathopt.solve(model, self.solver_type, params=params, model_params=model_params)
+        with _without_stray_prints():
+            result = mathopt.solve(model, self.solver_type, params=params, model_params=model_params)
         reason = result.termination.reason
         TR = mathopt.TerminationReason
         if reason in (TR.NUMERICAL_ERROR, TR.OTHER_ERROR, TR.IMPRECISE):
