@@ -80,7 +80,7 @@ def _without_stray_prints() -> Iterator[None]:
 @contextlib.contextmanager
 def _filtered(fd: int) -> Iterator[None]:
     """Descriptor ``fd`` through a pipe and a reader thread that drops `STRAY_PRINTS`."""
-    with contextlib.suppress(ValueError, OSError):  # sys.stdout may be closed or replaced
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # sys.stdout may be None or closed
         sys.stdout.flush()
     _flush_native_stdout()
     saved = os.dup(fd)
@@ -100,7 +100,7 @@ def _filtered(fd: int) -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(ValueError, OSError):
+        with contextlib.suppress(AttributeError, ValueError, OSError):
             sys.stdout.flush()
         _flush_native_stdout()
         os.dup2(saved, fd)  # closes the pipe's last write end: the reader sees its end
