@@ -175,10 +175,10 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
     def available(p: int) -> bool:
         if is_source[p] or plan.has(p):
             return True
-        earlier = uses.latest(p, at - 1, end) if p not in gone else None
-        if earlier is not None and at - 1 < earlier[1]:
+        if p not in gone and uses.interval(p, at - 1, end) is not None:
             plan.add("needs", p)  # resident right before the remake
             return True
+        earlier = uses.latest(p, at - 1, end) if p not in gone else None
         if keep_after_peak and earlier is not None and earlier[1] > k:
             plan.add("extended", p, earlier[1])
             return True
@@ -188,10 +188,7 @@ def _resolve(problem: Problem, uses: Uses, root: int, at: int, gone: frozenset[i
             else:
                 mark = plan.mark()
                 plan.add("chain", p)
-                for q in preds[p]:
-                    if not available(q):
-                        break
-                else:
+                if all(available(q) for q in preds[p]):
                     return True
                 plan.rollback(mark)
                 plan.failed.add(p)
