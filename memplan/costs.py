@@ -113,6 +113,26 @@ def storage_nbytes(t: torch.Tensor, granularity: int = 1) -> int:
     return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
 
 
+_aten = torch.ops.aten
+# ATen's functional copy and scatter ops keep `self`'s strides by cloning all of its storage
+# (clone_preserve_strides): the output is as large as that storage, however little of it
+# `self` covers. Fake tensors may report only the bytes the strides reach.
+_CLONE_SELF_STORAGE = {_aten.copy.default, _aten.slice_scatter.default, _aten.select_scatter.default,
+                       _aten.diagonal_scatter.default, _aten.as_strided_scatter.default}
+
+
+def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
+    """Bytes the real kernel allocates for ``node``'s new storage holding ``t``."""
+    n = storage_nbytes(t, granularity)
+    if node.target in _CLONE_SELF_STORAGE and node.args and isinstance(node.args[0], fx.Node):
+        base = node.args[0].meta.get("val")
+        # A self with internal overlap (a broadcast) is cloned densely instead.
+        overlaps = isinstance(base, torch.Tensor) and any(st == 0 and sz > 1 for st, sz in zip(base.stride(), base.shape))
+        if isinstance(base, torch.Tensor) and not overlaps:
+            n = max(n, storage_nbytes(base, granularity))
+    return n
+
+
 def value_device(node: fx.Node) -> torch.device:
     """The device of a node's (first) tensor value; CPU for nodes without one."""
     tensors = _tensors(node.meta.get("val"))
@@ -161,7 +181,7 @@ def annotate(
                 continue
             keys.append(key)
             if key not in storage_bytes:
-                storage_bytes[key] = storage_nbytes(t, gran)
+                storage_bytes[key] = _allocated_nbytes(node, t, gran)
                 owner_of[key] = node.name
                 new_bytes += storage_bytes[key]
         alias_of = None

@@ -120,10 +120,13 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
     rng_of: dict[str, str] = {}
     by_name = {n.name: n for n in gm.graph.nodes}
 
-    def add_value(name: str, *, mem: int, cost: float, recomputable: bool, preds: list[str], alias_of: str | None):
+    def add_value(name: str, *, mem: int, cost: float, recomputable: bool, preds: list[str], alias_of: str | None,
+                  same_storage: bool = False):
         attrs = dict(mem=int(mem), cost=float(cost), recomputable=recomputable)
         if alias_of is not None:
             attrs["alias_of"] = alias_of
+            if same_storage:
+                attrs["same_storage"] = True
         G.add_node(name, **attrs)
         for p in preds:
             G.add_edge(p, name)
@@ -141,7 +144,8 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             nbytes = costs.values[t.name].nbytes
             add_value(t.name, mem=nbytes, cost=0.0, recomputable=False, preds=[BACKWARD], alias_of=BACKWARD)
             # autograd holds the output gradients it passes to backward() until backward returns
-            add_value(t.name + USER_SUFFIX, mem=nbytes, cost=0.0, recomputable=False, preds=[t.name], alias_of=t.name)
+            add_value(t.name + USER_SUFFIX, mem=nbytes, cost=0.0, recomputable=False, preds=[t.name], alias_of=t.name,
+                      same_storage=True)
 
     for node in primal_nodes:
         add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
@@ -172,10 +176,14 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             recomputable=True,
             preds=preds,
             alias_of=value_name(by_name[vc.alias_of]) if vc.alias_of is not None else None,
+            # A view of all its base's storage (not one output of a multi-output op):
+            # its siblings from the same base share those bytes.
+            same_storage=vc.alias_of is not None and set(vc.storages) == set(costs.values[vc.alias_of].storages),
         )
         fx_map[node.name] = node
         if node.name in user_outputs:
-            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name], alias_of=node.name)
+            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name],
+                      alias_of=node.name, same_storage=True)
     if not barrier_added:
         add_backward_barrier()
     for t in tangent_nodes:

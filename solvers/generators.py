@@ -4,7 +4,9 @@ Every generator returns an ``nx.DiGraph`` whose nodes are inserted in a
 topological order and carry ``mem`` (int) and ``cost`` (float); sources are
 the inputs (and, for training-like graphs, the parameters). Options add
 non-recomputable values (``nonrecomputable_prob``) and views
-(``view_prob``: a node that reads one value and aliases it).
+(``view_prob``: a node that reads one value and aliases it), of which a
+share (``same_storage_prob``) hold their base's whole storage, as the
+outputs of ``unbind`` or ``split`` do (same ``mem``, marked ``same_storage``).
 """
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ class _Builder:
     """Adds nodes with random sizes and costs; names are consecutive ints."""
 
     def __init__(self, seed: int, mem_range: tuple[int, int] = (1, 10), cost_range: tuple[float, float] = (0.5, 2.0),
-                 nonrecomputable_prob: float = 0.0) -> None:
+                 nonrecomputable_prob: float = 0.0, same_storage_prob: float = 0.0) -> None:
         self.rng = random.Random(seed)
         self.G = nx.DiGraph()
         self.mem_range, self.cost_range = mem_range, cost_range
         self.nonrecomputable_prob = nonrecomputable_prob
+        self.same_storage_prob = same_storage_prob
 
     def source(self, mem: Optional[int] = None) -> int:
         v = self.G.number_of_nodes()
@@ -30,7 +33,7 @@ class _Builder:
         return v
 
     def node(self, preds: list[int], mem: Optional[int] = None, cost: Optional[float] = None,
-             alias_of: Optional[int] = None) -> int:
+             alias_of: Optional[int] = None, same_storage: Optional[bool] = None) -> int:
         rng = self.rng
         v = self.G.number_of_nodes()
         attrs = {
@@ -39,6 +42,10 @@ class _Builder:
         }
         if alias_of is not None:
             attrs["alias_of"] = alias_of
+            if same_storage is None:
+                same_storage = bool(self.same_storage_prob) and rng.random() < self.same_storage_prob
+            if same_storage:
+                attrs.update(mem=self.G.nodes[alias_of]["mem"], same_storage=True)
         elif self.nonrecomputable_prob and rng.random() < self.nonrecomputable_prob:
             attrs["recomputable"] = False
         self.G.add_node(v, **attrs)
@@ -82,6 +89,11 @@ def random_dag(n: int, seed: int = 0, n_sources: int = 1, edge_prob: float = 0.3
         if view_prob and len(preds) == 1 and rng.random() < view_prob:
             (a,) = preds
             v = b.node([a], mem=rng.randint(1, max(1, b.G.nodes[a]["mem"])), cost=0.01, alias_of=a)
+            if b.G.nodes[v].get("same_storage") and made + 1 < n:
+                # a split: the next value is another piece of the same storage
+                nodes.append(v)
+                made += 1
+                v = b.node([a], mem=b.G.nodes[a]["mem"], cost=0.01, alias_of=a, same_storage=True)
         else:
             v = b.node(sorted(preds))
         nodes.append(v)

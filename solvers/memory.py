@@ -5,7 +5,11 @@ A value ``v`` with ``alias_of = a`` lives inside ``a``'s storage: it adds no
 memory while any value on its alias chain (``a``, ``alias_of(a)``, ...) is
 resident, and counts its own ``mem`` when none is. Values linked by
 ``alias_of`` form trees ("alias trees"); the memory of a tree is the sum of
-``mem`` over its resident members that have no resident alias ancestor.
+``mem`` over its resident members that have no resident alias ancestor, except
+that members holding one and the same storage count it once: a view marked
+``same_storage`` holds its parent's whole storage, so sibling views made from
+one instance (the outputs of ``unbind`` or ``split`` after the parent is
+freed) are one storage, not one each.
 
 "The same storage" means the same *instance*: computing (or prefetching) a
 value that owns its storage again makes a new storage, so a view made from an
@@ -49,6 +53,14 @@ class AliasTrees:
         for ms in self.members.values():
             self.in_tree[list(ms)] = True
         self.in_tree_list: list[bool] = self.in_tree.tolist()
+        # storage[v]: the topmost member whose storage v holds whole (v itself unless
+        # same_storage). Two members with one storage and one instance are one storage.
+        storage = list(range(n))
+        same = problem.same_storage
+        for v in np.flatnonzero(same).tolist():  # parents precede children
+            storage[v] = storage[int(alias_of[v])]
+        self.storage = storage
+        self.shared_roots = {int(root[v]) for v in np.flatnonzero(same).tolist()}
 
 
 def alias_trees(problem: Problem) -> AliasTrees:
@@ -94,11 +106,20 @@ class Residency:
         instance = self._instance
         covered: dict[int, bool] = {}
         total = 0
+        # Storages already counted, as (whole-storage member, instance); only trees with
+        # same_storage views can count one storage from two members.
+        counted = set() if r in self._trees.shared_roots else None
+        storage = self._trees.storage
         for v in self._trees.members[r]:
             a = int(alias_of[v])
             cov = a >= 0 and instance[v] == instance[a] and bool(resident[a] or covered[a])
             covered[v] = cov
             if resident[v] and not cov:
+                if counted is not None:
+                    key = (storage[v], instance[v])
+                    if key in counted:
+                        continue
+                    counted.add(key)
                 total += mem[v]
         return total
 
@@ -106,7 +127,12 @@ class Residency:
         self.resident[v] = value
         if value:
             a = self._alias_of[v]
-            if a >= 0 and self._instance[a]:
+            if a >= 0:
+                if not self._instance[a]:
+                    # Only a set given outright (no schedule made it) holds a view whose base
+                    # was never added: its views are taken to come from one instance of it.
+                    self._instances_made += 1
+                    self._instance[a] = self._instances_made
                 self._instance[v] = self._instance[a]  # a view lives in its base's current storage
             else:
                 self._instances_made += 1

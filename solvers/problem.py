@@ -10,6 +10,11 @@ and the constructive baselines stay linear in the graph size:
   ``alias_of[i]`` (index of the predecessor whose storage it lives in, or -1)
   and ``offloadable[i]`` (False: may not be copied to the host, e.g. a
   bookkeeping value with no tensor behind it; default True);
+* ``same_storage[i]`` (default False) says that view ``i`` holds all of its
+  alias parent's storage and nothing else (``mem`` equal): views made from one
+  instance of a storage then count its bytes once (``unbind``/``split``/
+  ``chunk`` outputs kept after their parent is freed). False means the view
+  may hold a part (one output of a multi-output op) and counts on its own;
 * sources (no predecessors) are inputs, resident for the whole schedule;
 * sinks (no successors) must be resident when the schedule ends.
 
@@ -55,6 +60,7 @@ class Problem:
     host_bandwidth: float = 0.0  # bytes per time unit each way; 0: no host link, no offload
     host_capacity: Optional[int] = None  # bytes of host memory for offloaded values; None: unlimited
     offloadable: Optional[np.ndarray] = None  # bool; None: every value (sources and views never are)
+    same_storage: Optional[np.ndarray] = None  # bool; None: no view is known to hold its parent's whole storage
     # Derived in __post_init__; never passed by callers.
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     index: dict[Hashable, int] = field(init=False, repr=False)
@@ -72,8 +78,9 @@ class Problem:
         recomputable = np.asarray(self.recomputable, dtype=bool)
         alias_of = np.asarray(self.alias_of, dtype=np.int64)
         offloadable = np.ones(n, dtype=bool) if self.offloadable is None else np.asarray(self.offloadable, dtype=bool)
+        same_storage = np.zeros(n, dtype=bool) if self.same_storage is None else np.asarray(self.same_storage, dtype=bool)
         for name, arr in (("mem", mem), ("cost", cost), ("recomputable", recomputable), ("alias_of", alias_of),
-                          ("offloadable", offloadable)):
+                          ("offloadable", offloadable), ("same_storage", same_storage)):
             if arr.shape != (n,):
                 raise ValueError(f"{name} has shape {arr.shape}, expected ({n},)")
         if len(self.preds) != n:
@@ -99,6 +106,8 @@ class Problem:
             a = int(alias_of[v])
             if a != -1 and a not in ps:
                 raise ValueError(f"node {self.names[v]!r}: alias_of must be one of its predecessors")
+            if same_storage[v] and (a == -1 or mem[v] != mem[a]):
+                raise ValueError(f"node {self.names[v]!r}: same_storage needs alias_of and the alias parent's mem")
         index = {name: i for i, name in enumerate(self.names)}
         if len(index) != n:
             raise ValueError("node names must be unique")
@@ -106,7 +115,7 @@ class Problem:
         is_sink = np.array([len(s) == 0 for s in succs], dtype=bool)
         # Frozen dataclass: normalised arrays and derived views go in via object.__setattr__.
         offloadable = offloadable & ~is_source & (alias_of < 0)  # the simulator's rule, in one array
-        for arr in (mem, cost, recomputable, alias_of, offloadable, is_source, is_sink):
+        for arr in (mem, cost, recomputable, alias_of, offloadable, same_storage, is_source, is_sink):
             arr.setflags(write=False)
         setattr_ = object.__setattr__
         setattr_(self, "names", tuple(self.names))
@@ -116,6 +125,7 @@ class Problem:
         setattr_(self, "recomputable", recomputable)
         setattr_(self, "alias_of", alias_of)
         setattr_(self, "offloadable", offloadable)
+        setattr_(self, "same_storage", same_storage)
         setattr_(self, "budget", int(self.budget))
         setattr_(self, "host_bandwidth", float(self.host_bandwidth))
         setattr_(self, "host_capacity", None if self.host_capacity is None else int(self.host_capacity))
@@ -152,7 +162,7 @@ class Problem:
         """The same graph and budget with a host link of ``bandwidth`` bytes per
         time unit (0 removes it) and ``capacity`` bytes of host memory."""
         return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
-                       bandwidth, capacity, self.offloadable)
+                       bandwidth, capacity, self.offloadable, self.same_storage)
 
     @property
     def has_host(self) -> bool:
@@ -170,7 +180,7 @@ class Problem:
     def from_networkx(cls, G: nx.DiGraph, budget: int, host_bandwidth: float = 0.0,
                       host_capacity: Optional[int] = None) -> "Problem":
         """Lower a DiGraph whose nodes carry ``mem``/``cost`` (and optionally
-        ``recomputable``, ``alias_of``, ``offloadable``). Node order is G's insertion order when
+        ``recomputable``, ``alias_of``, ``offloadable``, ``same_storage``). Node order is G's insertion order when
         that is topological (fx graphs arrive in execution order), else a
         deterministic topological sort that breaks ties by insertion order."""
         if not nx.is_directed_acyclic_graph(G):
@@ -180,7 +190,7 @@ class Problem:
         if not all(position[u] < position[v] for u, v in G.edges):
             order = list(nx.lexicographical_topological_sort(G, key=position.__getitem__))
         index = {v: i for i, v in enumerate(order)}
-        preds, mem, cost, recomputable, alias_of, offloadable = [], [], [], [], [], []
+        preds, mem, cost, recomputable, alias_of, offloadable, same_storage = [], [], [], [], [], [], []
         for v in order:
             attrs = G.nodes[v]
             if "mem" not in attrs or "cost" not in attrs:
@@ -194,13 +204,14 @@ class Problem:
             cost.append(float(attrs["cost"]))
             recomputable.append(bool(attrs.get("recomputable", True)))
             offloadable.append(bool(attrs.get("offloadable", True)))
+            same_storage.append(bool(attrs.get("same_storage", False)))
             a = attrs.get("alias_of")
             if a is not None and a not in index:
                 raise ValueError(f"node {v!r}: alias_of {a!r} is not a node")
             alias_of.append(-1 if a is None else index[a])
         return cls(tuple(order), tuple(preds), np.array(mem, dtype=np.int64), np.array(cost, dtype=np.float64),
                    np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget),
-                   host_bandwidth, host_capacity, np.array(offloadable, dtype=bool))
+                   host_bandwidth, host_capacity, np.array(offloadable, dtype=bool), np.array(same_storage, dtype=bool))
 
     def to_networkx(self) -> nx.DiGraph:
         G = nx.DiGraph()
@@ -212,6 +223,8 @@ class Problem:
                 attrs["alias_of"] = self.names[self.alias_of[i]]
             if self._pinned_to_device(i):
                 attrs["offloadable"] = False
+            if self.same_storage[i]:
+                attrs["same_storage"] = True
             G.add_node(name, **attrs)
         for v, ps in enumerate(self.preds):
             for p in ps:
@@ -232,6 +245,8 @@ class Problem:
             })
             if self._pinned_to_device(i):
                 nodes[-1]["offloadable"] = False
+            if self.same_storage[i]:
+                nodes[-1]["same_storage"] = True
         data = {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
         if self.has_host:
             data["host_bandwidth"] = self.host_bandwidth
@@ -253,6 +268,7 @@ class Problem:
             alias_of=np.array([-1 if node.get("alias_of") is None else index[node["alias_of"]] for node in nodes],
                               dtype=np.int64),
             offloadable=np.array([node.get("offloadable", True) for node in nodes], dtype=bool),
+            same_storage=np.array([node.get("same_storage", False) for node in nodes], dtype=bool),
             budget=int(data["budget"]),
             host_bandwidth=float(data.get("host_bandwidth", 0.0)),
             host_capacity=data.get("host_capacity"),

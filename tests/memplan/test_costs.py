@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 import memplan
+from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
 from memplan.capture import capture
 from memplan.costs import PROFILES, annotate, get_profile
 from memplan.profiling import measure_op_times
@@ -70,3 +71,42 @@ def test_host_bandwidth_is_the_time_of_a_real_copy():
     small, large = measure_host_bandwidth("cpu", 2**20), measure_host_bandwidth("cpu", 64 * 2**20)
     print(f"host copy: {small / 1e9:.1f} GB/s at 1 MiB, {large / 1e9:.1f} GB/s at 64 MiB")
     assert 1e8 < large < 1e12 and 1e8 < small < 1e13
+
+
+class _Allocations(torch.fx.Interpreter):
+    """Runs a joint graph on real tensors, recording the bytes of the storages each node makes."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=False)  # keep every value: storage ids stay unique
+        self.seen: set[int] = set()
+        self.new_bytes: dict[str, int] = {}
+
+    def run_node(self, n):
+        result = super().run_node(n)
+        made = 0
+        for t in torch.utils._pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.seen:
+                self.seen.add(t.untyped_storage()._cdata)
+                made += t.untyped_storage().nbytes()
+        self.new_bytes[n.name] = made if n.op == "call_function" else 0
+        return result
+
+
+@pytest.mark.parametrize("name", list(LIBRARY_STYLE))
+def test_every_node_allocates_the_bytes_the_cost_model_says(name):
+    # Per node, not per peak: a storage counted too small anywhere could make a plan go over.
+    # The spectral model's slice assignments become functional copy/scatter ops, which
+    # clone the whole storage of a strided slice (fake tensors report less).
+    torch.manual_seed(0)
+    model, args = LIBRARY_STYLE[name]()
+    cap = capture(memplan.WithLoss(model, square_loss), args)
+    costs = annotate(cap.graph_module, get_profile("cpu"))
+    inputs = [torch.randn(n.meta["val"].shape, dtype=n.meta["val"].dtype) if n.meta["val"].is_floating_point()
+              or n.meta["val"].is_complex() else torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
+              for n in cap.placeholders()]
+    real = _Allocations(cap.graph_module)
+    with torch.no_grad():
+        real.run(*inputs)
+    wrong = {n.name: (costs.values[n.name].new_bytes, real.new_bytes[n.name])
+             for n in cap.graph.nodes if n.op == "call_function" and costs.values[n.name].new_bytes != real.new_bytes[n.name]}
+    assert not wrong, wrong

@@ -29,7 +29,8 @@ def _small_problems(count: int, seed0: int = 0) -> list[tuple[str, Problem]]:
         rng = random.Random(seed)
         kind = i % 5
         n = rng.randint(3, 8)
-        opts = {"view_prob": 0.4 if i % 3 == 0 else 0.0, "nonrecomputable_prob": 0.2 if i % 4 == 0 else 0.0}
+        opts = {"view_prob": 0.4 if i % 3 == 0 else 0.0, "nonrecomputable_prob": 0.2 if i % 4 == 0 else 0.0,
+                "same_storage_prob": 0.6 if i % 2 == 0 else 0.0}
         if kind == 0:
             G = gen.chain(n, seed=seed, **opts)
         elif kind == 1:
@@ -155,7 +156,8 @@ def _small_budgets(count: int):
     graphs and U-Nets (exhaustive search solves them), as (seed, problem)."""
     for i in range(count):
         rng = random.Random(i)
-        opts = {"view_prob": rng.choice([0.0, 0.3, 0.6]), "nonrecomputable_prob": rng.choice([0.0, 0.0, 0.2])}
+        opts = {"view_prob": rng.choice([0.0, 0.3, 0.6]), "nonrecomputable_prob": rng.choice([0.0, 0.0, 0.2]),
+                "same_storage_prob": 0.6 if i % 3 == 0 else 0.0}
         n = rng.randint(4, 9)
         G = [lambda: gen.chain(n, seed=i, **opts),
              lambda: gen.random_dag(n, seed=i, n_sources=1, edge_prob=0.5, **opts),

@@ -20,7 +20,8 @@ def _graphs(count: int, max_nodes: int, seed0: int) -> list[tuple[str, object]]:
         seed = seed0 + i
         kind = i % 7
         n = 4 + (seed * 7919) % max(1, max_nodes - 4)
-        opts = {"view_prob": 0.3 if i % 4 == 0 else 0.0, "nonrecomputable_prob": 0.1 if i % 5 == 0 else 0.0}
+        opts = {"view_prob": 0.3 if i % 4 == 0 else 0.0, "nonrecomputable_prob": 0.1 if i % 5 == 0 else 0.0,
+                "same_storage_prob": 0.6 if i % 8 == 0 else 0.0}
         if kind == 0:
             G = gen.chain(n, seed=seed, **opts)
         elif kind == 1:
