@@ -89,11 +89,17 @@ def _filtered(fd: int) -> Iterator[None]:
     os.close(write_end)
 
     def forward() -> None:
+        held = b""  # the start of what may be a stray print that the next read completes
         while chunk := os.read(read_end, 1 << 16):
+            chunk = held + chunk
             for stray in STRAY_PRINTS:
                 chunk = chunk.replace(stray, b"")
+            cut = len(chunk) - _stray_start(chunk)
+            chunk, held = chunk[:cut], chunk[cut:]
             if chunk:
                 os.write(saved, chunk)
+        if held:
+            os.write(saved, held)
 
     reader = threading.Thread(target=forward, name="stray-print-filter", daemon=True)
     reader.start()
@@ -107,6 +113,15 @@ def _filtered(fd: int) -> Iterator[None]:
         reader.join()
         os.close(read_end)
         os.close(saved)
+
+
+def _stray_start(data: bytes) -> int:
+    """Length of the longest tail of ``data`` that a stray print begins with. The C library
+    writes a full buffer at a time, which can end in the middle of a line."""
+    for k in range(min(len(data), max(map(len, STRAY_PRINTS)) - 1), 0, -1):
+        if any(stray.startswith(data[-k:]) for stray in STRAY_PRINTS):
+            return k
+    return 0
 
 
 ONE, ZERO = -1, -2  # constant operands of `Builder.add_folded` rows (variable handles are >= 0)

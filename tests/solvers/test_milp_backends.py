@@ -11,13 +11,19 @@ from pathlib import Path
 from solvers.milp_backends import BACKENDS, STRAY_PRINTS
 
 CHILD = textwrap.dedent("""
-    import ctypes, sys
+    import ctypes, sys, time
     from solvers.milp_backends import STRAY_PRINTS, _without_stray_prints
     libc = ctypes.CDLL(None)
     print("before", flush=True)
     with _without_stray_prints():
         print("python inside")  # buffered by Python: flushed on the way out
         libc.printf(b"native " + STRAY_PRINTS[0] + b"native after\\n")  # native code, as HiGHS prints
+        # A full C buffer is written out whatever it ends with: a stray print cut in two.
+        libc.printf(b"cut " + STRAY_PRINTS[0][:20])
+        libc.fflush(None)
+        time.sleep(0.3)  # the filter reads the first piece on its own
+        libc.printf(STRAY_PRINTS[0][20:] + b"Highs, not stray\\n")
+        libc.fflush(None)
         sys.stdout.flush()
     print("after", flush=True)
 """)
@@ -27,7 +33,7 @@ def test_the_stray_print_goes_and_the_rest_stays_in_order():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, check=True, cwd=root).stdout
     assert STRAY_PRINTS[0] not in out
-    assert out.splitlines() == [b"before", b"python inside", b"native native after", b"after"]
+    assert out.splitlines() == [b"before", b"python inside", b"native native after", b"cut Highs, not stray", b"after"]
 
 
 def test_a_highs_solve_still_answers_under_the_filter():
