@@ -158,6 +158,19 @@ class Problem:
         object.__setattr__(other, "budget", int(budget))
         return other
 
+    def with_views_apart(self) -> "Problem":
+        """The same problem with no view marked ``same_storage``: every view held without its base
+        counts on its own. It never counts fewer bytes than this one at any step, so a schedule
+        that fits it fits this problem too, at the same cost."""
+        if not self.same_storage.any():
+            return self
+        apart = self.budget_free_cache.get("views_apart")
+        if apart is None:
+            apart = self.budget_free_cache["views_apart"] = Problem(
+                self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
+                self.host_bandwidth, self.host_capacity, self.offloadable)
+        return apart.with_budget(self.budget)
+
     def with_host(self, bandwidth: float, capacity: Optional[int] = None) -> "Problem":
         """The same graph and budget with a host link of ``bandwidth`` bytes per
         time unit (0 removes it) and ``capacity`` bytes of host memory."""
