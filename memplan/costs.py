@@ -124,12 +124,12 @@ _CLONE_SELF_STORAGE = {_aten.copy.default, _aten.slice_scatter.default, _aten.se
 def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
     """Bytes the real kernel allocates for ``node``'s new storage holding ``t``."""
     n = storage_nbytes(t, granularity)
-    if node.target in _CLONE_SELF_STORAGE and node.args and isinstance(node.args[0], fx.Node):
-        base = node.args[0].meta.get("val")
-        # A self with internal overlap (a broadcast) is cloned densely instead.
-        overlaps = isinstance(base, torch.Tensor) and any(st == 0 and sz > 1 for st, sz in zip(base.stride(), base.shape))
-        if isinstance(base, torch.Tensor) and not overlaps:
-            n = max(n, storage_nbytes(base, granularity))
+    if node.target not in _CLONE_SELF_STORAGE or not node.args or not isinstance(node.args[0], fx.Node):
+        return n
+    base = node.args[0].meta.get("val")
+    # A self with internal overlap (a broadcast) is cloned densely instead.
+    if isinstance(base, torch.Tensor) and not any(st == 0 and sz > 1 for st, sz in zip(base.stride(), base.shape)):
+        n = max(n, storage_nbytes(base, granularity))
     return n
 
 

@@ -56,11 +56,11 @@ class AliasTrees:
         # storage[v]: the topmost member whose storage v holds whole (v itself unless
         # same_storage). Two members with one storage and one instance are one storage.
         storage = list(range(n))
-        same = problem.same_storage
-        for v in np.flatnonzero(same).tolist():  # parents precede children
+        whole_views = np.flatnonzero(problem.same_storage).tolist()
+        for v in whole_views:  # parents precede children
             storage[v] = storage[int(alias_of[v])]
         self.storage = storage
-        self.shared_roots = {int(root[v]) for v in np.flatnonzero(same).tolist()}
+        self.shared_roots = {int(root[v]) for v in whole_views}
 
 
 def alias_trees(problem: Problem) -> AliasTrees:

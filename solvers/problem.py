@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional
 
@@ -166,16 +166,13 @@ class Problem:
             return self
         apart = self.budget_free_cache.get("views_apart")
         if apart is None:
-            apart = self.budget_free_cache["views_apart"] = Problem(
-                self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
-                self.host_bandwidth, self.host_capacity, self.offloadable)
+            apart = self.budget_free_cache["views_apart"] = replace(self, same_storage=None)
         return apart.with_budget(self.budget)
 
     def with_host(self, bandwidth: float, capacity: Optional[int] = None) -> "Problem":
         """The same graph and budget with a host link of ``bandwidth`` bytes per
         time unit (0 removes it) and ``capacity`` bytes of host memory."""
-        return Problem(self.names, self.preds, self.mem, self.cost, self.recomputable, self.alias_of, self.budget,
-                       bandwidth, capacity, self.offloadable, self.same_storage)
+        return replace(self, host_bandwidth=bandwidth, host_capacity=capacity)
 
     @property
     def has_host(self) -> bool:
