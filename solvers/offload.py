@@ -19,16 +19,18 @@ parts:
 
 * `solve_offload` first pages store-all's schedule recomputed down to
   budgets between the target and store-all's peak (seconds; capped at
-  `DESCENT_SHARE` of the time), then gives nearly all the time left to the
-  hierarchical strategy on the problem with its host link: its covering ILP
-  chooses, per group of values, keep, recompute, or page out across a gap
-  between uses, with rows that keep the copies within the link's time
-  (`hierarchical.pagings`), and it runs every model without pagings too, so
-  remat-only plans are among its candidates; the windows of this module place
-  the copies. With time still left it builds rematerialization plans at
-  several budgets between the target and store-all's peak (a looser budget
-  means fewer recomputations) and pages each down to the target. The plan
-  with the shortest simulated step time wins.
+  `DESCENT_SHARE` of the time), then gives the time left to the hierarchical
+  strategy on the problem with its host link, with the fastest of those paged
+  plans as a seed: each model of its drop search runs without pagings, then
+  with them (per group of values: keep, recompute, or page out across a gap
+  between uses, with rows that keep the copies within the link's time,
+  `hierarchical.pagings`), the paging runs only for as long as they find
+  faster plans; the windows of this module place the copies.
+  With time still left (the hierarchical search stops at 85% of its limit)
+  it builds rematerialization plans at several budgets between the target
+  and store-all's peak (a looser budget means fewer recomputations) and
+  pages each down to the target, a run only when the time left covers the
+  longest run so far. The plan with the shortest simulated step time wins.
 
 Values that cannot be offloaded: sources (parameters, inputs), views (their
 base is offloaded instead), values the problem marks (``offloadable``), and
@@ -53,7 +55,8 @@ from .store_all import solve_store_all
 # and store-all's peak (1); each then gets offloads until it fits the target.
 BASE_FRACTIONS = (0.0, 0.1, 0.25, 0.5, 1.0)
 DESCENT_SHARE = 0.05  # of the time limit, at most, for paging store-all recomputed down (the first candidates)
-JOINT_SHARE = 0.93  # of the time left then, for the hierarchical strategy's joint keep / recompute / offload ILP
+JOINT_SHARE = 1.0  # of the time left then, for the hierarchical strategy (it stops its search at 85% of
+# that, then polishes: the sweep gets the rest)
 SWEEP_MIN = 0.5  # seconds: the least a remat plan of the sweep is given (none is started with less, once a plan fits)
 MAX_ROUNDS = 5000
 
@@ -393,27 +396,39 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
         if not simulate(remat.with_budget(target), down).fits:
             break
         downs.append((target, down))
+    seeds = []
     for target, down in reversed(downs):
         if time.perf_counter() > descent_end:
             break
         paged = add_offloads(problem, down, descent_end)
         faster = consider(paged, {"base_budget": target, "base": "store_all (repaired)"})
-        if not faster and best is not None:
+        if faster:
+            seeds.append((paged, f"store_all (repaired to {target}, paged)"))
+        elif best is not None:
             break  # not faster than the plan from a lower budget: higher ones recompute less but page far more
     if joint_share > 0:
         # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group
-        # together; it gets all but ``1 - joint_share`` of the time that is left.
+        # together; it gets ``joint_share`` of the time that is left, and the fastest paged
+        # descent as a seed: `pin_search` and the drop search's paging runs measure themselves
+        # against it rather than against remat-only plans.
         left = deadline - time.perf_counter()
-        joint = solve_hierarchical(problem, max(SWEEP_MIN, joint_share * left))
+        joint = solve_hierarchical(problem, max(SWEEP_MIN, joint_share * left), seeds=seeds[-1:])
         consider(joint.schedule, {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen")})
+        # A run of the sweep takes at least the baselines and the store-all descent the joint
+        # run took, whatever its limit (gpt12 at 30%: 7 s; an auto run given 0.5 s took 3.3 s).
+        shortest = max(SWEEP_MIN, joint.info.get("clock", {}).get("descent", 0.0))
+    else:
+        shortest = SWEEP_MIN
     for i, target in enumerate(targets):
         left = deadline - time.perf_counter()
-        if best is not None and left < SWEEP_MIN:
+        if best is not None and left < shortest:
             break  # a plan fits: do not start a run that would end past the limit
         share = max(SWEEP_MIN, left / (2 * (len(targets) - i)))
+        run_started = time.perf_counter()
         base = solve_auto(remat.with_budget(target), share)
         consider(add_offloads(problem, base.schedule, deadline),
                  {"base_budget": target, "base": base.info.get("chosen", base.method)})
+        shortest = max(shortest, time.perf_counter() - run_started)
         if time.perf_counter() > deadline and best is not None:
             break
     if best is None:
