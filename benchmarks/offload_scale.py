@@ -14,7 +14,8 @@ of issue #5 as its limit:
   covering ILP chooses keep / recompute / page per group);
 * offload (default): what `auto` runs on graphs with a host link: store-all
   recomputed down and paged (at most `offload.DESCENT_SHARE` of the time), then
-  the joint ILP with nearly all the time left; the faster plan.
+  the joint ILP with the time left and the fastest of those plans as a seed,
+  then the paging sweep if time is still left; the fastest plan.
 
 Reported: simulated step time over the sum of compute costs (1.000 = nothing
 recomputed and no wait), whether the plan fits (checked by
