@@ -167,7 +167,7 @@ def _call_factory(factory: Callable, spec: str, batch_size: int | None) -> Targe
 
 
 def parse_budget_arg(text: str, eager_peak: int | None, min_budget: Callable[[], int] | None = None) -> int:
-    """Bytes from ``16GB``/``800MiB``/an int, ``50%`` (of the eager peak), or ``min`` (the smallest feasible)."""
+    """Bytes from ``16GB``/``800MiB``/an int, ``50%`` (of the eager peak), or ``min`` (the smallest budget memplan finds a plan for)."""
     from memplan.api import parse_budget
 
     text = text.strip()
@@ -439,7 +439,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 def _min_budget(analysis, progress: Progress, offload: bool = False) -> int:
     from memplan import viz
 
-    with progress.stage("min_budget", "searching for the smallest feasible budget"):
+    with progress.stage("min_budget", "searching for the smallest budget a plan meets"):
         return viz.min_budget(analysis, offload)
 
 
@@ -573,7 +573,7 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
         return str(exc), exc.hint
     if isinstance(exc, memplan.InfeasibleBudgetError):
         return (
-            f"budget {_fmt(exc.budget)} is below the smallest feasible plan, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
+            f"budget {_fmt(exc.budget)} is below the smallest plan memplan found, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
             f"use --budget {_round_up(exc.min_budget)} or more (or --budget min), or a smaller --batch-size",
         )
     if isinstance(exc, memplan.CaptureError):

@@ -21,13 +21,14 @@ from memplan.runtime import Program, build_program
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the budget; ``min_budget`` is the smallest budget memplan can meet."""
+    """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
+    (`solvers.bounds.min_budget`: a search, not a proof; a plan between the two may exist)."""
 
     def __init__(self, budget: int, min_budget: int):
         self.budget = budget
         self.min_budget = min_budget
         super().__init__(
-            f"budget {format_bytes(budget)} is below the smallest feasible plan for this model and input: "
+            f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes); raise the budget or shrink the batch"
         )
 

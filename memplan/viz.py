@@ -425,9 +425,9 @@ def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = 
         ax.annotate(p.label, (p.budget / scale, p.plan.predicted_overhead), textcoords="offset points", xytext=(4, 4),
                     fontsize="small")
     if bad:
-        # Below the smallest feasible budget nothing fits: shade it, mark the budgets asked for there.
+        # Below the smallest budget memplan found a plan for: shade it, mark the budgets asked for there.
         floor = max(p.min_budget or p.budget for p in bad) / scale
-        ax.axvspan(0, floor, color="tab:red", alpha=0.08, label=f"infeasible (below {floor:.3g} {unit})")
+        ax.axvspan(0, floor, color="tab:red", alpha=0.08, label=f"no plan found (below {floor:.3g} {unit})")
         ax.scatter([p.budget / scale for p in bad], [1.0] * len(bad), marker="x", color="tab:red")
         for p in bad:
             ax.annotate(p.label, (p.budget / scale, 1.0), textcoords="offset points", xytext=(4, 4), fontsize="small")

@@ -186,7 +186,7 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
     )
     assert_one_line_error(unknown, "unknown target", "no-such-model")
     assert_one_line_error(bad_budget, "cannot read budget")
-    assert_one_line_error(infeasible, "below the smallest feasible plan")
+    assert_one_line_error(infeasible, "below the smallest plan memplan found")
     assert "--budget" in infeasible.stderr  # the hint says what to ask for
     assert_one_line_error(untraceable, "cannot trace DataDependent", "models.py")
 
