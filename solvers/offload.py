@@ -396,15 +396,12 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
         if not simulate(remat.with_budget(target), down).fits:
             break
         downs.append((target, down))
-    seeds = []
     for target, down in reversed(downs):
         if time.perf_counter() > descent_end:
             break
         paged = add_offloads(problem, down, descent_end)
         faster = consider(paged, {"base_budget": target, "base": "store_all (repaired)"})
-        if faster:
-            seeds.append((paged, f"store_all (repaired to {target}, paged)"))
-        elif best is not None:
+        if not faster and best is not None:
             break  # not faster than the plan from a lower budget: higher ones recompute less but page far more
     if joint_share > 0:
         # The hierarchical strategy's covering ILP chooses keep / recompute / offload per group
@@ -412,7 +409,9 @@ def solve_offload(problem: Problem, time_limit: Optional[float] = None, *, joint
         # descent as a seed: `pin_search` and the drop search's paging runs measure themselves
         # against it rather than against remat-only plans.
         left = deadline - time.perf_counter()
-        joint = solve_hierarchical(problem, max(SWEEP_MIN, joint_share * left), seeds=seeds[-1:])
+        # Only the paged descents have been considered so far: the best plan is the fastest of them.
+        seeds = [] if best is None else [(best[2], f"store_all (repaired to {best[3]['base_budget']}, paged)")]
+        joint = solve_hierarchical(problem, max(SWEEP_MIN, joint_share * left), seeds=seeds)
         consider(joint.schedule, {"base": "hierarchical (joint)", "chosen": joint.info.get("chosen")})
         # A run of the sweep takes at least the baselines and the store-all descent the joint
         # run took, whatever its limit (gpt12 at 30%: 7 s; an auto run given 0.5 s took 3.3 s).
