@@ -16,7 +16,7 @@ import solvers
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
-from memplan.problem import BACKWARD, USER_SUFFIX
+from memplan.problem import BACKWARD, is_reference
 from memplan.runtime import Program, build_program
 
 
@@ -139,7 +139,7 @@ def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDe
     offloaded = {str(node) for op, node in schedule if op == "offload"}
     out = []
     for name, node in low.fx_nodes.items():
-        if node.op != "call_function" or name.endswith(USER_SUFFIX) or name == BACKWARD:
+        if node.op != "call_function" or is_reference(name) or name == BACKWARD:
             continue
         n = computes.get(name, 0)
         if n == 0:

@@ -14,8 +14,11 @@ in a training step:
   input that is never computed, which such ops are not.
 * ``<output>@user`` is the reference the caller keeps to each forward output
   until the step ends: an alias of the output that must be resident at the
-  end, so its bytes count even if the plan frees its own copy. Tangents get
-  one too: autograd holds the output gradients until ``backward()`` returns.
+  end, so its bytes count even if the plan frees its own copy. It hangs off
+  ``<output>@returned``, the same reference as forward() hands it over, which
+  ``BACKWARD`` reads: the bytes count from the end of forward on. Tangents get
+  a ``@user`` too: autograd holds the output gradients until ``backward()``
+  returns.
 
 * ``rng:<op>`` is the generator state captured right before a random op
   (dropout) first runs. The op reads it, so a recomputation can replay the
@@ -42,7 +45,13 @@ RNG_PREFIX = "rng:"
 # A CPU generator's state tensor, CUDA's seed and offset; twice, because a
 # replay also saves the current state to restore it afterwards.
 RNG_STATE_BYTES = {"cpu": 2 * 5056, "cuda": 2 * 16}
-USER_SUFFIX = "@user"
+USER_SUFFIX = "@user"  # the caller's reference to an output: a sink, held to the step's end
+RETURNED_SUFFIX = "@returned"  # the same reference as forward() returns it: read by BACKWARD
+
+
+def is_reference(name: str) -> bool:
+    """Whether ``name`` is a bookkeeping node for the caller's reference to an output or tangent."""
+    return name.endswith((USER_SUFFIX, RETURNED_SUFFIX))
 
 
 @dataclass
@@ -182,10 +191,20 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         )
         fx_map[node.name] = node
         if node.name in user_outputs:
-            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name],
+            returned = node.name + RETURNED_SUFFIX
+            add_value(returned, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name],
                       alias_of=node.name, same_storage=True)
+            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[returned],
+                      alias_of=returned, same_storage=True)
     if not barrier_added:
         add_backward_barrier()
+    # The caller holds each output from the moment forward() returns it. A sink alone would let a
+    # plan drop the output and take the reference only at the end (the step then measures above
+    # its prediction), so the reference is taken before BACKWARD too; neither node can be
+    # recomputed, so the storage stays resident from then to the end.
+    for name in user_outputs:
+        if name + RETURNED_SUFFIX in G:
+            G.add_edge(name + RETURNED_SUFFIX, BACKWARD)
     for t in tangent_nodes:
         fx_map[t.name] = t
     # Bookkeeping values (the backward barrier, generator states) have no tensor the runtime could copy.

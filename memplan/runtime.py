@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 import solvers
 from memplan.capture import Capture
 from memplan.costs import value_device
-from memplan.problem import BACKWARD, RNG_PREFIX, USER_SUFFIX, Lowered
+from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
 
 
 @dataclass
@@ -322,7 +322,7 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
         for n in resident
         if n in bw_reads
         and n not in low.tangents
-        and not n.endswith(USER_SUFFIX)
+        and not is_reference(n)
         and (not n.startswith(RNG_PREFIX) or n in rng_made_in_forward)
     ]
     fw_outputs = list(user_outputs) + [name for _, name in buffer_updates] + carried
@@ -365,6 +365,9 @@ class PlannedStep(torch.autograd.Function):
         ctx.save_for_backward(*outputs)
         non_diff = [o for o, t in zip(outputs, program.tangents_for_user) if t is None]
         ctx.mark_non_differentiable(*non_diff)
+        # Autograd would otherwise hand backward a zero tensor for every non-differentiable
+        # output: memory no plan counts. Backward makes zeros only where the graph reads them.
+        ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
@@ -375,11 +378,13 @@ class PlannedStep(torch.autograd.Function):
         saved = ctx.saved_tensors
         box = [saved[src] if src is not None else v for v, src in zip(ctx.carried, ctx.carried_from_output)]
         ctx.carried = None  # from here on, `box` holds the only references
-        del saved
         tangent_slots: list[Any] = [None] * sum(t is not None for t in program.tangents_for_user)
         for out_idx, t_idx in enumerate(program.tangents_for_user):
             if t_idx is not None:
-                tangent_slots[t_idx] = grad_outputs[out_idx]
+                grad = grad_outputs[out_idx]
+                # an output the loss does not use: the zeros autograd would have made (the Problem counts them)
+                tangent_slots[t_idx] = torch.zeros_like(saved[out_idx]) if grad is None else grad
+        del saved
         box.extend(tangent_slots)
         del tangent_slots
         grads = list(program.backward(box))

@@ -30,7 +30,7 @@ import solvers
 from memplan.analysis import Analysis
 from memplan.capture import module_path
 from memplan.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
-from memplan.problem import BACKWARD, USER_SUFFIX
+from memplan.problem import BACKWARD, is_reference
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -296,7 +296,7 @@ def layer_breakdown(plan: Plan, depth: int = 2) -> list[LayerRow]:
     for name in forward:
         if name not in low.fx_nodes or low.fx_nodes[name].op != "call_function":
             continue
-        readers = [s for s in low.graph.successors(name) if s != BACKWARD and not str(s).endswith(USER_SUFFIX)]
+        readers = [s for s in low.graph.successors(name) if s != BACKWARD and not is_reference(str(s))]
         if not any(r not in forward for r in readers):
             continue
         for storage in costs.values[name].storages:

@@ -187,6 +187,38 @@ def test_infeasible_budget_names_the_minimum():
     memplan.optimize(module, err.min_budget, example_inputs=args, example_kwargs=kwargs)
 
 
+class _AlsoReturnsAnInputTransform(nn.Module):
+    """A regressor that also hands back a transform of its input (as models that return
+    embeddings or hidden states do): the caller holds it through backward, and it can be
+    remade from the input at any time, so a plan is tempted to make it only at the end."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def forward(self, x):
+        return self.body(x).square().mean(), x * 3.0
+
+
+def test_outputs_the_caller_holds_count_from_the_end_of_forward():
+    module, x = _AlsoReturnsAnInputTransform(), torch.randn(128, 64)
+    with pytest.raises(memplan.InfeasibleBudgetError) as info:
+        memplan.optimize(module, 1, example_inputs=(x,))
+    budget = info.value.min_budget
+    opt = memplan.optimize(module, budget, example_inputs=(x,))
+
+    def step():
+        loss, transformed = opt(x)
+        loss.backward()  # ``transformed`` is alive throughout, as in the caller's code
+
+    from memplan.measure import measure_peak
+
+    measured = measure_peak(step)
+    # The plan's prediction is what the step measures: the held output is counted from the
+    # end of forward, not from where the plan "takes" its reference.
+    assert measured == opt.plan.predicted_peak <= budget, (measured, opt.plan.predicted_peak, budget)
+
+
 def test_untraceable_model_error_from_optimize():
     opt = memplan.optimize(DataDependent(), "1GB")
     with pytest.raises(memplan.CaptureError, match="DataDependent"):
