@@ -41,6 +41,10 @@ FAMILIES = {
 }
 
 
+AT_THE_MINIMUM = {"random_dag": 24, "random_dag_views": 27, "training_chain": 27, "training_chain_views": 27,
+                  "training_layered": 17, "training_unet": 10}
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_repairing_store_all_on_random_graphs(family):
     fits = {}
@@ -52,10 +56,12 @@ def test_repairing_store_all_on_random_graphs(family):
             after = add_recomputations(p, base)
             _check(p, base, after)
             fits.setdefault(f, []).append(simulate(p, after).fits)
-    # Measured (30 seeds): at the smallest budget any schedule reaches, 26 to 30 fit per
-    # family; halfway to store-all's peak every training graph fits (random DAGs: 28, 29).
-    assert sum(fits[0.0]) >= 25, fits
-    assert sum(fits[0.5]) >= (30 if family.startswith("training") else 27), fits
+    # Measured (30 seeds): at the smallest budget memplan finds (the lowest-peak schedule of
+    # its search, recomputed down by this same repair), repairing store-all fits 24 to 27 times
+    # per family, 17 on layered and 10 on U-Net training graphs, whose frontier the search
+    # pushes furthest; halfway to store-all's peak every training graph fits (random DAGs: 26, 29).
+    assert sum(fits[0.0]) >= AT_THE_MINIMUM[family] - 2, fits
+    assert sum(fits[0.5]) >= (30 if family.startswith("training") else 24), fits
 
 
 def test_a_schedule_that_fits_comes_back_unchanged():
