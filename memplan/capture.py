@@ -590,4 +590,10 @@ def _capture_error(model: torch.nn.Module, exc: BaseException) -> CaptureError:
             where = f" at {fr.filename}:{fr.lineno} ({fr.name}: {fr.line})"
             break
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return CaptureError(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}")
+    hint = ""
+    if type(exc).__name__ in ("DataDependentOutputException", "GuardOnDataDependentSymNode"):
+        # The op name alone (aten._local_scalar_dense) does not tell a user what their code did.
+        hint = ("; the forward reads a tensor's value in Python (.item(), float(t), bool(t), `if t > 0:`; "
+                "also nn.BatchNorm with momentum=None), which one planned graph cannot follow: "
+                "keep the value a tensor (torch.where, masks) or compute it outside the model")
+    return CaptureError(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}{hint}")

@@ -221,5 +221,10 @@ def test_outputs_the_caller_holds_count_from_the_end_of_forward():
 
 def test_untraceable_model_error_from_optimize():
     opt = memplan.optimize(DataDependent(), "1GB")
-    with pytest.raises(memplan.CaptureError, match="DataDependent"):
+    with pytest.raises(memplan.CaptureError, match=r"DataDependent.*reads a tensor's value in Python"):
         opt(torch.randn(2, 4))
+    # The same, one level down in library code: a cumulative-average BatchNorm turns its step
+    # count into a Python float; the message points at the user's line that called it.
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(memplan.CaptureError, match=r"Sequential.*momentum=None"):
+        memplan.optimize(model, "1GB")(torch.randn(2, 4))
