@@ -243,8 +243,12 @@ def _moves(problem: Problem, steps: list[Step], k: int, pinned: frozenset[int] =
             continue
         if views:
             b = min([w_at for _, w_at in views] + ([b] if b is not None else []))
-        if b is None:
-            continue  # held for nobody (kept on purpose)
+        if b is None or b > stop:
+            continue  # held for nobody (kept on purpose), or read only by views after v's free
+        # A view is remade from v, which the schedule frees again at ``stop``: a view read only
+        # after that is remade with v (in the schedule it held v's storage that long anyway).
+        # nn.GRU's gates outlive their explicit free through a detach() the backward reads.
+        views = [(w, min(w_at, b) if w_at > stop else w_at) for w, w_at in views]
         views, helpers = _remake_order(views, v, alias_of)
         if helpers is None or any(not recomputable[u] for u, _, _ in helpers):
             continue
@@ -438,13 +442,16 @@ def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = m
         return schedule
     key = (sim.peak, _excess_area(problem, sim))
     rejected: set[tuple] = set()  # moves that failed on the current schedule
+    found: Optional[list[Move]] = None  # the current schedule's moves: a rejection leaves it as it is
     for _ in range(MAX_ROUNDS):
         if sim.peak <= problem.budget or time.perf_counter() > deadline or sim.cost > max_cost:
             break
         k = sim.peak_step
         if k < 0:
             break  # the sources alone exceed the budget
-        moves = [m for m in _moves(problem, steps, k, pinned) if m.key not in rejected]
+        if found is None:
+            found = _moves(problem, steps, k, pinned)
+        moves = [m for m in found if m.key not in rejected]
         if not moves:
             break
         chosen = _choose(moves, sim.peak - problem.budget)
@@ -465,6 +472,7 @@ def add_recomputations(problem: Problem, schedule: Schedule, deadline: float = m
             continue
         steps, sim, key = accepted
         rejected.clear()
+        found = None
     return Schedule(tuple(steps))
 
 

@@ -111,6 +111,28 @@ def test_views_held_across_the_peak_go_with_their_base():
     assert r.computes[p.index["a"]] == 2 and r.computes[p.index["w"]] == 2
 
 
+def test_a_view_read_after_its_base_is_freed_is_remade_with_the_base():
+    # As nn.GRU's gates and their detach(): w, a view of a, is read (by d) after a's own free
+    # (after c), so it held a's storage that long. Freed across the peak (b, b2), a comes back
+    # for c, and w with it: w cannot be remade at d, where a is gone again.
+    nodes = {"x": (1, 0.0), "a": (10, 1.0), "w": (10, 0.0, {"alias_of": "a", "same_storage": True}),
+             "b": (20, 1.0), "b2": (1, 1.0), "c": (1, 1.0), "d": (1, 1.0)}
+    edges = [("x", "a"), ("a", "w"), ("x", "b"), ("b", "b2"), ("a", "c"), ("b2", "c"), ("w", "d"), ("c", "d")]
+    p = Problem.from_networkx(graph(nodes, edges), 2**62)
+    base = Schedule.from_list([("compute", "a"), ("compute", "w"), ("compute", "b"), ("compute", "b2"),
+                               ("free", "b"), ("compute", "c"), ("free", "b2"), ("free", "a"),
+                               ("compute", "d"), ("free", "w"), ("free", "c")])
+    assert simulate(p, base).peak == 1 + 10 + 20 + 1  # x, a (and w), b, b2 while b2 is computed
+    p = p.with_budget(25)
+    after = add_recomputations(p, base)
+    r = validate(p, after)
+    assert r.computes[p.index["a"]] == 2 and r.computes[p.index["w"]] == 2
+    steps = [(op.value, v) for op, v in after.steps]
+    remade_a = steps.index(("compute", "a"), 1)
+    # w is remade while a is resident: before a's next free
+    assert steps.index(("compute", "w"), remade_a) < steps.index(("free", "a"), remade_a)
+
+
 def test_a_value_made_early_and_read_late_is_made_later_at_no_cost():
     # s (a sink, like a gradient) reads only the input: computing it at the end instead costs nothing.
     nodes = {"x": (1, 0.0), "s": (8, 1.0), "a": (4, 1.0), "b": (4, 1.0), "c": (1, 1.0)}
