@@ -42,7 +42,7 @@ EXACT_MIN_BUDGET_NODES = 8
 ROTOR_TIME_LIMIT = 10.0  # seconds for rotor's lowest-peak schedule
 PAGING_TIME_LIMIT = 10.0  # seconds for paging out each schedule with a host link
 # Seconds for recomputing the lowest-peak schedule down toward `memory_lower_bound`: on a
-# ResNet-50 joint graph 10 s take the bisection's 943 MB to 780 MB (converging at 0.71x in 34 s).
+# ResNet-50 joint graph 10 s take the bisection's 943 MB to 777 MB (converging at 0.71x in 34 s).
 REPAIR_TIME_LIMIT = 10.0
 # The bisection stops within this share of the budget: the greedy's answers are not monotone
 # in the budget anyway, and each probe costs seconds on thousands of values.
