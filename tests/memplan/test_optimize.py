@@ -219,6 +219,33 @@ def test_outputs_the_caller_holds_count_from_the_end_of_forward():
     assert measured == opt.plan.predicted_peak <= budget, (measured, opt.plan.predicted_peak, budget)
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        return self.b(h), h * 2
+
+
+def test_a_differentiable_output_the_loss_leaves_out_gets_eager_gradients():
+    # Autograd hands the planned step no gradient for an output the loss does not use (grads are
+    # not materialized, so that non-differentiable outputs cost nothing): the step makes the zeros.
+    torch.manual_seed(0)
+    model, x = _TwoHeads(), torch.randn(32, 16)
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, 10**9, example_inputs=(x,))
+    for use_both in (False, True):
+        clear_grads(model)
+        clear_grads(reference)
+        for net in (opt, reference):
+            first, second = net(x)
+            (first.pow(2).mean() + (second.sum() if use_both else 0.0)).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_untraceable_model_error_from_optimize():
     opt = memplan.optimize(DataDependent(), "1GB")
     with pytest.raises(memplan.CaptureError, match=r"DataDependent.*reads a tensor's value in Python"):
