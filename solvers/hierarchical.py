@@ -987,6 +987,9 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
 
     quick_bound: list[float] = []  # computed once, when the first plan fits
 
+    def near_quick_bound(cost: float) -> bool:
+        return bool(quick_bound) and cost <= quick_bound[0] * (1 + EARLY_GAP)
+
     def certified() -> bool:
         """Whether the best plan is within `EARLY_GAP` of a lower bound: the search can stop."""
         if best.schedule is None or problem.n > EARLY_STOP_MAX_VALUES:
@@ -994,7 +997,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         if not quick_bound:
             quick_bound.append(_bound(problem, QUICK_BOUND_SHARE * limit, milp=False)[0])
             info["quick_bound"] = quick_bound[0]
-        if best.time > quick_bound[0] * (1 + EARLY_GAP):
+        if not near_quick_bound(best.time):
             return False
         info.setdefault("certified_at", round(time.perf_counter() - started, 3))
         return True
@@ -1218,7 +1221,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             best_schedule = polished
     info["chosen"] = chosen
     t0 = time.perf_counter()
-    if quick_bound and best_cost <= quick_bound[0] * (1 + EARLY_GAP):
+    if near_quick_bound(best_cost):
         bound, bound_source = quick_bound[0], "lower_bounds.lower_bound (quick)"  # certified: done
     else:
         left = started + BOUND_END * limit - time.perf_counter()

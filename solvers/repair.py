@@ -248,7 +248,7 @@ def _moves(problem: Problem, steps: list[Step], k: int, pinned: frozenset[int] =
         # A view is remade from v, which the schedule frees again at ``stop``: a view read only
         # after that is remade with v (in the schedule it held v's storage that long anyway).
         # nn.GRU's gates outlive their explicit free through a detach() the backward reads.
-        views = [(w, min(w_at, b) if w_at > stop else w_at) for w, w_at in views]
+        views = [(w, b if w_at > stop else w_at) for w, w_at in views]  # b is their earliest read
         views, helpers = _remake_order(views, v, alias_of)
         if helpers is None or any(not recomputable[u] for u, _, _ in helpers):
             continue
