@@ -23,6 +23,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import enum
 import functools
 import traceback
 import warnings
@@ -84,6 +85,68 @@ class OutputTree:
         return _close_objects(pytree.tree_unflatten(leaves, self.spec), self.objects)
 
 
+class _ByIdentity:
+    """A key part equal only to one made from the very same object.
+
+    It holds the object, so the object's ``id`` cannot be reused by another
+    while a plan keyed on it lives.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByIdentity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+_VALUE_TYPES = (bool, int, float, complex, str, bytes, type(None), enum.Enum,
+                torch.dtype, torch.device, torch.Size, torch.memory_format, torch.layout)
+
+
+def _constant_key(leaf: Any, depth: int = 0) -> Any:
+    """A hashable key that is equal for two non-tensor input leaves only if one graph serves both.
+
+    The capture runs the forward's Python on the leaf's value and bakes what it
+    reads into the graph (a branch on ``cfg.use_b``, the ``dtype`` of a
+    ``.to(dtype)``), so a leaf is keyed by its value, never by its type alone:
+
+    * primitives, enums and torch's own value types (dtype, device, Size, ...):
+      the value, with its type (``2`` and ``2.0`` trace differently);
+    * lists, tuples, dicts and objects with a ``__dict__`` (SimpleNamespace,
+      dataclasses, config classes): their type plus their items or
+      attributes, keyed the same way, so mutating a config in place replans;
+    * other hashable objects that define their own ``__eq__``: the object;
+    * everything else (functions, modules, tensors held inside a config,
+      structures nested deeper than 6 levels): the object's identity. This
+      never reuses a plan for a different object, but it cannot see a change
+      made *inside* such an object between calls, and a fresh one (a new
+      lambda per call) plans again every call: pass such values as tensors,
+      or as plain data, to have them compared by value.
+    """
+    kind = type(leaf)
+    if isinstance(leaf, _VALUE_TYPES):
+        return ("C", kind, leaf)
+    if depth < 6 and not isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, (list, tuple)):
+            return ("L", kind, tuple(_constant_key(v, depth + 1) for v in leaf))
+        if isinstance(leaf, dict):
+            return ("M", kind, tuple((_constant_key(k, depth + 1), _constant_key(v, depth + 1)) for k, v in leaf.items()))
+        if hasattr(leaf, "__dict__") and not callable(leaf):
+            return ("D", kind, _constant_key(vars(leaf), depth + 1))
+    if kind.__eq__ is not object.__eq__ and kind.__hash__ is not None and not isinstance(leaf, torch.Tensor):
+        try:
+            hash(leaf)
+            return ("V", kind, leaf)
+        except TypeError:  # a hashable type holding something unhashable
+            pass
+    return ("I", _ByIdentity(leaf))
+
+
 @dataclass(frozen=True)
 class InputSignature:
     """What a plan depends on: shapes, dtypes, devices of the inputs, plus mode flags."""
@@ -97,10 +160,8 @@ class InputSignature:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 parts.append(("T", tuple(leaf.shape), str(leaf.dtype), leaf.device.type, leaf.requires_grad))
-            elif isinstance(leaf, (int, float, bool, str, type(None))):
-                parts.append(("C", leaf))
             else:
-                parts.append(("O", type(leaf).__qualname__))
+                parts.append(_constant_key(leaf))
         autocast = (
             torch.is_autocast_enabled("cpu"),
             torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
@@ -234,6 +295,11 @@ class _Captured(Exception):
 
 
 def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.grad_fn is not None:
+        # A non-leaf input (another module's output) is a leaf of the traced
+        # step: its history lies outside it, and a backward (the eager replay's)
+        # must stop there instead of reaching into the fake of that history.
+        return _fakeify(fake_mode, t.detach()).requires_grad_(True)
     if t.is_meta:
         # A meta tensor (a model built on the meta device, to plan it without
         # memory) is traced as a CPU tensor of the same shape: meta kernels are
@@ -371,6 +437,34 @@ def _record_module_paths(model: torch.nn.Module):
             fx_traceback.current_meta["nn_module_stack"] = saved
 
 
+@contextlib.contextmanager
+def _reentrant_checkpoints_as_plain_calls():
+    """Trace ``checkpoint(fn, *args, use_reentrant=True)`` as the plain call ``fn(*args)``.
+
+    The reentrant variant is an ``autograd.Function`` whose backward reruns
+    ``fn`` and calls ``backward()`` inside it, which the joint trace (it
+    differentiates with ``torch.autograd.grad``) refuses. memplan plans
+    recomputation itself, so the trace wants the plain call, as it already
+    gets from the non-reentrant variant. ``checkpoint`` and
+    ``checkpoint_sequential`` both reach ``CheckpointFunction.apply``: the
+    narrowest seam. As in eager, ``fn``'s outputs require grad only when a
+    tensor argument does (eager runs ``fn`` under ``no_grad`` and only the
+    Function's outputs are differentiable), so parameters inside a
+    checkpoint on a plain input get no gradient, as in eager.
+    """
+    from unittest import mock
+
+    from torch.utils.checkpoint import CheckpointFunction
+
+    def apply(function: Callable, preserve_rng_state: bool, *args: Any) -> Any:
+        differentiable = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        with torch.set_grad_enabled(differentiable):
+            return function(*args)
+
+    with mock.patch.object(CheckpointFunction, "apply", staticmethod(apply)):
+        yield
+
+
 def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:
     """Give each backward node the ``nn_module_stack`` of its forward op, as ``fwd_nn_module_stack``.
 
@@ -452,9 +546,9 @@ def capture(
     flat_fake = tuple(fake_params + fake_buffers + fake_inputs)
     meta_constants = _MetaConstantsAsCPU(model)
     try:
-        with fake_mode, torch.enable_grad(), meta_constants:
+        with fake_mode, torch.enable_grad(), meta_constants, _reentrant_checkpoints_as_plain_calls():
             probe = call_model(flat_fake)
-        with meta_constants:
+        with meta_constants, _reentrant_checkpoints_as_plain_calls():
             written = _mutated_inputs(call_model, flat_fake, fake_mode)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError
         raise _capture_error(model, exc) from exc
@@ -491,7 +585,12 @@ def capture(
         # portable decomposition instead.
         with fake_mode, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the flags context warns about TF32 settings it restores
-            with torch.backends.mkldnn.flags(enabled=False), _record_module_paths(model), meta_constants:
+            with (
+                torch.backends.mkldnn.flags(enabled=False),
+                _record_module_paths(model),
+                meta_constants,
+                _reentrant_checkpoints_as_plain_calls(),
+            ):
                 compiled(*flat_fake)
     except _Captured:
         pass

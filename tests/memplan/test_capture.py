@@ -1,11 +1,13 @@
 """Capture: the joint graph is right on the constructs real models use."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from memplan.problem import BACKWARD, lower
 
 from memplan import WithLoss
 
-from .helpers import DataDependent, build_step
+from .helpers import DataDependent, assert_same_step, build_step, clear_grads
 
 
 def _grad_names(cap):
@@ -180,6 +182,65 @@ def test_custom_objects_in_outputs_pass_through():
     for f in dataclasses.fields(ref):
         a, b = getattr(out, f.name), getattr(ref, f.name)
         assert type(a) is type(b), f.name
+
+
+class _Configured(nn.Module):
+    """A forward whose graph depends on a dtype argument and on a config object's attributes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x, dtype, cfg):
+        h = self.a(x)
+        if cfg.use_b:
+            h = self.b(h)
+        return (h * cfg.scale).to(dtype)
+
+
+def test_plans_are_keyed_by_the_values_of_dtype_and_config_arguments():
+    torch.manual_seed(0)
+    model = _Configured()
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, 10**12)
+    x = torch.randn(4, 8)
+    cfg = SimpleNamespace(use_b=True, scale=2.0)
+
+    def step(dtype, cfg):
+        clear_grads(model)
+        clear_grads(reference)
+        out, ref = opt(x, dtype, cfg), reference(x, dtype, cfg)
+        assert out.dtype == ref.dtype == dtype
+        loss, ref_loss = out.square().sum(), ref.square().sum()
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(out, ref)
+        assert_same_step(model, reference, loss, ref_loss)
+
+    step(torch.float64, cfg)
+    step(torch.float32, cfg)  # another dtype: another graph
+    cfg.use_b, cfg.scale = False, 3.0  # the same object, changed in place: another graph
+    step(torch.float32, cfg)
+    assert len(opt.plans) == 3
+    step(torch.float32, SimpleNamespace(use_b=False, scale=3.0))  # equal values: the same plan
+    step(torch.float64, SimpleNamespace(use_b=True, scale=2.0))
+    assert len(opt.plans) == 3
+
+
+def test_non_leaf_input_passes_gradients_back_to_the_module_that_made_it():
+    torch.manual_seed(0)
+    pre, model = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    ref_pre, reference = copy.deepcopy(pre), copy.deepcopy(model)
+    opt = memplan.optimize(model, 10**12)
+    base = torch.randn(4, 8)
+    loss = opt(pre(base)).square().sum()  # the input is pre's output, not a leaf
+    ref_loss = reference(ref_pre(base)).square().sum()
+    loss.backward()
+    ref_loss.backward()
+    assert pre.weight.grad is not None
+    assert_same_step(model, reference, loss, ref_loss)
+    assert_same_step(pre, ref_pre, loss, ref_loss)
 
 
 def test_sdpa_and_bf16_autocast_capture():

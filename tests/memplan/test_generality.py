@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
@@ -123,4 +124,55 @@ def test_library_style_models_are_predicted_as_measured(name):
     loss, ref_loss = opt(*args), reference(*args)
     loss.backward()
     ref_loss.backward()
+    assert_same_step(module, reference, loss, ref_loss)
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.up, self.down, self.drop = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class _ReentrantCheckpointed(nn.Module):
+    """HuggingFace/timm-style gradient checkpointing: reentrant checkpoints on a hidden state that requires grad."""
+
+    def __init__(self, sequential: bool, d: int = 32, depth: int = 4):
+        super().__init__()
+        self.sequential = sequential
+        self.stem = nn.Linear(d, d)
+        self.blocks = nn.Sequential(*(_Block(d) for _ in range(depth)))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        if self.sequential:
+            h = checkpoint_sequential(self.blocks, 2, h, use_reentrant=True)
+        else:
+            for block in self.blocks:
+                h = checkpoint(block, h, use_reentrant=True)
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("sequential", [False, True], ids=["checkpoint", "checkpoint_sequential"])
+def test_reentrant_checkpoint_trains_like_eager_under_a_recomputing_budget(sequential):
+    torch.manual_seed(0)
+    module = _ReentrantCheckpointed(sequential)
+    reference = copy.deepcopy(module)
+    args = (torch.randn(256, 32),)
+    store_all = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args)
+    analysis = store_all.plan.analysis
+    budget = int(analysis.graph_peak - 0.3 * analysis.activation_bytes)
+    opt = memplan.optimize(module, budget, example_inputs=args, time_limit=3)
+    assert any(d.decision == "recompute" for d in opt.plan.decisions)
+    clear_grads(module)
+    torch.manual_seed(1)
+    loss = opt(*args)
+    torch.manual_seed(1)
+    ref_loss = reference(*args)
+    loss.backward()
+    ref_loss.backward()
+    assert all(p.grad is not None for p in module.parameters())
     assert_same_step(module, reference, loss, ref_loss)
