@@ -100,8 +100,10 @@ def run_method(name: str, problem: Problem, time_limit: float, solve=None) -> di
 def targets_table(summary: list[dict]) -> list[str]:
     """Method "auto" against the targets of issue #5, with the best fitting peer beside it."""
     lines = ["", "## Against the targets of issue #5 (method \"auto\", the default)", "",
-             "| graph, budget | target | auto: time, cost/total, gap | best fitting peer | met |",
-             "|---|---|---|---|---|"]
+             "gap: against the instance's bound (above); own gap: against the bound auto itself reports, "
+             "proved within its time limit.", "",
+             "| graph, budget | target | auto: time, cost/total, gap | own gap | best fitting peer | met |",
+             "|---|---|---|---|---|---|"]
     for (g, fraction) in dict.fromkeys((r["graph"], r["fraction"]) for r in summary):
         rows = [r for r in summary if r["graph"] == g and r["fraction"] == fraction]
         auto = next((r for r in rows if r["method"] == "auto"), None)
@@ -111,11 +113,12 @@ def targets_table(summary: list[dict]) -> list[str]:
         if auto is None:
             continue
         if not auto["fits"]:
-            lines.append(f"| {g}, {fraction:.0%} | {target} | {auto['time']:.1f} s, no plan fits | {peer} | no |")
+            lines.append(f"| {g}, {fraction:.0%} | {target} | {auto['time']:.1f} s, no plan fits | - | {peer} | no |")
             continue
+        own = "-" if auto.get("own_gap") is None else f"{100 * auto['own_gap']:.1f}%"
         met = auto["time"] <= auto["limit"] * 1.05 and auto["gap"] is not None and auto["gap"] <= GAP_TARGETS.get(g, 0.03)
         lines.append(f"| {g}, {fraction:.0%} | {target} | {auto['time']:.1f} s, {auto['ratio']:.4f}, "
-                     f"{100 * auto['gap']:.1f}% | {peer} | {'yes' if met else 'no'} |")
+                     f"{100 * auto['gap']:.1f}% | {own} | {peer} | {'yes' if met else 'no'} |")
     return lines
 
 
@@ -172,8 +175,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 info = r["info"]
                 note = str(info.get("chosen", info.get("milp_status", "")))
                 gap = (r["cost"] - bound) / r["cost"] if r["fits"] and r["cost"] > 0 else None
+                own = r.get("bound")  # the method's own bound, reported within its time limit
+                own_gap = (r["cost"] - own) / r["cost"] if gap is not None and own is not None else None
                 summary.append({"graph": g, "fraction": fraction, "method": r["method"], "time": r["time"],
-                                "ratio": r["cost"] / total, "gap": gap, "fits": r["fits"], "limit": limit})
+                                "ratio": r["cost"] / total, "gap": gap, "own_gap": own_gap, "fits": r["fits"],
+                                "limit": limit})
                 lines.append(
                     f"| {g} | {p.n} | {fraction:.0%} | {r['method']} | {r['time']:.1f} | {r['cost']:.6g} | "
                     f"{r['cost'] / total:.4f} | {bound / total:.4f} | {'-' if gap is None else f'{100 * gap:.1f}%'} | "

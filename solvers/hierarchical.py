@@ -65,7 +65,9 @@ winner is polished by `polish.keep_recomputed` (recomputations the budget
 does not need are undone).
 ``lower_bound``: `solvers.lower_bounds.lower_bound` when that module is
 present (valid for every schedule), else the sum of all costs (`_bound` is
-the plug-in point).
+the plug-in point), computed in a child process on a second core while the
+search runs (`background`, limits of `BACKGROUND_MIN_LIMIT` seconds or more),
+else in the last tenth of the limit.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from .background import BackgroundBound, usable_cores
 from .checkmate import solve_checkmate
 from .coarsen import Coarsening, coarsen
 from .exhaustive import solve_exhaustive
@@ -122,6 +125,14 @@ MORE_DESCENTS_SHARE = 0.5  # of the search time left for them; `pin_search` has 
 # a 60 s limit: 1.4660 in 43 s at 1x, 1.4483 in 57 s at 2x; both from 1.4990 at 20 s).
 PIN_PATIENCE = 2.0
 BOUND_END = 0.98  # the lower bound (last) ends by this share of the limit: the rest is the final simulation
+SEARCH_DEADLINE = 0.85  # the search ends by this share of the limit, leaving the bound its tenth
+# With the bound in a child process (`background`, when a second core is free and the limit is at
+# least BACKGROUND_MIN_LIMIT seconds), the search runs until BACKGROUND_SEARCH_DEADLINE instead and
+# the child has the whole limit less BACKGROUND_START seconds (to start Python and import
+# `solvers`: 1-2 s).
+BACKGROUND_MIN_LIMIT = 10.0
+BACKGROUND_SEARCH_DEADLINE = 0.93
+BACKGROUND_START = 1.5
 # The search stops once its best plan is certified this close to optimal by a quick bound (the
 # moments and LPs of `lower_bounds.lower_bound`, no MILP: 0.2 s on unet, 1.1 s on gpt12, within
 # 0.7% of the full bound there), so that a small model is planned in seconds, not the limit.
@@ -977,7 +988,7 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     those that fit join the baselines, so that the search is measured against them."""
     started = time.perf_counter()
     limit = DEFAULT_TIME_LIMIT if time_limit is None else float(time_limit)
-    deadline = started + 0.85 * limit  # leave room for the final simulation and the bound
+    deadline = started + SEARCH_DEADLINE * limit  # leave room for the final simulation and the bound
     info: dict[str, Any] = {}
     budget = problem.budget
     clock: dict[str, float] = {}  # phase -> seconds since the start when it ended (where the time went)
@@ -1014,6 +1025,15 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
             return finish(problem, quick[-1].schedule, "hierarchical", started, lower_bound=problem.total_cost(),
                           info=info)
     lap("baselines")
+    # The lower bound on a second core while the search goes on: then the search, not the bound,
+    # has the end of the time limit (`background`).
+    background = None
+    if limit >= BACKGROUND_MIN_LIMIT and usable_cores() >= 2 and not problem.has_host:
+        child_limit = started + BOUND_END * limit - time.perf_counter() - BACKGROUND_START
+        background = BackgroundBound.start(problem, child_limit)
+        if background is not None:
+            deadline = started + BACKGROUND_SEARCH_DEADLINE * limit
+    info["bound_in_background"] = background is not None
     fitting = [s for s in quick if s.fits]
     best = _Incumbent()
     for s in fitting:
@@ -1223,9 +1243,15 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     t0 = time.perf_counter()
     if near_quick_bound(best_cost):
         bound, bound_source = quick_bound[0], "lower_bounds.lower_bound (quick)"  # certified: done
+        if background is not None:
+            background.close()
     else:
-        left = started + BOUND_END * limit - time.perf_counter()
-        bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, left)))
+        value = None if background is None else background.result(started + BOUND_END * limit)
+        if value is not None and math.isfinite(value):
+            bound, bound_source = max(value, problem.total_cost()), "lower_bounds.lower_bound (background)"
+        else:
+            left = started + BOUND_END * limit - time.perf_counter()
+            bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, left)))
         if quick_bound and quick_bound[0] > bound:
             bound, bound_source = quick_bound[0], "lower_bounds.lower_bound (quick)"
     info["bound_time"] = round(time.perf_counter() - t0, 3)

@@ -1,0 +1,51 @@
+"""The lower bound computed in a child process (`solvers.background`)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from solvers.background import BackgroundBound, usable_cores
+from solvers.generators import training_like
+from solvers.hierarchical import solve_hierarchical
+from solvers.lower_bounds import lower_bound
+from solvers.memory import memory_of
+from solvers.problem import Problem
+from solvers.store_all import solve_store_all
+
+
+def _at(fraction: float, seed: int = 0) -> Problem:
+    """A transformer-like training graph at ``fraction`` of the way from its sources to store-all's peak."""
+    p = Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62)
+    base = memory_of(p, [])
+    return p.with_budget(int(base + fraction * (solve_store_all(p, None).peak - base)))
+
+
+def test_the_child_computes_the_same_bound_as_this_process():
+    # Every MILP of the bound closes well within the limit on this graph (about 2 s), so the two
+    # runs are the same computation: the child must answer exactly what this process finds.
+    p = _at(0.5)
+    here = lower_bound(p, 30.0)
+    assert here > p.total_cost() * 1.01  # a bound that says something
+    there = BackgroundBound(p, 30.0).result(time.perf_counter() + 120)
+    assert there == here
+
+
+def test_a_child_that_has_not_answered_is_stopped_and_its_file_removed():
+    p = _at(0.3)
+    child = BackgroundBound(p, 30.0)
+    folder = Path(child._dir.name)
+    assert folder.exists()
+    assert child.result(time.perf_counter()) is None  # asked at once: not done yet
+    assert child._proc.poll() is not None  # killed, not left running
+    assert not folder.exists()
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the bound runs in the background only with a second core")
+def test_the_search_reports_the_bound_of_its_background_child():
+    p = _at(0.35)
+    sol = solve_hierarchical(p, 10.0)
+    assert sol.fits and sol.info["bound_in_background"]
+    assert sol.info["bound_from"] == "lower_bounds.lower_bound (background)", sol.info
+    assert p.total_cost() < sol.lower_bound <= sol.cost
