@@ -37,6 +37,11 @@ from typing import Optional
 from .problem import Problem
 
 
+# The child yields to the search (and to anything else) where cores are short: the bound is worth
+# less than the plan.
+CHILD_NICENESS = 10
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on."""
     try:
@@ -106,6 +111,8 @@ def _stop(proc: subprocess.Popen, directory: tempfile.TemporaryDirectory) -> Non
 def main(argv: list[str]) -> None:
     from .lower_bounds import lower_bound
 
+    if hasattr(os, "nice"):
+        os.nice(CHILD_NICENESS)
     problem = Problem.load(argv[0])
 
     def report(value: float) -> None:

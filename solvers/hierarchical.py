@@ -1246,7 +1246,10 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         if background is not None:
             background.close()
     else:
-        value = None if background is None else background.result(started + BOUND_END * limit)
+        # The child has had the whole search; it gets at most the tenth the bound would take here,
+        # so that a search that ends early still answers early.
+        until = min(started + BOUND_END * limit, time.perf_counter() + 0.1 * limit)
+        value = None if background is None else background.result(until)
         if value is not None and math.isfinite(value):
             bound, bound_source = max(value, problem.total_cost()), "lower_bounds.lower_bound (background)"
         else:
