@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
+from memplan.measure import unmeasured
 from memplan.plan import Plan, make_plan
 from memplan.planio import as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
@@ -64,7 +65,9 @@ class OptimizedModule(nn.Module):
 
     It shares the original module's parameters, buffers and submodules (same
     names, same ``state_dict``), so optimizers, ``.to()``, ``.train()`` and
-    checkpoints work as they do on the original.
+    checkpoints work as they do on the original. ``copy.deepcopy`` and
+    ``torch.save`` of the whole module carry no cached plans: the copy plans
+    again on its first call (from ``plan=``'s saved plan where one was given).
     """
 
     def __init__(
@@ -100,6 +103,24 @@ class OptimizedModule(nn.Module):
         self._last_signature: InputSignature | None = None
         self.training = model.training
 
+    # -- copying and pickling -------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without its cached plans, for ``copy.deepcopy`` and pickling.
+
+        A cached plan holds the capture's fake tensors and fx graphs (deep-copying
+        those corrupts the heap; pickling them fails on pybind functions) and its
+        generated code reads the original model's non-parameter tensors as graph
+        constants, so a copy that shared it would not be independent. Plans are a
+        pure function of the model and the input signature, so the copy or the
+        loaded module plans again on its first call per signature; ``saved_plan``
+        (from ``plan=``) is plain data and is kept, so that re-planning reuses it
+        instead of solving.
+        """
+        state = self.__dict__.copy()
+        state["_plans"] = {}
+        state["_last_signature"] = None
+        return state
+
     # -- state shared with the original module -------------------------------
     def train(self, mode: bool = True) -> "OptimizedModule":
         self._orig_mod.train(mode)
@@ -126,34 +147,43 @@ class OptimizedModule(nn.Module):
 
     def _entry(self, sig: InputSignature, args: tuple, kwargs: dict):
         if sig not in self._plans:
-            model = self._orig_mod
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            profile = get_profile(self.device_profile, device)
-            measure_on = device if self.options.get("profile") else None
-            if measure_on is not None:  # the host link is measured too, not taken from the table
-                profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
-            # Offloading pays off where a host link runs beside compute: on by default on CUDA.
-            offload = self.options.get("offload")
-            offload = device.type == "cuda" if offload is None else bool(offload)
-            if self.saved_plan is not None:
-                plan, program = make_plan_from_saved(
-                    self.saved_plan, model, args, kwargs, self.budget, profile=profile, measure_on=measure_on
-                )
-            else:
-                plan, program = make_plan(
-                    model,
-                    args,
-                    kwargs,
-                    self.budget,
-                    solver=self.solver,
-                    time_limit=self.time_limit,
-                    profile=profile,
-                    measure_on=measure_on,
-                    offload=offload,
-                )
-            cap = plan.analysis.capture
-            self._plans[sig] = (plan, program, cap.param_names, cap.buffer_names)
+            # Planning is compile-time work, not part of the step: a MemoryTracker
+            # around the first call must see neither the capture's fake tensors
+            # (refusing one inside a dispatch callback aborts the process) nor
+            # the planner's own real work (profiling runs, meta-model constants).
+            with unmeasured():
+                self._plans[sig] = self._make_entry(args, kwargs)
         return self._plans[sig]
+
+    def _make_entry(self, args: tuple, kwargs: dict) -> tuple[Plan, Program, list[str], list[str]]:
+        """Plan the step for these inputs: solved, or bound from ``plan=``."""
+        model = self._orig_mod
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        profile = get_profile(self.device_profile, device)
+        measure_on = device if self.options.get("profile") else None
+        if measure_on is not None:  # the host link is measured too, not taken from the table
+            profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
+        # Offloading pays off where a host link runs beside compute: on by default on CUDA.
+        offload = self.options.get("offload")
+        offload = device.type == "cuda" if offload is None else bool(offload)
+        if self.saved_plan is not None:
+            plan, program = make_plan_from_saved(
+                self.saved_plan, model, args, kwargs, self.budget, profile=profile, measure_on=measure_on
+            )
+        else:
+            plan, program = make_plan(
+                model,
+                args,
+                kwargs,
+                self.budget,
+                solver=self.solver,
+                time_limit=self.time_limit,
+                profile=profile,
+                measure_on=measure_on,
+                offload=offload,
+            )
+        cap = plan.analysis.capture
+        return plan, program, cap.param_names, cap.buffer_names
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._orig_mod

@@ -83,6 +83,7 @@ __all__ = [
     "is_host",
     "mark_host",
     "measure_peak",
+    "unmeasured",
 ]
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -101,6 +102,17 @@ def _fake_tensor_types() -> tuple[type, ...]:
     return FakeTensor, FakeTensorMode
 
 
+_FAKE_REACHED = (
+    "memplan.measure: a FakeTensor reached the memory tracker; fake "
+    "tensors have no memory to measure (plan with memplan.costs, "
+    "measure with real tensors)"
+)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, _fake_tensor_types()[0])
+
+
 def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.UntypedStorage]:
     """Yield the untyped storages backing ``t``; nothing for storage-less tensors."""
     if type(t) not in _PLAIN_TENSOR_TYPES:
@@ -109,11 +121,7 @@ def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.Un
             yield t.untyped_storage()
             return
         if isinstance(t, fake_tensor):
-            raise RuntimeError(
-                "memplan.measure: a FakeTensor reached the memory tracker; fake "
-                "tensors have no memory to measure (plan with memplan.costs, "
-                "measure with real tensors)"
-            )
+            raise RuntimeError(_FAKE_REACHED)
         if is_traceable_wrapper_subclass(t):
             # A wrapper subclass (DTensor, ...) owns no memory itself: its inner
             # tensors do.
@@ -176,10 +184,14 @@ def is_host(t: torch.Tensor) -> bool:
 
 
 def _fresh_outputs(args: Any, kwargs: dict, out: Any) -> Iterator[torch.UntypedStorage]:
-    """Output storages of an op that none of its inputs already had."""
-    inputs = {id(st) for t in _tensors_in((args, kwargs), []) for st in _storages_of(t)}
+    """Output storages of an op that none of its inputs already had.
+
+    Fake storages are let through (marking one is harmless): this runs inside a
+    dispatch callback, where raising can abort the process.
+    """
+    inputs = {id(st) for t in _tensors_in((args, kwargs), []) for st in _storages_of(t, allow_fake=True)}
     for t in _tensors_in(out, []):
-        for st in _storages_of(t):
+        for st in _storages_of(t, allow_fake=True):
             if id(st) not in inputs:
                 yield st
 
@@ -286,6 +298,8 @@ class MemoryTracker(TorchDispatchMode):
         self.device = _normalize_device(device)
         self.record_timeline = record_timeline
         self._resident_tensors = list(resident)
+        # > 0 inside unmeasured(): ops pass through uncounted.
+        self._paused = 0
         self._reset()
 
     # -- public results -----------------------------------------------------
@@ -341,6 +355,11 @@ class MemoryTracker(TorchDispatchMode):
             # Drop the weakrefs so their callbacks never fire into a finished
             # measurement, and so the tracker keeps nothing alive.
             self._records.clear()
+        # Refused here, not where it was seen: an exception raised inside
+        # __torch_dispatch__ can cross a C++ frame that cannot pass it on
+        # (autograd on fake tensors), and that aborts the process.
+        if self._saw_fake and exc[0] is None:
+            raise RuntimeError(_FAKE_REACHED)
 
     def refresh(self) -> None:
         """Re-read the size of every tracked storage.
@@ -357,6 +376,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
         # Inputs first: a storage first seen as an input predates the step,
         # except the argument of lift_fresh, which is how ``torch.tensor(...)``
         # hands the dispatcher a constant it has just built.
@@ -384,6 +405,7 @@ class MemoryTracker(TorchDispatchMode):
         self._lives: list[int] = []
         self._late_resident: list[tuple[int, int]] = []
         self._active = False
+        self._saw_fake = False
 
     def _see_all(self, objs: Iterable[Any], resident: bool) -> None:
         # The per-op hot path: plain tensors take no generator, no pytree.
@@ -403,7 +425,10 @@ class MemoryTracker(TorchDispatchMode):
                     self._resize(rec, st.nbytes())
             elif isinstance(obj, torch.Tensor):
                 # Subclasses: wrapper subclasses own their inner tensors'
-                # storages; fake tensors are refused unless allow_fake.
+                # storages; fake tensors are refused unless allow_fake, on exit.
+                if not self.allow_fake and _is_fake(obj):
+                    self._saw_fake = True
+                    continue
                 for st in _storages_of(obj, self.allow_fake):
                     rec = records.get(id(st))
                     if rec is None:
@@ -454,6 +479,27 @@ class MemoryTracker(TorchDispatchMode):
         rec = self._records.pop(key, None)
         if rec is not None and self._active:
             self._live -= rec.nbytes
+
+
+@contextlib.contextmanager
+def unmeasured() -> Iterator[None]:
+    """Hide the work inside this block from every :class:`MemoryTracker` active now.
+
+    For work that runs during a measured call but is not part of the step:
+    ``OptimizedModule`` plans lazily on its first call, on fake tensors that
+    allocate nothing (a tracker refuses them) and with real work of its own
+    (profiling runs). Trackers entered inside the block measure as usual, so
+    planning can still replay a step under its own tracker. Storages made
+    here that the step later touches are counted then, as resident.
+    """
+    paused = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, MemoryTracker)]
+    for tracker in paused:
+        tracker._paused += 1
+    try:
+        yield
+    finally:
+        for tracker in paused:
+            tracker._paused -= 1
 
 
 # --------------------------------------------------------------------------

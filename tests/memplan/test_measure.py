@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,9 +19,21 @@ from memplan.measure import (
     is_host,
     mark_host,
     measure_peak,
+    unmeasured,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 F32 = 4  # bytes per float32 element
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter: a scenario that once aborted the process
+    (an exception thrown through a C++ frame: SIGABRT) fails its test there instead
+    of killing pytest."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
 
 
 def test_allocation_counts_its_bytes():
@@ -226,6 +245,70 @@ def test_measuring_under_fake_mode_raises():
     # A fake tensor reaching the tracker outside the mode is refused too.
     with pytest.raises(RuntimeError, match="FakeTensor"):
         measure_peak(lambda: x * 2, "cpu")
+
+
+def test_fake_tensor_in_a_measured_autograd_step_raises_instead_of_aborting():
+    # Refused inside __torch_dispatch__, the error crossed a C++ frame of autograd on fake
+    # tensors that cannot pass it on: 'terminate called ... python_error', SIGABRT.
+    out = _run_python(
+        """
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from memplan.measure import measure_peak
+
+        w = FakeTensorMode(allow_non_fake_inputs=True).from_tensor(torch.randn(3, 3)).requires_grad_()
+        try:
+            measure_peak(lambda: torch.nn.functional.linear(w, w).sum().backward(), "cpu")
+        except RuntimeError as err:
+            assert "FakeTensor reached the memory tracker" in str(err), err
+        else:
+            raise AssertionError("a fake step was measured")
+        """
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_unmeasured_hides_work_from_the_trackers_active_around_it():
+    x = torch.randn(1000)
+    with MemoryTracker("cpu") as outer:
+        with unmeasured():
+            hidden = x * 2
+            with MemoryTracker("cpu") as inner:  # entered inside: measures as usual
+                inner_out = x * 3
+        after = x + 1
+    assert inner.peak == 2000 * F32  # x and x * 3
+    # x (resident, first touched after the block) and x + 1; x * 2 and x * 3 were never seen.
+    assert outer.peak == 2000 * F32
+    del hidden, inner_out, after
+
+
+def test_first_call_of_an_optimized_module_measures_the_step_not_the_planning():
+    # The first call plans on fake tensors inside the tracker: that aborted the process
+    # (SIGABRT). Planning allocates no real memory, so it must add nothing to the peak.
+    out = _run_python(
+        """
+        import copy, json, torch, torch.nn as nn, memplan
+        from memplan.measure import measure_peak
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 2))
+        reference = copy.deepcopy(model)
+        opt = memplan.optimize(model, 10**9)
+        x = torch.randn(128, 64)
+        first = measure_peak(lambda: opt(x).sum().backward(), "cpu")
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        second = measure_peak(lambda: opt(x).sum().backward(), "cpu")
+        reference(x).sum().backward()
+        for g, q in zip(grads, reference.parameters()):
+            torch.testing.assert_close(g, q.grad)
+        print(json.dumps(dict(first=first, second=second, predicted=opt.plan.predicted_peak)))
+        """
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    peaks = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peaks["first"] == peaks["second"], peaks
+    assert abs(peaks["first"] - peaks["predicted"]) <= 0.05 * peaks["predicted"], peaks
 
 
 def test_default_device_is_cpu_without_cuda():

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +19,7 @@ from memplan import zoo
 
 from .helpers import DataDependent, assert_measured_peak, assert_same_step, build_step, clear_grads
 
+ROOT = Path(__file__).resolve().parents[2]
 ZOO = ["mlp", "cnn", "gpt", "unet", "dict_out"]
 LEVELS = ["store_all", "70%", "50%", "min+10%"]
 
@@ -255,3 +262,103 @@ def test_untraceable_model_error_from_optimize():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
     with pytest.raises(memplan.CaptureError, match=r"Sequential.*momentum=None"):
         memplan.optimize(model, "1GB")(torch.randn(2, 4))
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter: a scenario that once aborted the process
+    (SIGABRT at exit) fails its test there instead of killing pytest."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
+
+
+_DEEPCOPY = """
+    import copy, torch, memplan
+    from tests.memplan.helpers import assert_measured_peak, assert_same_step, build_step, clear_grads
+
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    opt = memplan.optimize(module, {budget}, example_inputs=args, example_kwargs=kwargs, time_limit=10)
+    twin = copy.deepcopy(opt)
+"""
+
+_TRAIN_THE_COPY = """
+    twin_module = twin._orig_mod
+    assert not set(map(id, twin.parameters())) & set(map(id, module.parameters()))
+    assert [id(p) for p in twin.parameters()] == [id(p) for p in twin_module.parameters()]
+    assert twin.budget == opt.budget
+    twin.prepare(*args, **kwargs)
+    assert_measured_peak(twin, twin_module, args, kwargs, {budget})
+    clear_grads(twin_module)
+    clear_grads(module)
+    torch.manual_seed(0)
+    loss = twin(*args, **kwargs)
+    loss.backward()
+    torch.manual_seed(0)
+    ref_loss = reference(*args, **kwargs)
+    ref_loss.backward()
+    assert_same_step(twin_module, reference, loss.detach(), ref_loss.detach())
+    assert all(p.grad is None for p in module.parameters())  # the original trained nothing
+    assert any(d.decision == "recompute" for d in twin.plan.decisions)
+"""
+
+
+@pytest.mark.parametrize("then_train", [False, True], ids=["exit", "train"])
+def test_deepcopy_of_a_planned_module_owns_its_parameters_and_trains_like_eager(then_train):
+    # A deep copy used to deep-copy the cached plans' fake tensors: a process that
+    # exited right after it died with 'corrupted double-linked list' (SIGABRT).
+    budget = _budget("mlp", "50%")
+    code = _DEEPCOPY + (_TRAIN_THE_COPY if then_train else "")
+    out = _run_python(code.format(budget=budget))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "FakeTensor" not in out.stderr, out.stderr[-3000:]  # no fake tensor was copied
+
+
+def _small_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 1))
+
+
+def _save_and_load(module: nn.Module) -> nn.Module:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_torch_save_of_a_planned_module_loads_a_module_that_plans_again():
+    # torch.save(opt) failed: the cached plans hold pybind function records, not pickleable.
+    model, x = _small_mlp(), torch.randn(16, 32)
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, 10**9, example_inputs=(x,))
+    loaded = _save_and_load(opt)
+    assert isinstance(loaded, memplan.OptimizedModule) and not loaded.plans
+    assert list(loaded.state_dict()) == list(opt.state_dict())
+    loaded(x).pow(2).mean().backward()
+    reference(x).pow(2).mean().backward()
+    assert len(loaded.plans) == 1
+    for (n, p), (_, q) in zip(loaded.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_pickled_module_made_from_a_saved_plan_reuses_that_plan(tmp_path, monkeypatch):
+    import solvers
+
+    model, x = _small_mlp(), torch.randn(16, 32)
+    made = memplan.optimize(model, 10**9, example_inputs=(x,))
+    path = tmp_path / "mlp.json"
+    made.plan.save(path)
+    loaded = _save_and_load(memplan.optimize(model, plan=path, example_inputs=(x,)))
+    assert not loaded.plans and loaded.saved_plan.schedule == made.plan.schedule
+    real_solve = solvers.solve
+
+    def no_solving(problem, method="auto", time_limit=None):
+        if method != "store_all":  # the analysis's baseline; nothing else may be solved
+            raise AssertionError(f"a saved plan must not be solved again (method {method!r})")
+        return real_solve(problem, method, time_limit)
+
+    monkeypatch.setattr(solvers, "solve", no_solving)
+    loaded(x).sum().backward()
+    assert loaded.plan.schedule == made.plan.schedule
