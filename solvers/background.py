@@ -85,18 +85,24 @@ class BackgroundBound:
             self._proc.kill()
             out, _ = self._proc.communicate()
         self.close()
-        values = []
-        for line in (out or "").splitlines():
-            try:
-                values.append(float(line))
-            except ValueError:
-                continue  # a line cut short by the kill
-        values = [v for v in values if not math.isnan(v)]
-        return max(values) if values else None
+        return best_printed(out or "")
 
     def close(self) -> None:
         """Stop the child (if it still runs) and remove its file."""
         self._finalizer()
+
+
+def best_printed(out: str) -> Optional[float]:
+    """The largest bound in the child's output ``out``, read from whole lines only: a number cut
+    short by the kill may read as another (``1.2e-05`` as ``1.2``)."""
+    values = []
+    for line in out.split("\n")[:-1]:  # the part after the last newline is not whole
+        try:
+            values.append(float(line))
+        except ValueError:
+            continue
+    values = [v for v in values if not math.isnan(v)]
+    return max(values) if values else None
 
 
 def _stop(proc: subprocess.Popen, directory: tempfile.TemporaryDirectory) -> None:

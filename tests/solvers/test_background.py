@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from solvers.background import BackgroundBound, usable_cores
+from solvers.background import BackgroundBound, best_printed, usable_cores
 from solvers.generators import training_like
 from solvers.hierarchical import solve_hierarchical
 from solvers.lower_bounds import lower_bound
@@ -52,3 +52,11 @@ def test_the_search_reports_the_bound_of_its_background_child():
     # anything by the end of the search: the search then computes the bound itself, as before.
     assert sol.info["bound_from"] in ("lower_bounds.lower_bound (background)", "lower_bounds.lower_bound")
     assert p.total_cost() < sol.lower_bound <= sol.cost
+
+
+def test_a_bound_cut_short_by_the_kill_is_not_read():
+    # The child prints each bound as it rises; killed mid-line, "1.25e-05" may arrive as "1.25",
+    # which would read as a bound 10^5 times too high.
+    assert best_printed("1.1e-05\n1.2e-05\n1.25") == 1.2e-05
+    assert best_printed("1.1e-05\n1.2e-05\n") == 1.2e-05
+    assert best_printed("1.2") is None and best_printed("") is None
