@@ -1246,15 +1246,19 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         if background is not None:
             background.close()
     else:
-        # The child has had the whole search; it gets at most the tenth the bound would take here,
-        # so that a search that ends early still answers early.
-        until = min(started + BOUND_END * limit, time.perf_counter() + 0.1 * limit)
+        # A search that used its time waits for the child, which has had all of it. One that ended
+        # early takes what the child has proved so far and computes the bound here as before, so
+        # that it still answers early (a child starved by other work would make it wait).
+        waited = background is not None and time.perf_counter() >= deadline
+        until = started + BOUND_END * limit if waited else time.perf_counter()
         value = None if background is None else background.result(until)
-        if value is not None and math.isfinite(value):
+        if value is not None and math.isfinite(value) and waited:
             bound, bound_source = max(value, problem.total_cost()), "lower_bounds.lower_bound (background)"
         else:
             left = started + BOUND_END * limit - time.perf_counter()
             bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, left)))
+            if value is not None and math.isfinite(value) and value > bound:
+                bound, bound_source = value, "lower_bounds.lower_bound (background)"
         if quick_bound and quick_bound[0] > bound:
             bound, bound_source = quick_bound[0], "lower_bounds.lower_bound (quick)"
     info["bound_time"] = round(time.perf_counter() - t0, 3)
