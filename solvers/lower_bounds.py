@@ -661,9 +661,10 @@ def pruned_interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: 
                     progress: Optional[Callable[[float], None]] = None) -> float:
     """The interval model's bound on moments chosen from ``ws`` by their LP: moments are left out,
     one at a time, while leaving one out raises the LP optimum (within `PRUNE_SHARE` of the time),
-    then the MILP runs on what is left in the rest. Returns the larger of that MILP's dual bound
-    and the best LP optimum seen (every subset of a chain of moments is a chain, so each is a
-    bound); ``progress`` is called with each LP optimum on the way.
+    then the MILP runs on what is left in the rest, and, if it closes with time to spare, the MILP
+    on all of ``ws``. Returns the largest of those MILPs' dual bounds and the LP optima seen (every
+    subset of a chain of moments is a chain, so each is a bound); ``progress`` is called with each
+    bound on the way.
 
     Why leave moments out: the LP is not monotone in its moments. Between two moments more, a
     fractional recomputation can be split over two intervals that each read the same fractional
