@@ -1252,13 +1252,14 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
         waited = background is not None and time.perf_counter() >= deadline
         until = started + BOUND_END * limit if waited else time.perf_counter()
         value = None if background is None else background.result(until)
-        if value is not None and math.isfinite(value) and waited:
-            bound, bound_source = max(value, problem.total_cost()), "lower_bounds.lower_bound (background)"
+        proved = value if value is not None and math.isfinite(value) else None
+        if proved is not None and waited:
+            bound, bound_source = max(proved, problem.total_cost()), "lower_bounds.lower_bound (background)"
         else:
             left = started + BOUND_END * limit - time.perf_counter()
             bound, bound_source = _bound(problem, max(0.1, min(0.1 * limit, left)))
-            if value is not None and math.isfinite(value) and value > bound:
-                bound, bound_source = value, "lower_bounds.lower_bound (background)"
+            if proved is not None and proved > bound:
+                bound, bound_source = proved, "lower_bounds.lower_bound (background)"
         if quick_bound and quick_bound[0] > bound:
             bound, bound_source = quick_bound[0], "lower_bounds.lower_bound (quick)"
     info["bound_time"] = round(time.perf_counter() - t0, 3)

@@ -6,20 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.scale_bench import with_fraction
 from solvers.background import BackgroundBound, best_printed, usable_cores
 from solvers.generators import training_like
 from solvers.hierarchical import solve_hierarchical
 from solvers.lower_bounds import lower_bound
-from solvers.memory import memory_of
 from solvers.problem import Problem
-from solvers.store_all import solve_store_all
 
 
 def _at(fraction: float, seed: int = 0) -> Problem:
     """A transformer-like training graph at ``fraction`` of the way from its sources to store-all's peak."""
-    p = Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62)
-    base = memory_of(p, [])
-    return p.with_budget(int(base + fraction * (solve_store_all(p, None).peak - base)))
+    return with_fraction(Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62), fraction)
 
 
 def test_the_child_computes_the_same_bound_as_this_process():
