@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from .problem import Problem
-from .schedule import Op, Schedule, Step
+from .schedule import Op, Schedule, ScheduleError, Step, simulate
 
 
 class PlanError(ValueError):
@@ -99,3 +99,26 @@ def schedule_from_plan(problem: Problem, plan: Plan) -> Schedule:
 def schedule_from_sequence(problem: Problem, computes: Sequence[int]) -> Schedule:
     """A single-stage plan: compute in this order, free after last use."""
     return schedule_from_plan(problem, Plan.sequence(computes))
+
+
+def tighten_frees(problem: Problem, schedule: Schedule) -> Schedule:
+    """``schedule`` with its frees placed as `schedule_from_plan` places them (each instance
+    freed right after its last read), when that raises neither its peak nor its cost; else
+    ``schedule`` itself.
+
+    The runtime drops a value as soon as nothing later reads it, whatever the schedule says, so
+    a free placed later than that is memory the prediction counts and the step never holds
+    (a polished schedule held a 1 MiB activation idle through the peak: predicted 6.4% above
+    the measured peak). Schedules with host copies keep their own frees (a free there also
+    waits for a copy)."""
+    if schedule.has_transfers():
+        return schedule
+    index = problem.index
+    tight = schedule_from_sequence(problem, [index[node] for node in schedule.computes()])
+    if tight == schedule:
+        return schedule
+    try:
+        before, after = simulate(problem, schedule), simulate(problem, tight)
+    except ScheduleError:
+        return schedule
+    return tight if after.peak <= before.peak and after.cost <= before.cost else schedule

@@ -7,7 +7,10 @@ and, for each recomputation of a value, asks whether keeping the earlier
 instance resident instead (deleting its free and the recompute) still fits;
 the most cost saved per byte-step held first. A recomputation left unread
 (its only reader was itself a recomputation now undone) is then deleted
-with its free. Every change only lowers the compute cost.
+with its free, and every free goes back to right after its value's last
+read (a kept instance whose readers were undone would otherwise be held idle;
+the room this makes goes to another pass). Every change only lowers the
+compute cost.
 
 Memory is tracked on the simulator's timeline: keeping a value from its
 free at ``f`` to its recompute at ``j`` adds its bytes to every step in
@@ -27,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from .plan import tighten_frees
 from .problem import Problem
 from .schedule import Op, Schedule, ScheduleError, simulate
 
@@ -92,9 +96,27 @@ def _instances(problem: Problem, steps: list) -> dict[int, list[tuple[int, Optio
     return out
 
 
+KEEP_PASSES = 3  # passes of `keep_recomputed`: the frees tightened after one can make room for more keeps
+
+
 def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math.inf) -> Schedule:
     """``schedule`` with recomputations undone while it still fits ``problem.budget`` (or
-    ``schedule`` itself when it does not fit, or when nothing can be undone)."""
+    ``schedule`` itself when it does not fit, or when nothing can be undone).
+
+    Undoing a recomputation stretches the earlier instance to the recompute's free; when a later
+    undo removes the reads that stretch was for, the instance is held idle. So after each pass the
+    frees go back to the last reads (`plan.tighten_frees`), and the room that makes is offered to
+    another pass."""
+    for _ in range(KEEP_PASSES):
+        polished = _keep_pass(problem, schedule, deadline)
+        if polished is schedule or time.perf_counter() > deadline:
+            return polished
+        schedule = polished
+    return schedule
+
+
+def _keep_pass(problem: Problem, schedule: Schedule, deadline: float) -> Schedule:
+    """One pass of `keep_recomputed` (``schedule`` itself when it changes nothing)."""
     steps = list(schedule.steps)
     try:
         sim = simulate(problem, steps)
@@ -139,14 +161,14 @@ def keep_recomputed(problem: Problem, schedule: Schedule, deadline: float = math
     if not removed.any():
         return schedule
     kept = [s for s, gone in zip(steps, removed) if not gone]
-    kept = _drop_unread(problem, kept)
+    kept = tighten_frees(problem, Schedule(tuple(_drop_unread(problem, kept))))
     try:
         after = simulate(problem, kept)
     except ScheduleError:
         return schedule
     if not after.fits or after.cost > sim.cost or after.time > sim.time * (1 + 1e-9):
         return schedule
-    return Schedule(tuple(kept))
+    return kept
 
 
 def _drop_unread(problem: Problem, steps: list) -> list:
