@@ -78,7 +78,7 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.capture import _MetaConstantsAsCPU, _fakeify, flatten_output
+    from memplan.capture import _MetaConstantsAsCPU, _fakeify, call_with_state, flatten_output
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -94,7 +94,7 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     device = next((t.device for t in state.values()), torch.device("cpu"))
     meta_constants = _MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
     with fake_mode, meta_constants, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
-        out = torch.func.functional_call(model, state, fake_args, fake_kwargs, tie_weights=True, strict=False)
+        out = call_with_state(model, state, tuple(fake_args), fake_kwargs)
         tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
         del out
         grads = [torch.ones_like(t) for t in tensors]

@@ -69,14 +69,15 @@ class OutputTree:
 
     Non-tensor leaves (ints, strings, objects of the model's own classes that
     hold no tensors) are kept verbatim from the trace and passed through.
-    Objects of the model's own classes that hold tensors are shallow-copied
-    with their tensor attributes replaced.
+    Objects of the model's own classes that hold tensors (also inside
+    containers, and as the items of a dict subclass) are shallow-copied with
+    those parts replaced.
     """
 
     spec: Any  # pytree spec over the "opened" output
     leaves: list[Any]  # constants, with None where a tensor leaf goes
     tensor_positions: list[int]  # leaf positions that are tensors
-    objects: list[tuple[Any, list[str]]]  # opened custom objects: (template, attribute names)
+    objects: list[_Opened]  # opened custom objects, indexed by their tags in the tree
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         leaves = list(self.leaves)
@@ -205,40 +206,80 @@ class Capture:
 # --------------------------------------------------------------------------- #
 
 
-def _holds_tensors(obj: Any) -> bool:
-    return any(isinstance(v, torch.Tensor) for v in vars(obj).values())
+@dataclass
+class _Opened:
+    """How to rebuild one output object that pytree cannot see into, once its tensors are new.
+
+    Dataclasses, caches and dict subclasses pytree does not know (HF
+    ``ModelOutput`` before transformers registered it: an ``OrderedDict``
+    subclass whose fields are both items and attributes) are rebuilt as a
+    shallow copy of the traced object with the opened parts replaced.
+    """
+
+    template: Any  # the object from the trace
+    item_keys: list[Any]  # a dict subclass's keys, in order (every item is opened)
+    attrs: list[str]  # attributes that hold tensors, directly or inside containers
+    aliases: dict[str, Any]  # attribute -> item key whose value is that very object (ModelOutput's fields)
 
 
-def _open_objects(tree: Any, objects: list[tuple[Any, list[str]]]) -> Any:
-    """Replace objects pytree cannot see into (dataclasses, caches) by tagged dicts of their tensors."""
+_OBJECT_TAG = "__memplan_object__"
+_MAX_OBJECT_DEPTH = 8  # objects nested deeper (or in a cycle) are left closed, and checked by _hidden_tensor
 
-    def visit(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) or x is None:
+
+def _has_tensor_leaf(tree: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(tree))
+
+
+def _is_plain_object(x: Any) -> bool:
+    """An object whose state memplan may open: not a class, not a module (its parameters are not outputs)."""
+    return not isinstance(x, (type, torch.nn.Module, torch.Tensor))
+
+
+def _open_objects(tree: Any, objects: list[_Opened]) -> Any:
+    """Replace objects pytree cannot see into (dataclasses, caches, dict subclasses) by tagged dicts.
+
+    An attribute is opened wherever it holds tensors, also inside tuples,
+    lists or further objects (``past_key_values``: a tuple of tuples): a
+    tensor left inside the template would come back as the trace's fake tensor.
+    """
+
+    def visit(x: Any, depth: int = 0) -> Any:
+        if isinstance(x, torch.Tensor) or x is None or depth > _MAX_OBJECT_DEPTH:
             return x
         if isinstance(x, (list, tuple, dict)) and type(x) in (list, tuple, dict):
-            return pytree.tree_map(visit, x, is_leaf=lambda y: y is not x)
+            return pytree.tree_map(lambda c: visit(c, depth + 1), x, is_leaf=lambda y: y is not x)
         if pytree._get_node_type(x) in pytree.SUPPORTED_NODES:
             children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
-            return pytree.tree_unflatten([visit(c) for c in children], spec)
-        if hasattr(x, "__dict__") and not isinstance(x, type) and _holds_tensors(x):
-            names = [k for k, v in vars(x).items() if isinstance(v, torch.Tensor)]
-            objects.append((x, names))
-            return {"__memplan_object__": len(objects) - 1, **{k: getattr(x, k) for k in names}}
-        return x
+            return pytree.tree_unflatten([visit(c, depth + 1) for c in children], spec)
+        if not _is_plain_object(x):
+            return x
+        keys = list(x.keys()) if isinstance(x, dict) else []
+        items = [visit(dict.__getitem__(x, k), depth + 1) for k in keys]
+        item_of = {id(dict.__getitem__(x, k)): k for k in keys}
+        attrs: dict[str, Any] = {}
+        aliases: dict[str, Any] = {}
+        for name, value in (vars(x).items() if hasattr(x, "__dict__") else ()):
+            if id(value) in item_of and value is not None:
+                aliases[name] = item_of[id(value)]  # one object, reached two ways: keep it one
+                continue
+            opened = visit(value, depth + 1)
+            if _has_tensor_leaf(opened):
+                attrs[name] = opened
+        if not attrs and not _has_tensor_leaf(items):
+            return x
+        objects.append(_Opened(x, keys, list(attrs), aliases))
+        return {_OBJECT_TAG: len(objects) - 1, "items": items, "attrs": attrs}
 
     return visit(tree)
 
 
-def _close_objects(tree: Any, objects: list[tuple[Any, list[str]]]) -> Any:
-    """Inverse of :func:`_open_objects`: shallow-copy each template with new tensors."""
+def _close_objects(tree: Any, objects: list[_Opened]) -> Any:
+    """Inverse of :func:`_open_objects`: shallow-copy each template with its new parts."""
 
     def visit(x: Any) -> Any:
-        if isinstance(x, dict) and "__memplan_object__" in x:
-            template, names = objects[x["__memplan_object__"]]
-            obj = copy.copy(template)
-            for k in names:
-                object.__setattr__(obj, k, visit(x[k]))
-            return obj
+        if isinstance(x, dict) and _OBJECT_TAG in x:
+            return rebuild(objects[x[_OBJECT_TAG]], [visit(v) for v in x["items"]],
+                           {k: visit(v) for k, v in x["attrs"].items()})
         if type(x) in (list, tuple):
             return type(x)(visit(v) for v in x)
         if type(x) is dict:
@@ -248,14 +289,58 @@ def _close_objects(tree: Any, objects: list[tuple[Any, list[str]]]) -> Any:
             return pytree.tree_unflatten([visit(c) for c in children], spec)
         return x
 
+    def rebuild(opened: _Opened, items: list[Any], attrs: dict[str, Any]) -> Any:
+        template = opened.template
+        if isinstance(template, dict):
+            # Not copy.copy: an OrderedDict subclass copies by calling cls(), which a
+            # dataclass with required fields refuses. No user __setitem__ runs either.
+            obj = type(template).__new__(type(template))
+            if hasattr(template, "__dict__"):
+                obj.__dict__.update(vars(template))
+            setitem = collections.OrderedDict.__setitem__ if isinstance(obj, collections.OrderedDict) else dict.__setitem__
+            for key, value in zip(opened.item_keys, items):
+                setitem(obj, key, value)
+        else:
+            obj = copy.copy(template)
+        for name, value in attrs.items():
+            object.__setattr__(obj, name, value)
+        for name, key in opened.aliases.items():
+            object.__setattr__(obj, name, dict.__getitem__(obj, key))
+        return obj
+
     return visit(tree)
+
+
+def _hidden_tensor(x: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
+    """Whether a constant output leaf still holds a tensor somewhere inside it."""
+    seen = set() if seen is None else seen
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth > 2 * _MAX_OBJECT_DEPTH or id(x) in seen or not _is_plain_object(x):
+        return False
+    seen.add(id(x))
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return any(_hidden_tensor(v, depth + 1, seen) for v in x)
+    if isinstance(x, dict) and any(_hidden_tensor(v, depth + 1, seen) for v in x.values()):
+        return True
+    slots = [name for cls in type(x).__mro__ for name in getattr(cls, "__slots__", ()) if isinstance(name, str)]
+    state = [getattr(x, name, None) for name in slots] + (list(vars(x).values()) if hasattr(x, "__dict__") else [])
+    return any(_hidden_tensor(v, depth + 1, seen) for v in state)
 
 
 def flatten_output(out: Any) -> tuple[list[Any], OutputTree]:
     """Flatten a model output into its tensor leaves and a tree that rebuilds it."""
-    objects: list[tuple[Any, list[str]]] = []
+    objects: list[_Opened] = []
     opened = _open_objects(out, objects)
     leaves, spec = pytree.tree_flatten(opened)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and _hidden_tensor(leaf):
+            # Passed through as a constant, it would hand the caller the trace's fake tensors.
+            raise CaptureError(
+                f"the model's output holds tensors inside a {type(leaf).__name__} that memplan cannot open "
+                "(a list or set subclass, __slots__, or nested too deep): return tensors in tuples, lists, dicts, dataclasses or "
+                f"plain objects, or register {type(leaf).__name__} with torch.utils._pytree.register_pytree_node"
+            )
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     tensors = [leaves[i] for i in positions]
@@ -265,6 +350,36 @@ def flatten_output(out: Any) -> tuple[list[Any], OutputTree]:
 # --------------------------------------------------------------------------- #
 # The capture itself
 # --------------------------------------------------------------------------- #
+
+
+def call_with_state(model: torch.nn.Module, state: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """``model(*args, **kwargs)`` with its parameters and buffers swapped for ``state``, restored after.
+
+    ``torch.func.functional_call`` with ``tie_weights=True`` swaps a tensor in
+    once per name it has (a submodule registered under two parents has two)
+    and restores the names in the same order, so the second name puts back
+    the first one's replacement: the model keeps the fake tensors of the trace
+    as its parameters. Restoring in reverse order (``stack_weights``) puts the
+    original back last.
+
+    Raises :class:`CaptureError` when the forward assigns a new tensor to a
+    parameter or buffer (``self.count = self.count + 1``): the trace would
+    drop that update, and the model would silently stop counting.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    before = dict(state)
+    with _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
+        out = model(*args, **kwargs)
+    # _reparametrize_module writes what it finds at each name back into ``state``.
+    reassigned = [name for name, t in state.items() if t is not before[name]]
+    if reassigned:
+        raise CaptureError(
+            f"the forward assigns a new tensor to {', '.join(map(repr, reassigned[:3]))} "
+            "(like `self.count = self.count + 1`), an update memplan's planned step would drop: "
+            "update it in place instead (`self.count.add_(1)`, `self.ema.copy_(new)`, under torch.no_grad())"
+        )
+    return out
 
 
 def _primal_label(i: int, param_names: list[str], n_b: int) -> str:
@@ -465,6 +580,60 @@ def _reentrant_checkpoints_as_plain_calls():
         yield
 
 
+def _rnn_layers_with_dropout(input, hidden, params, has_biases, num_layers, dropout, train, bidirectional,
+                             batch_first, layer_fn):
+    """torch's ``_rnn_helper`` decomposition of ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``, with its dropout.
+
+    The same loop as torch's (torch/_decomp/decompositions.py) without its line
+    ``dropout = dropout if (train and num_layers < i - 1) else 0.0``, which is
+    never true and so drops the dropout between stacked layers from every
+    traced graph: the model would train as if ``dropout=0``. ``torch.dropout``
+    on the sequence-first layer output draws the same mask eager's kernel does.
+    """
+    from torch._decomp.decompositions import params_hiddens
+
+    input = input.transpose(0, 1) if batch_first else input
+    final_hiddens = []
+    for i in range(num_layers):
+        cur_params, cur_hidden, bidir_params, bidir_hidden = params_hiddens(params, hidden, i, bidirectional)
+        fwd_inp, fwd_hidden = layer_fn(input, cur_hidden, cur_params, has_biases)
+        final_hiddens.append(fwd_hidden)
+        if bidirectional:
+            bwd_inp, bwd_hidden = layer_fn(input, bidir_hidden, bidir_params, has_biases, reverse=True)
+            final_hiddens.append(bwd_hidden)
+            input = torch.cat([fwd_inp, bwd_inp], fwd_inp.dim() - 1)
+        else:
+            input = fwd_inp
+        if dropout != 0 and train and i < num_layers - 1:
+            input = torch.dropout(input, dropout, train=True)
+    input = input.transpose(0, 1) if batch_first else input
+    return input, final_hiddens
+
+
+@contextlib.contextmanager
+def _rnn_dropout_between_layers():
+    """Trace stacked RNNs with the dropout between their layers (see :func:`_rnn_layers_with_dropout`).
+
+    Patched only while the installed torch still has the bug, recognized by its
+    source line, so a torch that fixes it (or changes the helper) traces its own.
+    """
+    import inspect
+    from unittest import mock
+
+    from torch._decomp import decompositions
+
+    helper = getattr(decompositions, "_rnn_helper", None)
+    try:
+        buggy = helper is not None and "num_layers < i - 1" in inspect.getsource(helper)
+    except (OSError, TypeError):  # no source to read: leave torch's helper alone
+        buggy = False
+    if not buggy:
+        yield
+        return
+    with mock.patch.object(decompositions, "_rnn_helper", _rnn_layers_with_dropout):
+        yield
+
+
 def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:
     """Give each backward node the ``nn_module_stack`` of its forward op, as ``fwd_nn_module_stack``.
 
@@ -539,7 +708,7 @@ def capture(
         for pos, t in zip(in_tensor_pos, flat[n_p + n_b :]):
             leaves[pos] = t
         call_args, call_kwargs = pytree.tree_unflatten(leaves, in_spec)
-        return torch.func.functional_call(model, state, tuple(call_args), call_kwargs, tie_weights=True, strict=False)
+        return call_with_state(model, state, tuple(call_args), call_kwargs)
 
     # Pre-pass: one fake forward to learn the output structure, which buffers
     # are mutated, and which outputs alias something.
@@ -590,6 +759,7 @@ def capture(
                 _record_module_paths(model),
                 meta_constants,
                 _reentrant_checkpoints_as_plain_calls(),
+                _rnn_dropout_between_layers(),
             ):
                 compiled(*flat_fake)
     except _Captured:
@@ -695,4 +865,10 @@ def _capture_error(model: torch.nn.Module, exc: BaseException) -> CaptureError:
         hint = ("; the forward reads a tensor's value in Python (.item(), float(t), bool(t), `if t > 0:`; "
                 "also nn.BatchNorm with momentum=None), which one planned graph cannot follow: "
                 "keep the value a tensor (torch.where, masks) or compute it outside the model")
+    elif type(exc).__name__ == "DynamicOutputShapeException":
+        # The op name (aten.nonzero) names neither the user's construct nor a way out.
+        hint = ("; an op's output shape depends on tensor values (x[bool_mask], nonzero, masked_select, "
+                "unique, repeat_interleave by a tensor), and a plan is made for fixed shapes: keep shapes "
+                "fixed (torch.where, multiply or masked_fill by the mask, a masked sum/mean), or compute the "
+                "indices outside the model and pass them in as a tensor")
     return CaptureError(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}{hint}")

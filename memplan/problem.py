@@ -95,6 +95,37 @@ def _live_nodes(gm: fx.GraphModule, keep: set[str]) -> set[str]:
     return live
 
 
+def _overwritten_storages(cap: Capture, costs: GraphCosts) -> set[int]:
+    """Storages of the buffers the step updates: the runtime copies their new values in when forward returns."""
+    placeholders = cap.placeholders()
+    mutated = set(cap.mutated_buffers)
+    return {
+        key
+        for node, info in zip(placeholders, cap.primals)
+        if info.kind == "buffer" and info.index in mutated
+        for key in costs.values[node.name].storages
+    }
+
+
+# Ops that read a buffer only to compute that buffer's update: BatchNorm in training
+# normalizes with the batch's statistics, and its running-statistics outputs feed
+# the buffer updates, which forward makes before any buffer is overwritten.
+_READS_BUFFER_FOR_ITS_UPDATE_ONLY = {"aten._native_batch_norm_legit_functional.default"}
+
+
+def _reads_overwritten(node: fx.Node, costs: GraphCosts, overwritten: set[int]) -> bool:
+    """Whether ``node`` reads a buffer the step overwrites (or a view of one), so it cannot be recomputed.
+
+    The buffer's placeholder is the module's buffer itself, and once forward
+    returns it holds the new value: a recomputation in backward would read
+    that instead of the value forward read (an EMA updated in place under
+    ``no_grad`` and then used), and compute a different activation than eager.
+    """
+    if not overwritten or str(node.target) in _READS_BUFFER_FOR_ITS_UPDATE_ONLY:
+        return False
+    return any(overwritten.intersection(costs.values[i.name].storages) for i in node.all_input_nodes)
+
+
 def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered:
     """Build the Problem for ``cap`` with the per-value costs in ``costs``."""
     gm = cap.graph_module
@@ -124,6 +155,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         if n.name in tangent_names or any(i.name in depends_on_tangent for i in n.all_input_nodes):
             depends_on_tangent.add(n.name)
 
+    overwritten = _overwritten_storages(cap, costs)
     G = nx.DiGraph()
     fx_map: dict[str, fx.Node] = {}
     rng_of: dict[str, str] = {}
@@ -182,7 +214,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             node.name,
             mem=vc.nbytes,
             cost=vc.time,
-            recomputable=True,
+            recomputable=not _reads_overwritten(node, costs, overwritten),
             preds=preds,
             alias_of=value_name(by_name[vc.alias_of]) if vc.alias_of is not None else None,
             # A view of all its base's storage (not one output of a multi-output op):

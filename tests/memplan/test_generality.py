@@ -4,7 +4,9 @@ Each must capture, plan and train to eager's outputs and gradients.
 """
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
 from memplan.measure import measure_peak
+from memplan.viz import min_budget
 
 from .helpers import assert_same_step, clear_grads
 
@@ -176,3 +179,197 @@ def test_reentrant_checkpoint_trains_like_eager_under_a_recomputing_budget(seque
     ref_loss.backward()
     assert all(p.grad is not None for p in module.parameters())
     assert_same_step(module, reference, loss, ref_loss)
+
+
+# --------------------------------------------------------------------------- #
+# Library patterns: HF-style outputs, stacked RNNs, shared submodules, buffers
+# --------------------------------------------------------------------------- #
+
+
+class _ModelOutput(collections.OrderedDict):
+    """HF ``ModelOutput`` before transformers registered it with pytree: fields are items and attributes."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclasses.dataclass
+class _LMOutput(_ModelOutput):
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclasses.dataclass
+class _PlainOutput:
+    logits: torch.Tensor
+    past: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # tensors only inside containers
+
+
+class _OutputObjects(nn.Module):
+    def __init__(self, plain: bool):
+        super().__init__()
+        self.plain = plain
+        self.emb, self.lin = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor):
+        h0 = self.emb(ids)
+        h1 = torch.tanh(self.lin(h0))
+        if self.plain:
+            return _PlainOutput(h1, ((h0, h1),))
+        return _LMOutput(loss=h1.square().mean(), logits=h1, hidden_states=(h0, h1))
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, _PlainOutput):
+        return [out.logits, *out.past[0]]
+    return [out["loss"], out["logits"], *out["hidden_states"], out.loss, out.logits, *out.hidden_states]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["ordereddict_subclass", "tensors_in_containers"])
+def test_output_objects_come_back_with_the_steps_real_tensors(plain):
+    """Items of a dict subclass and tensors inside an attribute's tuples are the step's, not the trace's fakes."""
+    torch.manual_seed(0)
+    model = _OutputObjects(plain)
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 10, (4, 6))
+    out, ref = memplan.optimize(model, 10**12)(ids), reference(ids)
+    assert type(out) is type(ref)
+    for t, r in zip(_output_tensors(out), _output_tensors(ref)):
+        assert type(t) is torch.Tensor
+        torch.testing.assert_close(t, r)
+    if not plain:
+        assert list(out.keys()) == list(ref.keys())
+        assert out.loss is out["loss"] and out.hidden_states is out["hidden_states"]
+    loss, ref_loss = _loss(_output_tensors(out)[:4]), _loss(_output_tensors(ref)[:4])
+    loss.backward()
+    ref_loss.backward()
+    assert_same_step(model, reference, loss, ref_loss)
+
+
+class _SlotsOutput:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+def test_output_object_memplan_cannot_open_is_a_clear_error():
+    model = nn.Linear(4, 4)
+    model.forward = lambda x: _SlotsOutput(nn.Linear.forward(model, x))
+    with pytest.raises(memplan.CaptureError, match=r"_SlotsOutput.*register_pytree_node"):
+        memplan.optimize(model, 10**12)(torch.randn(2, 4))
+
+
+def test_stacked_rnn_keeps_the_dropout_between_its_layers():
+    """torch's own LSTM/GRU decomposition drops it (``num_layers < i - 1``); the step must not."""
+    torch.manual_seed(0)
+    model = nn.LSTM(8, 16, num_layers=2, batch_first=True, dropout=0.5)
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 5, 8)
+    opt = memplan.optimize(model, 10**12)
+    torch.manual_seed(1)
+    out = opt(x)[0]
+    torch.manual_seed(1)
+    with torch.backends.mkldnn.flags(enabled=False):  # oneDNN's kernel rounds differently
+        ref = reference(x)[0]
+    loss, ref_loss = out.square().sum(), ref.square().sum()
+    loss.backward()
+    ref_loss.backward()
+    assert_same_step(model, reference, loss, ref_loss)
+
+
+class _SharedSubmodule(nn.Module):
+    """One Linear registered under two parents, as weight-shared blocks often are."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.a = nn.Sequential(self.shared, nn.GELU())
+        self.b = nn.Sequential(nn.LayerNorm(8), self.shared)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + h
+
+
+def test_submodule_registered_twice_keeps_its_real_parameters():
+    torch.manual_seed(0)
+    model = _SharedSubmodule()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    loss = memplan.optimize(model, 10**12)(x).sum()
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert model.a[0].weight is model.shared.weight is model.b[1].weight
+    ref_loss = reference(x).sum()
+    loss.backward()
+    ref_loss.backward()
+    assert_same_step(model, reference, loss, ref_loss)
+
+
+class _EMA(nn.Module):
+    """A feature EMA updated in place under no_grad, then read (a centering / MoCo-style buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(32, 128), nn.Linear(128, 4)
+        self.register_buffer("ema", torch.zeros(128))
+
+    def forward(self, x):
+        h = F.gelu(self.l1(x))
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.l2(h - self.ema).square().mean()
+
+
+def test_buffer_updated_in_forward_is_not_recomputed_from_its_new_value():
+    torch.manual_seed(0)
+    model = _EMA()
+    reference = copy.deepcopy(model)
+    args = (torch.randn(256, 32),)
+    analysis = memplan.optimize(model, 10**12, solver="store_all", example_inputs=args).plan.analysis
+    model.ema.zero_()  # planning runs no step, but be explicit: both start from zeros
+    budget = max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))
+    opt = memplan.optimize(model, budget, example_inputs=args, time_limit=3)
+    assert any(d.decision == "recompute" for d in opt.plan.decisions)
+    loss, ref_loss = opt(*args), reference(*args)
+    loss.backward()
+    ref_loss.backward()
+    assert_same_step(model, reference, loss, ref_loss)
+    torch.testing.assert_close(model.ema, reference.ema)
+
+
+class _Reassigned(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count = self.count + 1  # a new tensor, not an in-place update
+        return self.lin(x).sum()
+
+
+def test_buffer_reassigned_in_forward_is_a_clear_error():
+    with pytest.raises(memplan.CaptureError, match=r"'count'.*in place.*add_"):
+        memplan.optimize(_Reassigned(), 10**12)(torch.randn(2, 4))
+
+
+class _BoolMaskIndex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        return self.lin(x)[mask].sum()
+
+
+def test_data_dependent_shape_error_says_what_to_do():
+    with pytest.raises(memplan.CaptureError, match=r"output shape depends on tensor values.*torch.where"):
+        memplan.optimize(_BoolMaskIndex(), 10**12)(torch.randn(6, 4), torch.rand(6) > 0.5)
