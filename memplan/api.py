@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
 from memplan.measure import unmeasured
-from memplan.plan import Plan, make_plan
+from memplan.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
@@ -58,6 +58,23 @@ def _budget_help(budget: Any) -> str:
         f"cannot read budget {budget!r}: give a positive int of bytes or a string like "
         "'16GB', '16GiB', '800MB', '512 kB', '1.5 TB' (units B, kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)"
     )
+
+
+def held_gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients ``model``'s trainable parameters already hold (each storage once).
+
+    Between ``zero_grad()`` calls (gradient accumulation, ``set_to_none=False``)
+    they stay on the device for the whole next step, and autograd adds the new
+    gradients into them only when each is complete, so both are held at once.
+    """
+    storages: dict[tuple[str, int], int] = {}
+    for p in model.parameters():
+        g = p.grad
+        if p.requires_grad and g is not None:
+            st = g.untyped_storage()
+            key = (str(g.device), st.data_ptr() or id(g))  # meta tensors have no address
+            storages[key] = st.nbytes()
+    return sum(storages.values())
 
 
 class OptimizedModule(nn.Module):
@@ -140,23 +157,41 @@ class OptimizedModule(nn.Module):
 
     def prepare(self, *args: Any, **kwargs: Any) -> Plan:
         """Plan for these inputs now (without running a step)."""
-        sig = InputSignature.of(args, kwargs, self._orig_mod.training)
-        self._entry(sig, args, kwargs)
+        held = held_gradient_bytes(self._orig_mod)
+        sig = InputSignature.of(args, kwargs, self._orig_mod.training, held)
+        self._entry(sig, args, kwargs, held)
         self._last_signature = sig
         return self.plan
 
-    def _entry(self, sig: InputSignature, args: tuple, kwargs: dict):
+    def _entry(self, sig: InputSignature, args: tuple, kwargs: dict, held: int):
         if sig not in self._plans:
             # Planning is compile-time work, not part of the step: a MemoryTracker
             # around the first call must see neither the capture's fake tensors
             # (refusing one inside a dispatch callback aborts the process) nor
             # the planner's own real work (profiling runs, meta-model constants).
             with unmeasured():
-                self._plans[sig] = self._make_entry(args, kwargs)
+                self._plans[sig] = self._make_entry(args, kwargs, held)
         return self._plans[sig]
 
-    def _make_entry(self, args: tuple, kwargs: dict) -> tuple[Plan, Program, list[str], list[str]]:
-        """Plan the step for these inputs: solved, or bound from ``plan=``."""
+    def _make_entry(self, args: tuple, kwargs: dict, held: int = 0) -> tuple[Plan, Program, list[str], list[str]]:
+        """Plan the step for these inputs: solved, or bound from ``plan=``.
+
+        ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
+        for what they leave of the budget, and the plan's peak counts them."""
+        try:
+            plan, program = self._plan_graph(args, kwargs, self.budget - held)
+        except InfeasibleBudgetError as exc:
+            if not held:
+                raise
+            raise InfeasibleBudgetError(self.budget, exc.min_budget + held, held) from None
+        if held:
+            plan = dataclasses.replace(plan, budget=self.budget, predicted_peak=plan.predicted_peak + held,
+                                       held_gradient_bytes=held)
+        cap = plan.analysis.capture
+        return plan, program, cap.param_names, cap.buffer_names
+
+    def _plan_graph(self, args: tuple, kwargs: dict, budget: int) -> tuple[Plan, Program]:
+        """The plan and program of the step's graph under ``budget``."""
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         profile = get_profile(self.device_profile, device)
@@ -167,31 +202,28 @@ class OptimizedModule(nn.Module):
         offload = self.options.get("offload")
         offload = device.type == "cuda" if offload is None else bool(offload)
         if self.saved_plan is not None:
-            plan, program = make_plan_from_saved(
-                self.saved_plan, model, args, kwargs, self.budget, profile=profile, measure_on=measure_on
-            )
-        else:
-            plan, program = make_plan(
-                model,
-                args,
-                kwargs,
-                self.budget,
-                solver=self.solver,
-                time_limit=self.time_limit,
-                profile=profile,
-                measure_on=measure_on,
-                offload=offload,
-            )
-        cap = plan.analysis.capture
-        return plan, program, cap.param_names, cap.buffer_names
+            return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
+                                        measure_on=measure_on)
+        return make_plan(
+            model,
+            args,
+            kwargs,
+            budget,
+            solver=self.solver,
+            time_limit=self.time_limit,
+            profile=profile,
+            measure_on=measure_on,
+            offload=offload,
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._orig_mod
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             # Inference: nothing is saved for backward, there is nothing to plan.
             return model(*args, **kwargs)
-        sig = InputSignature.of(args, kwargs, model.training)
-        plan, program, param_names, buffer_names = self._entry(sig, args, kwargs)
+        held = held_gradient_bytes(model)
+        sig = InputSignature.of(args, kwargs, model.training, held)
+        plan, program, param_names, buffer_names = self._entry(sig, args, kwargs, held)
         self._last_signature = sig
         params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())

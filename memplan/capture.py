@@ -155,7 +155,9 @@ class InputSignature:
     key: tuple
 
     @staticmethod
-    def of(args: tuple, kwargs: dict, training: bool) -> "InputSignature":
+    def of(args: tuple, kwargs: dict, training: bool, held_gradient_bytes: int = 0) -> "InputSignature":
+        """``held_gradient_bytes``: gradients the parameters already hold when the step starts
+        (accumulation): they take part of the budget, so the plan differs."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         parts = []
         for leaf in leaves:
@@ -168,7 +170,9 @@ class InputSignature:
             torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None,
             torch.is_autocast_enabled("cuda") if torch.cuda.is_available() else False,
         )
-        return InputSignature((str(spec), tuple(parts), training, torch.is_grad_enabled(), str(autocast)))
+        return InputSignature(
+            (str(spec), tuple(parts), training, torch.is_grad_enabled(), str(autocast), held_gradient_bytes)
+        )
 
 
 @dataclass

@@ -24,12 +24,18 @@ class InfeasibleBudgetError(ValueError):
     """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
     (`solvers.bounds.min_budget`: a search, not a proof; a plan between the two may exist)."""
 
-    def __init__(self, budget: int, min_budget: int):
+    def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0):
         self.budget = budget
         self.min_budget = min_budget
+        self.held_gradient_bytes = held_gradient_bytes
+        held = (
+            f"; that counts {format_bytes(held_gradient_bytes)} of gradients the parameters already hold from an "
+            "earlier step (accumulation): call optimizer.zero_grad() before the step, or raise the budget"
+            if held_gradient_bytes else "; raise the budget or shrink the batch"
+        )
         super().__init__(
             f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
-            f"{format_bytes(min_budget)} ({min_budget} bytes); raise the budget or shrink the batch"
+            f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
         )
 
 
@@ -81,6 +87,9 @@ class Plan:
     transfers: list[Transfer] = field(default_factory=list)
     predicted_wait: float = 0.0  # predicted time compute waits for host copies
     host_bytes: int = 0  # most host memory the offloaded copies hold at once
+    # Gradients the parameters held when the step started (accumulation): on the device all
+    # step long, outside the graph; counted in predicted_peak, planned for with the rest of the budget.
+    held_gradient_bytes: int = 0
 
     @property
     def predicted_overhead(self) -> float:
@@ -112,7 +121,9 @@ class Plan:
             f"  eager peak       {format_bytes(a.eager_peak)} (eager autograd, replayed on fake tensors)",
             f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
             f"  budget           {format_bytes(self.budget)}",
-            f"  planned peak     {format_bytes(self.predicted_peak)} (predicted)",
+            f"  planned peak     {format_bytes(self.predicted_peak)} (predicted"
+            + (f"; with {format_bytes(self.held_gradient_bytes)} of gradients held from an earlier step)"
+               if self.held_gradient_bytes else ")"),
             f"  overhead         {self.predicted_overhead:.3f}x store-all step time (predicted)",
             f"  method           {self.method} ({self.status}), solved in {self.solve_time:.2f} s"
             + (f", gap {self.gap:.1%}" if self.gap is not None else ""),
