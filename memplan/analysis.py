@@ -78,7 +78,7 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.capture import _MetaConstantsAsCPU, _fakeify, call_with_state, flatten_output
+    from memplan.capture import _eager_resampling, _MetaConstantsAsCPU, _fakeify, call_with_state, flatten_output
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -93,7 +93,8 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     )
     device = next((t.device for t in state.values()), torch.device("cpu"))
     meta_constants = _MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
-    with fake_mode, meta_constants, MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
+    with fake_mode, meta_constants, _eager_resampling(), \
+            MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker:
         out = call_with_state(model, state, tuple(fake_args), fake_kwargs)
         tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
         del out

@@ -373,3 +373,44 @@ class _BoolMaskIndex(nn.Module):
 def test_data_dependent_shape_error_says_what_to_do():
     with pytest.raises(memplan.CaptureError, match=r"output shape depends on tensor values.*torch.where"):
         memplan.optimize(_BoolMaskIndex(), 10**12)(torch.randn(6, 4), torch.rand(6) > 0.5)
+
+
+class _Resample(nn.Module):
+    """A conv, an interpolation, a conv: the decoder step of a segmentation or diffusion U-Net."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Conv2d(8, 16, 3, padding=1)
+        self.out = nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.mode == "trilinear":  # a volume: two depth slices
+            up = F.interpolate(h.unsqueeze(2).expand(-1, -1, 2, -1, -1), scale_factor=2, mode="trilinear").mean(2)
+        else:
+            up = F.interpolate(h, scale_factor=2, mode=self.mode, **({} if self.mode == "nearest" else
+                                                                     {"align_corners": False}))
+        return up.square().mean() + self.out(up).mean()
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic", "trilinear"])
+def test_interpolation_is_traced_as_eager_runs_it(mode):
+    """Interpolation is traced as one op and its backward op, as eager runs it, not through
+    torch's Python decomposition, which saves full-size gather intermediates for backward
+    (store-all above eager's step: bicubic 2144080 B against 1610856 B, trilinear 10524840 B
+    against 6329448 B). Gradients are eager's to the bit: the same kernels run."""
+    torch.manual_seed(0)
+    module = _Resample(mode)
+    reference = copy.deepcopy(module)
+    x = torch.randn(4, 8, 16, 16)
+    opt = memplan.optimize(module, 10**12, solver="store_all", example_inputs=(x,))
+    ops = {str(n.target) for n in opt.plan.analysis.capture.graph_module.graph.nodes}
+    assert any(op.endswith("_backward.default") and "sample" in op for op in ops), sorted(ops)
+    planned = measure_peak(lambda: opt(x).backward())
+    eager = measure_peak(lambda: reference(x).backward())
+    assert planned == opt.plan.predicted_peak and planned <= eager, (planned, opt.plan.predicted_peak, eager)
+    for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    # and the transformation is undone: eager code outside memplan still gets torch's kernels
+    assert torch.ops.aten.upsample_bilinear2d.vec.py_kernels
