@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import solvers
+from solvers.plan import tighten_frees
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
@@ -246,9 +247,12 @@ def plan_from_schedule(
     """A :class:`Plan` for a schedule, validated against the analysis' Problem under ``budget``.
 
     Peak and time come from the simulator, never from whoever made the schedule.
+    Frees are first moved to the last reads (`solvers.plan.tighten_frees`), where the runtime
+    frees whatever the schedule says, so that the prediction describes the step that runs.
     Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
     """
     problem = problem_for(analysis, budget, schedule.has_transfers())
+    schedule = tighten_frees(problem, schedule)
     result = solvers.validate(problem, schedule)
     return Plan(
         budget=budget,

@@ -153,3 +153,26 @@ def test_meta_and_cpu_builds_capture_the_same_graph():
         cap = capture(module, args, kwargs)
         sigs.append((graph_signature(cap), input_signature(cap)))
     assert sigs[0] == sigs[1]
+
+
+def test_a_plan_predicts_the_step_that_runs_even_from_a_schedule_with_late_frees(saved):
+    """The runtime frees each value after its last read whatever the schedule says; a schedule
+    (saved, or from any solver) that frees later than that is predicted as the runtime runs it."""
+    from memplan.measure import measure_peak
+    from memplan.plan import plan_from_schedule
+
+    plan, _ = saved
+    steps = list(plan.schedule.steps)
+    # Hold every value computed only once to the end of the step (recomputed ones must be freed
+    # before they are computed again).
+    once = {node for node in plan.schedule.computes() if plan.schedule.computes().count(node) == 1}
+    late = [s for s in steps if not (s.op is solvers.Op.FREE and s.node in once)]
+    late += [s for s in steps if s.op is solvers.Op.FREE and s.node in once]
+    late_plan = plan_from_schedule(plan.analysis, plan.budget, solvers.Schedule(tuple(late)), method="late",
+                                   status="feasible")
+    assert late_plan.predicted_peak == plan.predicted_peak
+    module, args, kwargs = build_step("gpt")
+    opt = memplan.optimize(module, plan=plan, example_inputs=args, example_kwargs=kwargs)
+    clear_grads(module)
+    torch.manual_seed(0)
+    assert measure_peak(lambda: opt(*args, **kwargs).backward()) == late_plan.predicted_peak
