@@ -131,6 +131,10 @@ SEARCH_DEADLINE = 0.85  # the search ends by this share of the limit, leaving th
 # the child has the whole limit less BACKGROUND_START seconds (to start Python and import
 # `solvers`: 1-2 s).
 BACKGROUND_MIN_LIMIT = 10.0
+# ... and only on graphs of more than this many values to compute: on smaller ones the bound takes
+# milliseconds here and the exact phase answers, while a child costs a core its interpreter's start
+# (hundreds of tiny test problems spent CI minutes starting children).
+BACKGROUND_MIN_VALUES = CHECKMATE_NODES
 BACKGROUND_SEARCH_DEADLINE = 0.93
 BACKGROUND_START = 1.5
 # The search stops once its best plan is certified this close to optimal by a quick bound (the
@@ -1028,7 +1032,8 @@ def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, 
     # The lower bound on a second core while the search goes on: then the search, not the bound,
     # has the end of the time limit (`background`).
     background = None
-    if limit >= BACKGROUND_MIN_LIMIT and usable_cores() >= 2 and not problem.has_host:
+    if (limit >= BACKGROUND_MIN_LIMIT and problem.n_compute > BACKGROUND_MIN_VALUES and not problem.has_host
+            and usable_cores() >= 2):
         child_limit = started + BOUND_END * limit - time.perf_counter() - BACKGROUND_START
         background = BackgroundBound.start(problem, child_limit)
         if background is not None:

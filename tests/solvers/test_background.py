@@ -51,6 +51,17 @@ def test_the_search_reports_the_bound_of_its_background_child():
     assert p.total_cost() < sol.lower_bound <= sol.cost
 
 
+def test_small_graphs_start_no_child():
+    """Up to `BACKGROUND_MIN_VALUES` values to compute the bound is quick here and the exact phase
+    answers: a child would only cost a core the start of an interpreter."""
+    from solvers.hierarchical import BACKGROUND_MIN_LIMIT, BACKGROUND_MIN_VALUES
+
+    p = with_fraction(Problem.from_networkx(training_like(12, 0, base="transformer"), 2**62), 0.5)
+    assert 8 < p.n_compute <= BACKGROUND_MIN_VALUES
+    sol = solve_hierarchical(p, BACKGROUND_MIN_LIMIT)
+    assert sol.fits and not sol.info["bound_in_background"]
+
+
 def test_a_bound_cut_short_by_the_kill_is_not_read():
     # The child prints each bound as it rises; killed mid-line, "1.25e-05" may arrive as "1.25",
     # which would read as a bound 10^5 times too high.
