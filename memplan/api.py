@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
-from memplan.measure import unmeasured
+from memplan.measure import _storages_of, unmeasured
 from memplan.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
@@ -71,9 +71,10 @@ def held_gradient_bytes(model: nn.Module) -> int:
     for p in model.parameters():
         g = p.grad
         if p.requires_grad and g is not None:
-            st = g.untyped_storage()
-            key = (str(g.device), st.data_ptr() or id(g))  # meta tensors have no address
-            storages[key] = st.nbytes()
+            # a sparse gradient (nn.Embedding(sparse=True)) is held in its indices and values
+            for i, st in enumerate(_storages_of(g, allow_fake=True)):
+                key = (str(g.device), st.data_ptr() or (id(g), i))  # meta tensors have no address
+                storages[key] = st.nbytes()
     return sum(storages.values())
 
 

@@ -774,7 +774,9 @@ def capture(
         raise CaptureError(
             f"the model mutates {len(mutated_other)} of its parameters or inputs in place "
             f"({', '.join(_primal_label(i, param_names, n_b) for i in mutated_other[:3])}); "
-            "memplan plans steps that only mutate buffers"
+            "memplan plans steps that only mutate buffers: change a copy instead of the caller's "
+            "tensor (x = x.clone() before x.add_(...), or x = x + ...), register a tensor the model "
+            "updates as a buffer, and update parameters outside the step (an optimizer, or torch.no_grad())"
         )
     probe_tensors, out_tree = flatten_output(probe)
     to_clone = _aliases_to_clone(probe_tensors, list(flat_fake))

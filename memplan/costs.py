@@ -20,6 +20,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
+from memplan.measure import _sparse_parts
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
@@ -100,7 +102,16 @@ class GraphCosts:
 
 
 def _tensors(val: object) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+    """The dense tensors holding ``val``'s memory: a sparse tensor stands for its indices and values.
+
+    A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) has no storage of its
+    own; it is built around (and aliases) dense indices and values tensors.
+    """
+    out: list[torch.Tensor] = []
+    for t in pytree.tree_leaves(val):
+        if isinstance(t, torch.Tensor):
+            out.extend(_sparse_parts(t) if t.layout != torch.strided else [t])
+    return out
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -121,9 +132,28 @@ _CLONE_SELF_STORAGE = {_aten.copy.default, _aten.slice_scatter.default, _aten.se
                        _aten.diagonal_scatter.default, _aten.as_strided_scatter.default}
 
 
+# Loss kernels that compute the elementwise loss into a buffer and reduce it into that
+# same storage: on CPU the returned 0-dim loss holds a storage as large as the broadcast
+# input (measured with torch 2.13: mse_loss of two 64x48 float tensors returns 12288
+# bytes), alive for as long as the loss is. Fake tensors report 4 bytes.
+_REDUCED_IN_ELEMENTWISE_BUFFER = {_aten.mse_loss.default, _aten.smooth_l1_loss.default,
+                                  _aten.soft_margin_loss.default, _aten.binary_cross_entropy.default}
+
+
+def _reduced_loss_nbytes(node: fx.Node, t: torch.Tensor) -> int | None:
+    """Bytes of the elementwise buffer behind a reduced loss (see above); None for other nodes."""
+    if node.target not in _REDUCED_IN_ELEMENTWISE_BUFFER or t.dim() != 0 or t.device.type != "cpu":
+        return None
+    shapes = [a.meta["val"].shape for a in node.args[:2] if isinstance(a, fx.Node)]
+    return math.prod(torch.broadcast_shapes(*shapes)) * t.element_size() if shapes else None
+
+
 def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
     """Bytes the real kernel allocates for ``node``'s new storage holding ``t``."""
     n = storage_nbytes(t, granularity)
+    loss_buffer = _reduced_loss_nbytes(node, t)
+    if loss_buffer is not None:
+        return max(n, int(math.ceil(loss_buffer / granularity) * granularity) if granularity > 1 else loss_buffer)
     if node.target not in _CLONE_SELF_STORAGE or not node.args or not isinstance(node.args[0], fx.Node):
         return n
     base = node.args[0].meta.get("val")
@@ -187,9 +217,12 @@ def annotate(
         alias_of = None
         if keys and new_bytes == 0 and node.op != "placeholder":
             # Every storage already existed: a view / getitem / detach. It lives
-            # inside the input that holds the first of its storages.
+            # inside the input that holds the largest of its storages: a sparse
+            # tensor built around indices (often a view of an input) and values
+            # keeps the values alive, and they are what its memory is.
+            main = max(keys, key=lambda k: storage_bytes[k])  # the first of the largest
             for inp in node.all_input_nodes:
-                if keys[0] in values[inp.name].storages:
+                if main in values[inp.name].storages:
                     alias_of = inp.name
                     break
         low_precision = any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors)

@@ -113,8 +113,31 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, _fake_tensor_types()[0])
 
 
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The dense tensors a sparse tensor's memory lives in (indices and values); [] for strided ones.
+
+    A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) has no storage of
+    its own: ``untyped_storage()`` raises. Its memory is its parts' storages.
+    """
+    names = _SPARSE_PARTS.get(t.layout, ())
+    return [getattr(t, name)() for name in names]
+
+
 def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.UntypedStorage]:
     """Yield the untyped storages backing ``t``; nothing for storage-less tensors."""
+    if t.layout != torch.strided and t.layout in _SPARSE_PARTS:
+        for part in _sparse_parts(t):
+            yield from _storages_of(part, allow_fake)
+        return
     if type(t) not in _PLAIN_TENSOR_TYPES:
         fake_tensor, _ = _fake_tensor_types()
         if isinstance(t, fake_tensor) and allow_fake:
@@ -412,10 +435,14 @@ class MemoryTracker(TorchDispatchMode):
         records = self._records
         for obj in objs:
             if type(obj) in _PLAIN_TENSOR_TYPES:
+                if obj.layout != torch.strided:
+                    # Sparse: counted through its indices and values; nested and others: skipped.
+                    self._see_all(_sparse_parts(obj), resident)
+                    continue
                 try:
                     st = obj.untyped_storage()
                 except (NotImplementedError, RuntimeError):
-                    continue  # sparse and other storage-less layouts
+                    continue  # other storage-less tensors
                 rec = records.get(id(st))
                 if rec is None:
                     self._add(st, resident)

@@ -414,3 +414,116 @@ def test_interpolation_is_traced_as_eager_runs_it(mode):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     # and the transformation is undone: eager code outside memplan still gets torch's kernels
     assert torch.ops.aten.upsample_bilinear2d.vec.py_kernels
+
+
+class _SparseEmbedding(nn.Module):
+    """A bag-of-words classifier whose embedding table gets a sparse (COO) gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1000, 64, sparse=True)
+        self.hidden, self.head = nn.Linear(64, 64), nn.Linear(64, 3)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(torch.tanh(self.emb(ids))))
+        return F.cross_entropy(self.head(h.mean(1)), y)
+
+
+def _dense_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient as a dense tensor (sparse ones summed up by ``to_dense``)."""
+    return {n: p.grad.to_dense() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def test_sparse_embedding_gradient_is_planned_measured_and_accumulated():
+    """``nn.Embedding(sparse=True)``: its gradient is a sparse tensor built around the
+    backward's values (64 floats per looked-up id) and the ids; it has no storage of its own.
+    Capture, measurement and held-gradient accounting all read it through its indices and
+    values, and the plan keeps the values alive as the gradient (it once counted the sparse
+    tensor as a view of the ids, an input, and measured 131 kB over its prediction)."""
+    torch.manual_seed(0)
+    module = _SparseEmbedding()
+    reference = copy.deepcopy(module)
+    args = (torch.randint(0, 1000, (8, 64)), torch.randint(0, 3, (8,)))
+    analysis = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args).plan.analysis
+    # The gradient lives in the values, not in the ids its indices view: a plan may free
+    # neither before the step ends (the solver is free to schedule the gradient early).
+    sparse = [n.name for n in analysis.capture.graph.nodes
+              if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].layout == torch.sparse_coo]
+    values_bytes = 8 * 64 * 64 * 4
+    assert [analysis.costs.values[analysis.costs.values[s].alias_of].nbytes for s in sparse] == [values_bytes]
+    budget = min_budget(analysis)
+    assert budget < analysis.graph_peak
+    opt = memplan.optimize(module, budget, example_inputs=args, time_limit=1)
+    assert any(d.decision == "recompute" for d in opt.plan.decisions)
+    measured = measure_peak(lambda: opt(*args).backward())
+    assert measured <= budget and abs(measured - opt.plan.predicted_peak) <= 0.05 * opt.plan.predicted_peak, (
+        measured, opt.plan.predicted_peak, budget)
+    assert module.emb.weight.grad.layout == torch.sparse_coo
+    reference(*args).backward()
+    # a second step without zero_grad adds to the held sparse gradient, as eager does
+    accumulating = memplan.optimize(module, 10**12)
+    accumulating(*args).backward()
+    reference(*args).backward()
+    assert accumulating.plan.held_gradient_bytes > 64 * 64 * 8 * 4  # the sparse values are counted
+    ref_grads = _dense_grads(reference)
+    for name, g in _dense_grads(module).items():
+        torch.testing.assert_close(g, ref_grads[name], msg=lambda m: f"{name}: {m}")
+
+
+class _MutatesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.add_(1)  # changes the caller's tensor
+        return self.lin(x).sum()
+
+
+def test_input_mutated_in_place_error_says_what_to_do():
+    with pytest.raises(memplan.CaptureError, match=r"input tensor 0.*x\.clone\(\)"):
+        memplan.optimize(_MutatesInput(), 10**12)(torch.randn(2, 4))
+
+
+_REDUCED_LOSSES = {
+    "mse": F.mse_loss,
+    "smooth_l1": F.smooth_l1_loss,
+    "soft_margin": lambda out, target: F.soft_margin_loss(out, target.sign()),
+    "binary_cross_entropy": lambda out, target: F.binary_cross_entropy(out.sigmoid(), target.sigmoid()),
+}
+
+
+class _Denoiser(nn.Module):
+    """A diffusion-style training step: noise sampled inside forward, a reduced regression loss."""
+
+    def __init__(self, loss: str):
+        super().__init__()
+        self.loss = _REDUCED_LOSSES[loss]
+        self.net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 3, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn_like(x)
+        return self.loss(self.net(x + noise), noise)
+
+
+@pytest.mark.parametrize("loss", list(_REDUCED_LOSSES))
+def test_reduced_loss_holding_its_elementwise_buffer_is_predicted_as_measured(loss):
+    """On CPU these loss kernels return the 0-dim loss in the storage of the elementwise
+    loss (as large as the input), and the caller holds the loss through backward. The plan
+    once counted 4 bytes for it and measured one input-sized tensor over its prediction."""
+    torch.manual_seed(0)
+    module = _Denoiser(loss)
+    reference = copy.deepcopy(module)
+    x = torch.randn(4, 3, 16, 16)
+    store_all = memplan.optimize(module, 10**12, solver="store_all", example_inputs=(x,))
+    torch.manual_seed(1)
+    measured = measure_peak(lambda: store_all(x).backward())
+    assert measured == store_all.plan.predicted_peak, (measured, store_all.plan.predicted_peak)
+    clear_grads(module)
+    torch.manual_seed(1)
+    out = store_all(x)
+    torch.manual_seed(1)
+    ref = reference(x)
+    out.backward()
+    ref.backward()
+    assert_same_step(module, reference, out, ref)

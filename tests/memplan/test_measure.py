@@ -103,17 +103,26 @@ def test_out_variant_resize_is_counted():
 
 
 def test_zero_size_sparse_and_meta_tensors_are_handled():
-    sp = torch.randn(10, 10).to_sparse()
+    sp = torch.randn(10, 10).to_sparse()  # 100 nonzeros
     meta = torch.empty(10**9, device="meta")
+    coo_bytes = 100 * (2 * 8 + F32)  # int64 (row, col) indices and a float value per nonzero
 
     def fn():
         empty = torch.empty(0)
-        doubled = sp * 2  # sparse: no single storage, skipped
+        doubled = sp * 2  # sparse: no single storage; its indices and values are counted
         dense = doubled.to_dense()  # 100 floats
         on_meta = meta * 2  # other device: not CPU memory
         return empty, doubled, dense, on_meta
 
-    assert measure_peak(fn, "cpu") == 100 * F32
+    # sp is touched, so resident; doubled has indices and values of its own
+    assert measure_peak(fn, "cpu") == 2 * coo_bytes + 100 * F32
+
+
+def test_sparse_tensor_made_inside_one_op_is_counted():
+    """``to_sparse`` (like eager's sparse embedding backward) allocates indices and values
+    inside one op: the dispatcher sees only the sparse result, which has no storage of its own."""
+    dense = torch.randn(100, 100)
+    assert measure_peak(lambda: dense.to_sparse(), "cpu") == 100 * 100 * F32 + 100 * 100 * (2 * 8 + F32)
 
 
 def test_late_touched_resident_counts_from_the_start():
