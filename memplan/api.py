@@ -16,8 +16,8 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
 from memplan.measure import _storages_of, unmeasured
-from memplan.plan import InfeasibleBudgetError, Plan, make_plan
-from memplan.planio import as_saved, make_plan_from_saved
+from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, make_plan
+from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
 
@@ -157,10 +157,11 @@ class OptimizedModule(nn.Module):
         return {sig: entry[0] for sig, entry in self._plans.items()}
 
     def prepare(self, *args: Any, **kwargs: Any) -> Plan:
-        """Plan for these inputs now (without running a step)."""
-        held = held_gradient_bytes(self._orig_mod)
-        sig = InputSignature.of(args, kwargs, self._orig_mod.training, held)
-        self._entry(sig, args, kwargs, held)
+        """Plan for these inputs now (without running a step), for a step that starts without
+        gradients (after ``zero_grad()``), whatever ``.grad`` holds at this moment: a step that
+        starts with gradients held gets its own plan on its first call."""
+        sig = InputSignature.of(args, kwargs, self._orig_mod.training)
+        self._entry(sig, args, kwargs, 0)
         self._last_signature = sig
         return self.plan
 
@@ -185,6 +186,13 @@ class OptimizedModule(nn.Module):
             if not held:
                 raise
             raise InfeasibleBudgetError(self.budget, exc.min_budget + held, held) from None
+        except PlanMismatchError as exc:
+            if not held:
+                raise
+            raise PlanMismatchError(
+                f"{exc} ({format_bytes(held)} of the budget are taken by gradients the parameters already hold "
+                "from an earlier step: call optimizer.zero_grad() before the step)"
+            ) from None
         if held:
             plan = dataclasses.replace(plan, budget=self.budget, predicted_peak=plan.predicted_peak + held,
                                        held_gradient_bytes=held)

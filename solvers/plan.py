@@ -114,11 +114,11 @@ def tighten_frees(problem: Problem, schedule: Schedule) -> Schedule:
     if schedule.has_transfers():
         return schedule
     index = problem.index
-    tight = schedule_from_sequence(problem, [index[node] for node in schedule.computes()])
-    if tight == schedule:
-        return schedule
     try:
+        tight = schedule_from_sequence(problem, [index[node] for node in schedule.computes()])
+        if tight == schedule:
+            return schedule
         before, after = simulate(problem, schedule), simulate(problem, tight)
-    except ScheduleError:
+    except (PlanError, ScheduleError, KeyError):  # not a valid schedule: the caller's validation says why
         return schedule
     return tight if after.peak <= before.peak and after.cost <= before.cost else schedule

@@ -168,10 +168,12 @@ def test_gradients_held_from_an_earlier_step_count_in_the_budget():
     assert len(opt.plans) == 2
     for (n, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
-    # A budget the held gradients leave too little of says so (planning with example inputs
-    # happens in optimize, while this module's gradients are held).
+    # A budget the held gradients leave too little of says so. Planning ahead (example inputs)
+    # plans a step that starts without gradients, so that works; the step with them held does not.
+    tight = memplan.optimize(module, _reference("mlp")[1] + held // 2, example_inputs=args, example_kwargs=kwargs)
+    assert tight.plan.held_gradient_bytes == 0
     with pytest.raises(memplan.InfeasibleBudgetError, match="gradients the parameters already hold"):
-        memplan.optimize(module, _reference("mlp")[1] + held // 2, example_inputs=args, example_kwargs=kwargs)
+        tight(*args, **kwargs)
 
 
 def test_to_dtype_moves_the_shared_parameters_and_plans_again():
