@@ -77,9 +77,8 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     gradient would be.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module
 
-    from memplan.capture import _eager_resampling, _MetaConstantsAsCPU, _fakeify, call_with_state, flatten_output
+    from memplan.capture import _eager_resampling, _MetaConstantsAsCPU, _fakeify, flatten_output, swapped_state
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -96,11 +95,12 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     meta_constants = _MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
     # The fake state stays swapped in through backward too: a reentrant checkpoint reruns
     # its function there, and with the real parameters back in place it would accumulate
-    # fake gradients into their .grad.
+    # fake gradients into their .grad. (Capture, which always runs first, has already
+    # refused a forward that reassigns a parameter or buffer.)
     with fake_mode, meta_constants, _eager_resampling(), \
             MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker, \
-            _reparametrize_module(model, dict(state), tie_weights=True, strict=False, stack_weights=True):
-        out = call_with_state(model, state, tuple(fake_args), fake_kwargs)
+            swapped_state(model, state):
+        out = model(*fake_args, **fake_kwargs)
         tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
         del out
         grads = [torch.ones_like(t) for t in tensors]

@@ -175,7 +175,7 @@ class OptimizedModule(nn.Module):
                 self._plans[sig] = self._make_entry(args, kwargs, held)
         return self._plans[sig]
 
-    def _make_entry(self, args: tuple, kwargs: dict, held: int = 0) -> tuple[Plan, Program, list[str], list[str]]:
+    def _make_entry(self, args: tuple, kwargs: dict, held: int) -> tuple[Plan, Program, list[str], list[str]]:
         """Plan the step for these inputs: solved, or bound from ``plan=``.
 
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned

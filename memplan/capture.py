@@ -356,24 +356,31 @@ def flatten_output(out: Any) -> tuple[list[Any], OutputTree]:
 # --------------------------------------------------------------------------- #
 
 
-def call_with_state(model: torch.nn.Module, state: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
-    """``model(*args, **kwargs)`` with its parameters and buffers swapped for ``state``, restored after.
+def swapped_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+    """A context in which ``model``'s parameters and buffers are ``state``; the originals come back after.
 
     ``torch.func.functional_call`` with ``tie_weights=True`` swaps a tensor in
     once per name it has (a submodule registered under two parents has two)
     and restores the names in the same order, so the second name puts back
     the first one's replacement: the model keeps the fake tensors of the trace
     as its parameters. Restoring in reverse order (``stack_weights``) puts the
-    original back last.
+    original back last. What the model holds at each name on exit is written
+    back into ``state``.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True)
+
+
+def call_with_state(model: torch.nn.Module, state: dict[str, torch.Tensor], args: tuple, kwargs: dict) -> Any:
+    """``model(*args, **kwargs)`` with its parameters and buffers swapped for ``state`` (`swapped_state`).
 
     Raises :class:`CaptureError` when the forward assigns a new tensor to a
     parameter or buffer (``self.count = self.count + 1``): the trace would
     drop that update, and the model would silently stop counting.
     """
-    from torch.nn.utils.stateless import _reparametrize_module
-
     before = dict(state)
-    with _reparametrize_module(model, state, tie_weights=True, strict=False, stack_weights=True):
+    with swapped_state(model, state):
         out = model(*args, **kwargs)
     # _reparametrize_module writes what it finds at each name back into ``state``.
     reassigned = [name for name, t in state.items() if t is not before[name]]

@@ -118,10 +118,14 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def _rounded_up(n: int, granularity: int) -> int:
+    """``n`` bytes as the allocator hands them out: rounded up to its ``granularity``."""
+    return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
+
+
 def storage_nbytes(t: torch.Tensor, granularity: int = 1) -> int:
     """Bytes of a tensor's whole storage, rounded up as the allocator would."""
-    n = t.untyped_storage().nbytes()
-    return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
+    return _rounded_up(t.untyped_storage().nbytes(), granularity)
 
 
 _aten = torch.ops.aten
@@ -153,7 +157,7 @@ def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
     n = storage_nbytes(t, granularity)
     loss_buffer = _reduced_loss_nbytes(node, t)
     if loss_buffer is not None:
-        return max(n, int(math.ceil(loss_buffer / granularity) * granularity) if granularity > 1 else loss_buffer)
+        return max(n, _rounded_up(loss_buffer, granularity))
     if node.target not in _CLONE_SELF_STORAGE or not node.args or not isinstance(node.args[0], fx.Node):
         return n
     base = node.args[0].meta.get("val")
