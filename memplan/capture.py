@@ -27,13 +27,15 @@ import enum
 import functools
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan.compaction import copy_out_late_views
 
 
 class CaptureError(RuntimeError):
@@ -192,6 +194,7 @@ class Capture:
     mutated_buffers: list[int]  # buffer indices whose new values are "buffer_update" outputs
     user_requires_grad: list[bool]  # per user tensor leaf
     signature: InputSignature
+    copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
 
     @property
     def graph(self) -> fx.Graph:
@@ -869,6 +872,7 @@ def capture(
             f"unexpected joint graph layout: {len(tangents)} tangents for {len(tangent_outputs)} differentiable outputs"
         )
     _check_supported(gm)
+    copied_views = copy_out_late_views(gm)
     return Capture(
         graph_module=gm,
         primals=primals,
@@ -883,6 +887,7 @@ def capture(
         mutated_buffers=mutated_buffers,
         user_requires_grad=user_requires_grad,
         signature=signature,
+        copied_views=copied_views,
     )
 
 

@@ -132,6 +132,11 @@ class Plan:
             f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
             f"({format_bytes(offloaded)})",
         ]
+        if a.capture.copied_views:
+            copied = a.capture.copied_views
+            lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "
+                         f"so the rest of their storages ({format_bytes(sum(c.storage_bytes - c.view_bytes for c in copied))}) "
+                         "is freed early")
         if self.transfers:
             lines.append(f"  host link        {format_bytes(self.host_bytes)} held on host at most; compute waits "
                          f"{self.predicted_wait * 1e3:.2f} ms for copies (predicted)")
