@@ -27,7 +27,7 @@ from typing import Optional
 from .exhaustive import MAX_NODES as EXHAUSTIVE_MAX_NODES
 from .exhaustive import min_peak
 from .greedy import solve_greedy
-from .memory import memory_of
+from .memory import least_memory_holding, memory_of
 from .problem import Problem
 from .recompute_all import solve_recompute_all
 from .rotor import solve_rotor
@@ -51,9 +51,9 @@ RECOMPUTE_ALL_MAX_NODES = 500  # quadratic: 30 s on gpt12's 2108 values, where r
 
 
 def memory_lower_bound(problem: Problem) -> int:
-    bound = memory_of(problem, problem.sinks)
+    bound = least_memory_holding(problem, problem.sinks)
     for v in problem.non_sources:
-        bound = max(bound, memory_of(problem, problem.preds[v] + (v,)))
+        bound = max(bound, least_memory_holding(problem, problem.preds[v] + (v,)))
     return bound
 
 

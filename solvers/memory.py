@@ -202,3 +202,31 @@ class Residency:
 def memory_of(problem: Problem, resident: Iterable[int]) -> int:
     """Memory of ``resident`` plus the sources (always resident)."""
     return Residency(problem, resident).total
+
+
+def least_memory_holding(problem: Problem, required: Iterable[int]) -> int:
+    """The least memory of any resident set that holds ``required`` (and the sources).
+
+    Not `memory_of(required)`: holding more can cost less. Views held without their base
+    count on their own, so the three outputs of a ``split`` (each counting the whole
+    storage) cost three times what they cost with the split's result resident. Per alias
+    tree, a member is either held (its subtree is then covered at its ``mem``) or not (its
+    children's subtrees are covered on their own), the cheaper of the two where it is not
+    required; storage instances are taken as shared, the cheapest case. Every resident set
+    holding ``required`` costs at least this (`memory_of` of it)."""
+    trees = alias_trees(problem)
+    alias_of, mem, in_tree = problem.alias_of, problem.mem, trees.in_tree
+    needed = set(int(v) for v in required) | set(problem.sources)
+    total = sum(int(mem[v]) for v in needed if not in_tree[v])
+    for r in {int(trees.root[v]) for v in needed if in_tree[v]}:
+        members = trees.members[r]
+        cover = dict.fromkeys(members, 0)  # least memory covering the required members below each
+        for v in reversed(members):  # children before parents
+            if v in needed:
+                cover[v] = int(mem[v])
+            elif cover[v]:
+                cover[v] = min(int(mem[v]), cover[v])
+            if v != r:
+                cover[int(alias_of[v])] += cover[v]
+        total += cover[r]
+    return total

@@ -47,6 +47,30 @@ def test_infeasible_below_trivial_bound():
     assert e.value.min_budget == lower and e.value.memory_lower_bound == lower and e.value.budget == lower - 1
 
 
+def test_views_read_together_do_not_inflate_the_trivial_bound():
+    # q, k and v: views of one storage through their own chains (split -> getitem -> view),
+    # read by one op. Held with their base they cost one storage, not three: the bound
+    # counted three and refused every budget below it, store-all's peak included.
+    G = nx.DiGraph()
+    G.add_node("x", mem=2, cost=0)
+    G.add_node("qkv", mem=12, cost=1)
+    G.add_edge("x", "qkv")
+    G.add_node("split", mem=12, cost=0, alias_of="qkv", same_storage=True)
+    G.add_edge("qkv", "split")
+    for name in "qkv":
+        G.add_node(f"get_{name}", mem=12, cost=0, alias_of="split", same_storage=True)
+        G.add_edge("split", f"get_{name}")
+        G.add_node(f"view_{name}", mem=12, cost=0, alias_of=f"get_{name}", same_storage=True)
+        G.add_edge(f"get_{name}", f"view_{name}")
+    G.add_node("attn", mem=4, cost=1)
+    G.add_edges_from((f"view_{name}", "attn") for name in "qkv")
+    p = Problem.from_networkx(G, 0)
+    peak = solve(p.with_budget(2**40), "store_all").peak
+    assert peak == 2 + 12 + 4
+    assert memory_lower_bound(p) == peak  # attn with its inputs, held through qkv
+    assert solve(p.with_budget(peak)).fits
+
+
 def test_over_budget_method_on_feasible_problem():
     # store_all cannot meet a budget that recomputation can: status says so, no exception.
     G = gen.training(gen.chain(3, seed=1), seed=1, param_prob=0.0)
