@@ -20,14 +20,23 @@ import torch.utils._pytree as pytree
 
 def _materialize(val: Any, device: torch.device) -> Any:
     def make(t: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-        if out.is_floating_point() or out.is_complex():
-            out.normal_()
+        # Fill the storage, then view it with the recorded strides: an in-place fill of a view
+        # with overlapping elements (stride 0, as in an expand's gradient) is refused.
+        storage = torch.empty(_storage_numel(t), dtype=t.dtype, device=device)
+        if storage.is_floating_point() or storage.is_complex():
+            storage.normal_()
         else:
-            out.zero_()
-        return out
+            storage.zero_()
+        return storage.as_strided(t.shape, t.stride())
 
     return pytree.tree_map_only(torch.Tensor, make, val)
+
+
+def _storage_numel(t: torch.Tensor) -> int:
+    """Elements a tensor of ``t``'s shape and strides reaches, counted from its first."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
 
 
 def _sync(device: torch.device) -> None:
@@ -55,10 +64,10 @@ def measure_op_times(
         for node in gm.graph.nodes:
             if node.op != "call_function" or node.name in skip:
                 continue
-            args, kwargs = pytree.tree_map_only(
-                fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs)
-            )
             try:
+                args, kwargs = pytree.tree_map_only(
+                    fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs)
+                )
                 node.target(*args, **kwargs)  # warm-up: first-call allocations, kernel selection
                 samples = []
                 for _ in range(repeats):

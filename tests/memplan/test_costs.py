@@ -110,3 +110,31 @@ def test_every_node_allocates_the_bytes_the_cost_model_says(name):
     wrong = {n.name: (costs.values[n.name].new_bytes, real.new_bytes[n.name])
              for n in cap.graph.nodes if n.op == "call_function" and costs.values[n.name].new_bytes != real.new_bytes[n.name]}
     assert not wrong, wrong
+
+
+def test_profiling_times_ops_that_read_expanded_tensors():
+    # The gradient of a sum is an expand: stride 0. Synthetic inputs for the ops that read it
+    # keep those strides; filling such a tensor in place is refused, so the storage is filled.
+    class SumOfSquares(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x).relu() * x).sum(dim=1, keepdim=True).expand(-1, 32) * x
+
+    model = SumOfSquares()
+    cap = capture(model, (torch.randn(8, 32),))
+    strided = [n.name for n in cap.graph.nodes
+               if isinstance(n.meta.get("val"), torch.Tensor) and 0 in n.meta["val"].stride()]
+    assert strided, "the graph should hold a stride-0 value"
+    times = measure_op_times(cap.graph_module, "cpu")
+    readers = [u.name for n in cap.graph.nodes if n.name in strided for u in n.users if u.op == "call_function"]
+    assert readers and all(times[r] > 0 for r in readers)
+    opt = memplan.optimize(model, 10**12, profile=True, example_inputs=(torch.randn(8, 32),))
+    x = torch.randn(8, 32)
+    opt(x).sum().backward()
+    planned = model.lin.weight.grad.clone()
+    model.zero_grad()
+    model(x).sum().backward()
+    torch.testing.assert_close(planned, model.lin.weight.grad)
