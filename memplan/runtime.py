@@ -61,6 +61,10 @@ class Program:
     carried: list[str]  # names forward returns for backward (after outputs and updates)
     grad_outputs: list[str | None]  # per primal: fx name of its gradient, or None
     tangents_for_user: list[int | None]  # per user output: its tangent index, or None
+    # Per gradient in `grad_outputs` (the non-None ones, in order): the tangent indices it
+    # depends on. One whose tangents all come from outputs the loss does not use is None, as
+    # eager autograd leaves it (an optimizer then skips the parameter, weight decay included).
+    grad_tangents: list[frozenset[int]]
 
 
 HOST_PREFIX = "host:"
@@ -334,7 +338,22 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
     tangents_for_user = [tangent_of_output.get(j) for j in user_joint_index]
-    return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user)
+    grad_tangents = tangents_reaching(cap.graph_module, low.tangents, bw_outputs)
+    return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
+                   grad_tangents)
+
+
+def tangents_reaching(gm: fx.GraphModule, tangents: list[str], outputs: list[str]) -> list[frozenset[int]]:
+    """For each node named in ``outputs``: the indices (in ``tangents``) of the tangent
+    placeholders among its ancestors in ``gm``."""
+    index = {name: i for i, name in enumerate(tangents)}
+    reach: dict[str, int] = {}  # node -> bit set of tangent indices
+    for node in gm.graph.nodes:
+        bits = 1 << index[node.name] if node.name in index else 0
+        for inp in node.all_input_nodes:
+            bits |= reach.get(inp.name, 0)
+        reach[node.name] = bits
+    return [frozenset(i for i in range(len(tangents)) if reach.get(name, 0) >> i & 1) for name in outputs]
 
 
 class PlannedStep(torch.autograd.Function):
@@ -379,15 +398,19 @@ class PlannedStep(torch.autograd.Function):
         box = [saved[src] if src is not None else v for v, src in zip(ctx.carried, ctx.carried_from_output)]
         ctx.carried = None  # from here on, `box` holds the only references
         tangent_slots: list[Any] = [None] * sum(t is not None for t in program.tangents_for_user)
+        given: set[int] = set()  # tangents the loss reached
         for out_idx, t_idx in enumerate(program.tangents_for_user):
             if t_idx is not None:
                 grad = grad_outputs[out_idx]
+                if grad is not None:
+                    given.add(t_idx)
                 # an output the loss does not use: the zeros autograd would have made (the Problem counts them)
                 tangent_slots[t_idx] = torch.zeros_like(saved[out_idx]) if grad is None else grad
         del saved
         box.extend(tangent_slots)
         del tangent_slots
-        grads = list(program.backward(box))
+        grads = [None if needs and not needs & given else g
+                 for g, needs in zip(program.backward(box), program.grad_tangents, strict=True)]
         per_primal = []
         it = iter(grads)
         for g in program.grad_outputs:

@@ -253,6 +253,52 @@ def test_output_objects_come_back_with_the_steps_real_tensors(plain):
     assert_same_step(model, reference, loss, ref_loss)
 
 
+class _TwoHeads(nn.Module):
+    """A trunk with two heads; a multi-task model whose step may train only one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(16, 32)
+        self.main = nn.Linear(32, 4)
+        self.aux = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = self.trunk(x).relu()
+        return {"logits": self.main(h), "aux": self.aux(h)}
+
+
+@pytest.mark.parametrize("budget", ["store_all", "recomputing"])
+def test_parameters_only_unused_outputs_depend_on_get_no_gradient(budget):
+    # Eager autograd leaves .grad None on a parameter the loss does not reach; an optimizer then
+    # skips it (AdamW applies no weight decay, keeps no moments). Zeros instead would move it.
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 16)
+    limit = 10**12 if budget == "store_all" else int(0.8 * memplan.analyze(model, (x,)).eager_peak)
+    opt = memplan.optimize(model, limit, example_inputs=(x,))
+    loss, ref_loss = opt(x)["logits"].square().mean(), reference(x)["logits"].square().mean()
+    loss.backward()
+    ref_loss.backward()
+    assert reference.aux.weight.grad is None and model.aux.weight.grad is None
+    assert_same_step(model, reference, loss, ref_loss)
+    before = model.aux.weight.detach().clone()
+    for m in (model, reference):
+        torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1).step()
+    torch.testing.assert_close(model.aux.weight, before, rtol=0, atol=0)
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, msg=lambda m: f"{name} after the optimizer step: {m}")
+    # Both heads in the loss: the aux head's gradient is back.
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    out, ref = opt(x), reference(x)
+    loss, ref_loss = out["logits"].sum() + out["aux"].sum(), ref["logits"].sum() + ref["aux"].sum()
+    loss.backward()
+    ref_loss.backward()
+    assert model.aux.weight.grad is not None
+    assert_same_step(model, reference, loss, ref_loss)
+
+
 class _SlotsOutput:
     __slots__ = ("logits",)
 
