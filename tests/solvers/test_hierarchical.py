@@ -164,8 +164,8 @@ def _transformer_with_link(seed: int) -> Problem:
 def test_covering_ilp_pages_out_below_the_remat_minimum():
     # Nothing in these graphs can be recomputed (as with values computed from state the step
     # overwrites), so no remat-only plan fits below store-all's peak. At 80% of it, the drop
-    # search's covering ILP pages values out across their idle spans instead: every plan fits,
-    # copies, and (the link moving every byte once in the step's time) hides the copies.
+    # search's covering ILP pages values out across their idle spans instead: every plan fits
+    # and copies.
     # A fixed floor, not a searched one: a minimum found by a time-limited search moves with the
     # machine's load, and the 10 s search often beat it by recomputation alone.
     for seed in range(4):
