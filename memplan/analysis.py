@@ -74,7 +74,7 @@ def saved_activation_bytes(cap: Capture, costs: GraphCosts, low: Lowered) -> int
 class _RealRnnWorkspaces(TorchDispatchMode):
     """Give fake ``mkldnn_rnn_layer`` calls the workspace the real oneDNN kernel allocates.
 
-    On CPU, eager ``nn.LSTM``/``nn.GRU`` training runs oneDNN's fused layer, which returns
+    On CPU, eager ``nn.LSTM`` training runs oneDNN's fused layer (GRU and RNN do not), which returns
     a workspace the backward reads. Its fake implementation returns an empty one, so the
     replay missed it: a 2-layer LSTM (hidden 64, batch 8, 50 steps) replayed at 0.9 MB
     against 4.1 MB measured. The size is opaque (oneDNN's primitive reports it), so the
