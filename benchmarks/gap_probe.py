@@ -38,7 +38,8 @@ def default_moments(problem) -> list[int]:
                                          lower_bounds.INTERVAL_MOMENTS)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> tuple[float, float]:
+    """Run the probe; returns the interval (lowest bound, cheapest plan) as multiples of the sum of costs."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--graph", default="unet")
     ap.add_argument("--fraction", type=float, default=0.3)
@@ -74,6 +75,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     low, high = max(milp, sol.lower_bound), result.cost
     print(f"optimum in [{low / total:.4f}, {high / total:.4f}]: a plan at the top needs a bound of "
           f"{0.97 * high / total:.4f} for a 3% gap; a bound at the bottom needs a plan of {low / 0.97 / total:.4f}")
+    return low / total, high / total
 
 
 if __name__ == "__main__":

@@ -120,6 +120,17 @@ def test_real_graph_is_fast_and_below_the_greedy_cost():
     assert len(moments(q)) == q.n_compute
 
 
+def test_gap_probe_brackets_the_optimum_on_a_real_graph():
+    # benchmarks.gap_probe, briefly: its interval MILP (on the moments auto's bound starts
+    # from) and auto's own bound must stay below the plan it then pin-searches.
+    pytest.importorskip("benchmarks.gap_probe")
+    from benchmarks.gap_probe import main
+
+    low, high = main(["--graph", "unet", "--fraction", "0.3", "--milp-time", "2", "--plan-time", "3",
+                      "--pin-time", "1"])
+    assert 1.0 < low <= high
+
+
 def test_lp_bound_is_below_the_checkmate_milp_optimum():
     # The LP relaxes Checkmate's MILP as built (memory rounded up, views counted
     # conservatively), so it is compared with the MILP's proven optimum, not with
