@@ -30,9 +30,8 @@ from solvers.schedule import simulate
 from benchmarks.scale_bench import load, with_fraction
 
 
-def default_moments(problem) -> list[int]:
+def default_moments(problem, ctx) -> list[int]:
     """The moments auto's interval run starts from (`lower_bounds.interval_moments`), before pruning."""
-    ctx = lower_bounds._Context(problem)
     by_node = {m.node: m for m in lower_bounds.moments(problem, ctx=ctx)}
     return lower_bounds.interval_moments(lower_bounds.main_chain(problem, ctx), by_node,
                                          lower_bounds.INTERVAL_MOMENTS)
@@ -51,8 +50,8 @@ def main(argv: Optional[list[str]] = None) -> tuple[float, float]:
     args = ap.parse_args(argv)
     problem = with_fraction(load(args.graph), args.fraction)
     total = problem.total_cost()
-    ws = [int(w) for w in args.moments.split(",")] if args.moments else default_moments(problem)
-    ctx = lower_bounds._Context(problem)
+    ctx = lower_bounds._Context(problem)  # reachability bit sets: built once, shared by every call below
+    ws = [int(w) for w in args.moments.split(",")] if args.moments else default_moments(problem, ctx)
 
     started = time.perf_counter()
     lp = total + lower_bounds._interval(problem, ctx, ws, None, integer=False)
