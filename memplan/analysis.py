@@ -100,11 +100,13 @@ class _RealRnnWorkspaces(TorchDispatchMode):
         return (*out[:3], out[3].new_empty(self._numel[key]))
 
 
-def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict,
+                      no_grad_outputs: frozenset[int] = frozenset()) -> int:
     """Peak bytes of one eager forward+backward, replayed on fake tensors.
 
     Output gradients are ones, allocated when backward starts, as a loss's
-    gradient would be.
+    gradient would be; outputs in ``no_grad_outputs`` (indices among the
+    output's tensors) get none, as outputs a loss does not use.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -131,7 +133,7 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
             MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker, \
             swapped_state(model, state):
         out = model(*fake_args, **fake_kwargs)
-        tensors = [t for t in flatten_output(out)[0] if t.requires_grad]
+        tensors = [t for i, t in enumerate(flatten_output(out)[0]) if t.requires_grad and i not in no_grad_outputs]
         del out
         grads = [torch.ones_like(t) for t in tensors]
         torch.autograd.backward(tensors, grads)

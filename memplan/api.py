@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -119,6 +121,10 @@ class OptimizedModule(nn.Module):
         self.options = options
         self._plans: dict[InputSignature, tuple[Plan, Program, list[str], list[str]]] = {}
         self._last_signature: InputSignature | None = None
+        # Per input signature: the output tensors the loss did not use at the last backward
+        # (their gradients are then planned as absent), or None once a gradient came for one
+        # of them after all: that step's loss varies, and it keeps the plan for every gradient.
+        self._no_grad_outputs: dict[InputSignature, frozenset[int] | None] = {}
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -160,28 +166,62 @@ class OptimizedModule(nn.Module):
         """Plan for these inputs now (without running a step), for a step that starts without
         gradients (after ``zero_grad()``), whatever ``.grad`` holds at this moment: a step that
         starts with gradients held gets its own plan on its first call."""
-        sig = InputSignature.of(args, kwargs, self._orig_mod.training)
-        self._entry(sig, args, kwargs, 0)
-        self._last_signature = sig
+        self._entry(args, kwargs, 0)
         return self.plan
 
-    def _entry(self, sig: InputSignature, args: tuple, kwargs: dict, held: int):
-        if sig not in self._plans:
+    def _entry(self, args: tuple, kwargs: dict, held: int) -> tuple[Plan, Program, list[str], list[str]]:
+        """The plan for these inputs (made now if there is none yet); it becomes :attr:`plan`."""
+        sig = InputSignature.of(args, kwargs, self._orig_mod.training, held)
+        if self.saved_plan is not None:  # a saved plan is used as it was made
+            no_grad = frozenset(self.saved_plan.no_grad_outputs)
+        else:
+            no_grad = self._no_grad_outputs.get(sig) or frozenset()
+        key = sig.without_gradients_for(no_grad)
+        if key not in self._plans:
             # Planning is compile-time work, not part of the step: a MemoryTracker
             # around the first call must see neither the capture's fake tensors
             # (refusing one inside a dispatch callback aborts the process) nor
             # the planner's own real work (profiling runs, meta-model constants).
             with unmeasured():
-                self._plans[sig] = self._make_entry(args, kwargs, held)
-        return self._plans[sig]
+                entry = self._make_entry(args, kwargs, held, no_grad)
+            entry[1].observer = _gradient_learner(self, sig, no_grad, entry[0].analysis.capture.addend_only_outputs)
+            self._plans[key] = entry
+        self._last_signature = key
+        return self._plans[key]
 
-    def _make_entry(self, args: tuple, kwargs: dict, held: int) -> tuple[Plan, Program, list[str], list[str]]:
+    def _learn_missing_gradients(self, sig: InputSignature, planned_without: frozenset[int], candidates: frozenset[int],
+                                 missing: frozenset[int]) -> None:
+        """After a backward of the plan for ``sig`` made without the gradients of ``planned_without``:
+        which output gradients to plan for at the next call (see ``_no_grad_outputs``)."""
+        arrived = planned_without - missing
+        if arrived:
+            saved = self.saved_plan is not None
+            warnings.warn(
+                f"memplan: output tensor(s) {sorted(arrived)} got a gradient, but this step was planned without "
+                + ("one (the saved plan was made for a loss that did not use them). " if saved else
+                   "one (the loss did not use them at an earlier step). ")
+                + "The gradients are exact, but the step held up to twice those outputs' bytes more than planned"
+                + ("; re-plan for this loss." if saved else
+                   "; from the next call on these inputs use the plan for every output's gradient."),
+                stacklevel=2,
+            )
+            self._no_grad_outputs[sig] = None
+            return
+        if self.saved_plan is not None or (sig in self._no_grad_outputs and self._no_grad_outputs[sig] is None):
+            return
+        learned = missing & candidates
+        if learned != planned_without:
+            self._no_grad_outputs[sig] = learned
+
+    def _make_entry(self, args: tuple, kwargs: dict, held: int,
+                    no_grad: frozenset[int]) -> tuple[Plan, Program, list[str], list[str]]:
         """Plan the step for these inputs: solved, or bound from ``plan=``.
 
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
-        for what they leave of the budget, and the plan's peak counts them."""
+        for what they leave of the budget, and the plan's peak counts them. ``no_grad``: output
+        tensors whose gradient the plan leaves out (``memplan.optional_grads``)."""
         try:
-            plan, program = self._plan_graph(args, kwargs, self.budget - held)
+            plan, program = self._plan_graph(args, kwargs, self.budget - held, no_grad)
         except InfeasibleBudgetError as exc:
             if not held:
                 raise
@@ -199,7 +239,7 @@ class OptimizedModule(nn.Module):
         cap = plan.analysis.capture
         return plan, program, cap.param_names, cap.buffer_names
 
-    def _plan_graph(self, args: tuple, kwargs: dict, budget: int) -> tuple[Plan, Program]:
+    def _plan_graph(self, args: tuple, kwargs: dict, budget: int, no_grad: frozenset[int]) -> tuple[Plan, Program]:
         """The plan and program of the step's graph under ``budget``."""
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -223,6 +263,7 @@ class OptimizedModule(nn.Module):
             profile=profile,
             measure_on=measure_on,
             offload=offload,
+            no_grad_outputs=no_grad,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,10 +271,7 @@ class OptimizedModule(nn.Module):
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             # Inference: nothing is saved for backward, there is nothing to plan.
             return model(*args, **kwargs)
-        held = held_gradient_bytes(model)
-        sig = InputSignature.of(args, kwargs, model.training, held)
-        plan, program, param_names, buffer_names = self._entry(sig, args, kwargs, held)
-        self._last_signature = sig
+        plan, program, param_names, buffer_names = self._entry(args, kwargs, held_gradient_bytes(model))
         params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())
         buffers = [buffers_by_name[n] for n in buffer_names]
@@ -241,6 +279,21 @@ class OptimizedModule(nn.Module):
         primals = [params[n] for n in param_names] + buffers + inputs
         outputs = run_program(program, buffers, primals)
         return plan.analysis.capture.output_tree.rebuild(list(outputs))
+
+
+def _gradient_learner(module: OptimizedModule, sig: InputSignature, planned_without: frozenset[int],
+                      candidates: frozenset[int]):
+    """The observer a plan's backward reports its missing output gradients to (`Program.observer`).
+
+    It holds the module weakly: the module holds the plan, which holds the observer."""
+    ref = weakref.ref(module)
+
+    def observe(missing: frozenset[int]) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._learn_missing_gradients(sig, planned_without, candidates, missing)
+
+    return observe
 
 
 class WithLoss(nn.Module):

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.compaction import copy_out_late_views
+from memplan.optional_grads import addend_only, make_tangents_optional
 
 
 class CaptureError(RuntimeError):
@@ -176,6 +177,11 @@ class InputSignature:
             (str(spec), tuple(parts), training, torch.is_grad_enabled(), str(autocast), held_gradient_bytes)
         )
 
+    def without_gradients_for(self, outputs: frozenset[int]) -> "InputSignature":
+        """This signature, for a step whose loss sends no gradient to ``outputs`` (output tensor
+        indices): a plan of its own (see :mod:`memplan.optional_grads`)."""
+        return InputSignature(self.key + (("no_grad_outputs", tuple(sorted(outputs))),)) if outputs else self
+
 
 @dataclass
 class Capture:
@@ -195,6 +201,10 @@ class Capture:
     user_requires_grad: list[bool]  # per user tensor leaf
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
+    # User outputs (leaf indices) whose gradient is an addend only (memplan.optional_grads), and
+    # those of them this graph was made for a backward without: their tangents are optional.
+    addend_only_outputs: frozenset[int] = frozenset()
+    no_grad_outputs: frozenset[int] = frozenset()
 
     @property
     def graph(self) -> fx.Graph:
@@ -242,6 +252,19 @@ def _is_plain_object(x: Any) -> bool:
     return not isinstance(x, (type, torch.nn.Module, torch.Tensor))
 
 
+def _map_children(node: Any, fn: Callable[[Any], Any]) -> Any:
+    """A pytree node with ``fn`` applied to its children: one level, by the node type's own
+    flatten and unflatten.
+
+    Not ``pytree.tree_map(fn, node, is_leaf=lambda y: y is not node)``: pytree keeps ``is_leaf``
+    in a reference cycle, and the lambda would keep ``node`` (a model's output, with its
+    tensors) alive after the caller's last reference, until the next garbage collection.
+    """
+    node_def = pytree.SUPPORTED_NODES[pytree._get_node_type(node)]
+    children, context = node_def.flatten_fn(node)
+    return node_def.unflatten_fn([fn(c) for c in children], context)
+
+
 def _open_objects(tree: Any, objects: list[_Opened]) -> Any:
     """Replace objects pytree cannot see into (dataclasses, caches, dict subclasses) by tagged dicts.
 
@@ -253,11 +276,8 @@ def _open_objects(tree: Any, objects: list[_Opened]) -> Any:
     def visit(x: Any, depth: int = 0) -> Any:
         if isinstance(x, torch.Tensor) or x is None or depth > _MAX_OBJECT_DEPTH:
             return x
-        if isinstance(x, (list, tuple, dict)) and type(x) in (list, tuple, dict):
-            return pytree.tree_map(lambda c: visit(c, depth + 1), x, is_leaf=lambda y: y is not x)
         if pytree._get_node_type(x) in pytree.SUPPORTED_NODES:
-            children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
-            return pytree.tree_unflatten([visit(c, depth + 1) for c in children], spec)
+            return _map_children(x, lambda c: visit(c, depth + 1))
         if not _is_plain_object(x):
             return x
         keys = list(x.keys()) if isinstance(x, dict) else []
@@ -292,8 +312,7 @@ def _close_objects(tree: Any, objects: list[_Opened]) -> Any:
         if type(x) is dict:
             return {k: visit(v) for k, v in x.items()}
         if pytree._get_node_type(x) in pytree.SUPPORTED_NODES and not isinstance(x, torch.Tensor):
-            children, spec = pytree.tree_flatten(x, is_leaf=lambda y: y is not x)
-            return pytree.tree_unflatten([visit(c) for c in children], spec)
+            return _map_children(x, visit)
         return x
 
     def rebuild(opened: _Opened, items: list[Any], attrs: dict[str, Any]) -> Any:
@@ -731,12 +750,17 @@ def capture(
     model: torch.nn.Module,
     args: tuple = (),
     kwargs: dict | None = None,
+    *,
+    no_grad_outputs: frozenset[int] = frozenset(),
 ) -> Capture:
     """Trace ``model(*args, **kwargs)`` and its backward into one joint ATen graph.
 
     Real tensors are swapped for fake ones first, so nothing is allocated.
     Parameters are the module's ``named_parameters()`` (tied weights appear once);
     buffers its ``named_buffers()``; inputs every tensor leaf of ``(args, kwargs)``.
+    ``no_grad_outputs``: output leaves (indices among the output's tensors) the
+    backward is planned to get no gradient for; each must be in the capture's
+    ``addend_only_outputs`` (see :mod:`memplan.optional_grads`).
     """
     from torch._functorch.aot_autograd import aot_function
 
@@ -872,6 +896,14 @@ def capture(
             f"unexpected joint graph layout: {len(tangents)} tangents for {len(tangent_outputs)} differentiable outputs"
         )
     _check_supported(gm)
+    tangent_of_user = {outputs[j].index: t for t, j in zip(tangents, tangent_outputs)}
+    addend_only_outputs = frozenset(i for i, t in tangent_of_user.items() if addend_only(t))
+    if not no_grad_outputs <= addend_only_outputs:
+        raise ValueError(
+            f"outputs {sorted(no_grad_outputs - addend_only_outputs)} cannot be planned without a gradient: "
+            f"only outputs whose gradient is just added to another one can ({sorted(addend_only_outputs)})"
+        )
+    make_tangents_optional([tangent_of_user[i] for i in sorted(no_grad_outputs)])
     copied_views = copy_out_late_views(gm)
     return Capture(
         graph_module=gm,
@@ -888,6 +920,8 @@ def capture(
         user_requires_grad=user_requires_grad,
         signature=signature,
         copied_views=copied_views,
+        addend_only_outputs=addend_only_outputs,
+        no_grad_outputs=frozenset(no_grad_outputs),
     )
 
 

@@ -132,6 +132,9 @@ class Plan:
             f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
             f"({format_bytes(offloaded)})",
         ]
+        if a.capture.no_grad_outputs:
+            lines.append(f"  no gradient for  output tensor(s) {', '.join(map(str, sorted(a.capture.no_grad_outputs)))}: "
+                         "the loss did not use them at an earlier backward, so their gradient buffers are not planned")
         if a.capture.copied_views:
             copied = a.capture.copied_views
             lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "
@@ -197,14 +200,17 @@ def make_plan(
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
     offload: bool = False,
+    no_grad_outputs: frozenset[int] = frozenset(),
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
     ``measure_on``: time every op on that device instead of using the roofline.
     ``offload``: let the plan page values to host memory over the profile's host link.
+    ``no_grad_outputs``: output tensors (indices) the loss is known not to use
+    (:mod:`memplan.optional_grads`); their gradients are planned as absent.
     """
-    cap = capture(model, args, kwargs)
-    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs), measure_on)
+    cap = capture(model, args, kwargs, no_grad_outputs=no_grad_outputs)
+    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, no_grad_outputs), measure_on)
     plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
     return plan, build_program(cap, analysis.lowered, plan.schedule)
 

@@ -65,6 +65,12 @@ class Program:
     # depends on. One whose tangents all come from outputs the loss does not use is None, as
     # eager autograd leaves it (an optimizer then skips the parameter, weight decay included).
     grad_tangents: list[frozenset[int]]
+    # Tangents that may be None (memplan.optional_grads): the plan was made for a backward
+    # without them. Any other tangent whose output gets no gradient is passed as zeros.
+    optional_tangents: frozenset[int] = frozenset()
+    # Called at each backward with the user outputs (indices) that got no gradient: how the
+    # caller learns which gradients its loss never sends (memplan.api).
+    observer: Callable[[frozenset[int]], None] | None = None
 
 
 HOST_PREFIX = "host:"
@@ -339,8 +345,9 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
     tangents_for_user = [tangent_of_output.get(j) for j in user_joint_index]
     grad_tangents = tangents_reaching(cap.graph_module, low.tangents, bw_outputs)
+    optional = frozenset(tangents_for_user[i] for i in cap.no_grad_outputs)
     return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
-                   grad_tangents)
+                   grad_tangents, optional)
 
 
 def tangents_reaching(gm: fx.GraphModule, tangents: list[str], outputs: list[str]) -> list[frozenset[int]]:
@@ -404,9 +411,14 @@ class PlannedStep(torch.autograd.Function):
                 grad = grad_outputs[out_idx]
                 if grad is not None:
                     given.add(t_idx)
-                # an output the loss does not use: the zeros autograd would have made (the Problem counts them)
-                tangent_slots[t_idx] = torch.zeros_like(saved[out_idx]) if grad is None else grad
+                    tangent_slots[t_idx] = grad
+                elif t_idx not in program.optional_tangents:
+                    # an output the loss does not use: the zeros autograd would have made (the Problem counts them)
+                    tangent_slots[t_idx] = torch.zeros_like(saved[out_idx])
         del saved
+        if program.observer is not None:
+            program.observer(frozenset(i for i, t in enumerate(program.tangents_for_user)
+                                       if t is not None and t not in given))
         box.extend(tangent_slots)
         del tangent_slots
         grads = [None if needs and not needs & given else g

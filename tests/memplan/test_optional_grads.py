@@ -1,0 +1,195 @@
+"""A loss that does not use some outputs: their gradients are learned absent and not planned.
+
+The Hugging Face pattern: the model computes its loss and returns ``(loss,
+logits, hidden_states)``; the step calls ``loss.backward()``. Eager autograd
+never makes a gradient for the logits; memplan's first plan has to count one
+(it cannot know yet), and from the second call on it plans without it.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import memplan
+from memplan.capture import capture
+from memplan.measure import measure_peak
+from tests.memplan.helpers import clear_grads
+
+VOCAB, WIDTH, BATCH, SEQ = 2000, 64, 8, 64
+LOGITS_BYTES = BATCH * SEQ * VOCAB * 4
+
+
+class _CausalLM(nn.Module):
+    """Embedding, two residual MLP blocks with layer norm and dropout, a vocabulary head and a
+    shifted next-token loss computed inside the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Dropout(0.1),
+                          nn.Linear(4 * WIDTH, WIDTH))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        h = self.emb(ids)
+        hidden = [h]
+        for block in self.blocks:
+            h = h + block(h)
+            hidden.append(h)
+        logits = self.head(h)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return loss, logits, tuple(hidden)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return ids, ids
+
+
+def _step(module: nn.Module, ids, labels, loss_of) -> tuple[int, torch.Tensor]:
+    """One seeded step whose caller holds the whole output through backward (as
+    ``out = model(**batch); out.loss.backward()`` does): (measured peak, loss)."""
+    clear_grads(module)
+    kept = {}
+
+    def run():
+        torch.manual_seed(0)
+        out = module(ids, labels)
+        kept["loss"] = loss_of(out)
+        kept["loss"].backward()
+
+    return measure_peak(run), kept["loss"].detach()
+
+
+def _assert_same_grads(module: nn.Module, reference: nn.Module) -> None:
+    for (name, p), r in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_every_output_gradient_of_the_lm_is_an_addend():
+    # The logits and each hidden state feed the loss inside the model: their tangents are only added.
+    cap = capture(_CausalLM(), _inputs())
+    assert cap.addend_only_outputs == {1, 2, 3, 4}
+
+
+def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_second_call():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    loss_only = lambda out: out[0]  # noqa: E731
+    eager, ref_loss = _step(reference, ids, labels, loss_only)
+    opt = memplan.optimize(model, 10**12)
+    peaks = []
+    for _ in range(3):
+        peak, loss = _step(opt, ids, labels, loss_only)
+        _, ref_loss = _step(reference, ids, labels, loss_only)
+        torch.testing.assert_close(loss, ref_loss)
+        _assert_same_grads(model, reference)
+        assert abs(peak - opt.plan.predicted_peak) <= 0.02 * peak, (peak, opt.plan.predicted_peak)
+        peaks.append(peak)
+    # First call: a gradient buffer for the logits and each hidden state. Then none.
+    hidden_bytes = 3 * BATCH * SEQ * WIDTH * 4
+    assert peaks[0] - peaks[1] >= LOGITS_BYTES + hidden_bytes - 4096, peaks
+    assert peaks[1] == peaks[2]
+    assert peaks[1] <= eager * 1.01, (peaks, eager)
+    assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert len(opt.plans) == 2
+    assert "no gradient for" in opt.plan.report()
+
+
+def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_less():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    loss_only = lambda out: out[0]  # noqa: E731
+    with pytest.raises(memplan.InfeasibleBudgetError) as smallest:
+        memplan.optimize(model, 1000, example_inputs=(ids, labels))
+    budget = int(1.02 * smallest.value.min_budget)  # the first plan, for every gradient, barely fits
+    opt = memplan.optimize(model, budget)
+    overheads = []
+    for call in range(2):
+        peak, loss = _step(opt, ids, labels, loss_only)
+        _, ref_loss = _step(reference, ids, labels, loss_only)
+        torch.testing.assert_close(loss, ref_loss)
+        _assert_same_grads(model, reference)
+        assert peak <= budget, (call, peak, budget)
+        overheads.append(opt.plan.predicted_overhead)
+    assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert overheads[1] < overheads[0], overheads
+
+
+def test_a_gradient_for_an_output_planned_without_one_is_exact_warns_and_ends_the_specialization():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    opt = memplan.optimize(model, 10**12)
+    for _ in range(2):  # learn, then run the plan without output gradients
+        _step(opt, ids, labels, lambda out: out[0])
+    assert opt.plan.analysis.capture.no_grad_outputs
+    with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
+    with pytest.warns(UserWarning, match=r"output tensor\(s\) \[1\] got a gradient"):
+        _, loss = _step(opt, ids, labels, with_logits)
+    _, ref_loss = _step(reference, ids, labels, with_logits)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, reference)
+    # From then on: the plan for every gradient, and no more learning for these inputs.
+    for loss_of in (with_logits, lambda out: out[0]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _, loss = _step(opt, ids, labels, loss_of)
+        _, ref_loss = _step(reference, ids, labels, loss_of)
+        torch.testing.assert_close(loss, ref_loss)
+        _assert_same_grads(model, reference)
+        assert opt.plan.analysis.capture.no_grad_outputs == frozenset()
+    assert len(opt.plans) == 2
+
+
+def test_an_output_whose_gradient_is_not_only_an_addend_cannot_be_planned_without_it():
+    # A head the model does not use itself: its gradient flows through the head's own backward.
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.trunk, self.main, self.aux = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(32, 4)
+
+        def forward(self, x):
+            h = self.trunk(x).relu()
+            main = self.main(h)
+            return main.square().mean(), main, self.aux(h)
+
+    x = torch.randn(8, 16)
+    assert capture(TwoHeads(), (x,)).addend_only_outputs == {1}
+    with pytest.raises(ValueError, match=r"outputs \[2\] cannot be planned without a gradient"):
+        capture(TwoHeads(), (x,), no_grad_outputs=frozenset({1, 2}))
+
+
+def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    loss_only = lambda out: out[0]  # noqa: E731
+    opt = memplan.optimize(model, 10**12)
+    for _ in range(2):
+        planned_peak, _ = _step(opt, ids, labels, loss_only)
+    opt.plan.save(tmp_path / "plan.json")
+    loaded = memplan.optimize(model, plan=tmp_path / "plan.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peak, loss = _step(loaded, ids, labels, loss_only)
+    _, ref_loss = _step(reference, ids, labels, loss_only)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, reference)
+    assert peak == planned_peak
+    assert loaded.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
