@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from memplan.capture import InputSignature
+from memplan.capture import InputSignature, capture
 from memplan.costs import DeviceProfile, get_profile
 from memplan.measure import _storages_of, unmeasured
 from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, make_plan
@@ -183,11 +183,31 @@ class OptimizedModule(nn.Module):
             # (refusing one inside a dispatch callback aborts the process) nor
             # the planner's own real work (profiling runs, meta-model constants).
             with unmeasured():
-                entry = self._make_entry(args, kwargs, held, no_grad)
+                try:
+                    entry = self._make_entry(args, kwargs, held, no_grad)
+                except InfeasibleBudgetError:
+                    no_grad = self._optimistic_no_grad(sig, args, kwargs, no_grad)
+                    if not no_grad:
+                        raise
+                    entry = self._make_entry(args, kwargs, held, no_grad)
+                    self._no_grad_outputs[sig] = no_grad
+                    key = sig.without_gradients_for(no_grad)
             entry[1].observer = _gradient_learner(self, sig, no_grad, entry[0].analysis.capture.addend_only_outputs)
             self._plans[key] = entry
         self._last_signature = key
         return self._plans[key]
+
+    def _optimistic_no_grad(self, sig: InputSignature, args: tuple, kwargs: dict,
+                            no_grad: frozenset[int]) -> frozenset[int]:
+        """When the plan for every output gradient does not fit: the outputs to plan without a gradient
+        before any backward has shown which ones the loss uses (empty: none to try).
+
+        Every output whose gradient is only an addend (one the model also uses itself, like
+        the logits next to the loss it computes) is assumed unused, as in ``out.loss.backward()``;
+        a loss that does use one still gets exact gradients (see ``_learn_missing_gradients``)."""
+        if self.saved_plan is not None or no_grad or sig in self._no_grad_outputs:
+            return frozenset()
+        return capture(self._orig_mod, args, kwargs).addend_only_outputs
 
     def _learn_missing_gradients(self, sig: InputSignature, planned_without: frozenset[int], candidates: frozenset[int],
                                  missing: frozenset[int]) -> None:

@@ -134,7 +134,7 @@ class Plan:
         ]
         if a.capture.no_grad_outputs:
             lines.append(f"  no gradient for  output tensor(s) {', '.join(map(str, sorted(a.capture.no_grad_outputs)))}: "
-                         "the loss did not use them at an earlier backward, so their gradient buffers are not planned")
+                         "planned without their gradient buffers, for a loss that does not use them")
         if a.capture.copied_views:
             copied = a.capture.copied_views
             lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 import memplan
 from memplan.capture import capture
+from memplan.costs import get_profile
 from memplan.measure import measure_peak
+from memplan.plan import make_plan
 from tests.memplan.helpers import clear_grads
 
 VOCAB, WIDTH, BATCH, SEQ = 2000, 64, 8, 64
@@ -70,6 +72,14 @@ def _step(module: nn.Module, ids, labels, loss_of) -> tuple[int, torch.Tensor]:
     return measure_peak(run), kept["loss"].detach()
 
 
+def _smallest_budget_for_every_gradient(model: nn.Module, ids, labels) -> int:
+    """The smallest budget a plan that counts every output's gradient fits (what the first call
+    plans for when it fits)."""
+    with pytest.raises(memplan.InfeasibleBudgetError) as smallest:
+        make_plan(model, (ids, labels), {}, 1000, profile=get_profile(None))
+    return smallest.value.min_budget
+
+
 def _assert_same_grads(module: nn.Module, reference: nn.Module) -> None:
     for (name, p), r in zip(module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad, msg=lambda m: f"{name}: {m}")
@@ -113,9 +123,7 @@ def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_l
     reference = copy.deepcopy(model)
     ids, labels = _inputs()
     loss_only = lambda out: out[0]  # noqa: E731
-    with pytest.raises(memplan.InfeasibleBudgetError) as smallest:
-        memplan.optimize(model, 1000, example_inputs=(ids, labels))
-    budget = int(1.02 * smallest.value.min_budget)  # the first plan, for every gradient, barely fits
+    budget = int(1.02 * _smallest_budget_for_every_gradient(model, ids, labels))  # the first plan barely fits
     opt = memplan.optimize(model, budget)
     overheads = []
     for call in range(2):
@@ -193,3 +201,33 @@ def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     _assert_same_grads(model, reference)
     assert peak == planned_peak
     assert loaded.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+
+
+def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    # below every plan that counts the logits' gradient
+    budget = _smallest_budget_for_every_gradient(model, ids, labels) - LOGITS_BYTES // 2
+    opt = memplan.optimize(model, budget)
+    loss_only = lambda out: out[0]  # noqa: E731
+    for call in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            peak, loss = _step(opt, ids, labels, loss_only)
+        _, ref_loss = _step(reference, ids, labels, loss_only)
+        torch.testing.assert_close(loss, ref_loss)
+        _assert_same_grads(model, reference)
+        assert peak <= budget, (call, peak, budget)
+        assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert len(opt.plans) == 1
+    # A loss that uses the logits: exact, with a warning; the next call has no plan that fits.
+    with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
+    with pytest.warns(UserWarning, match="got a gradient"):
+        _, loss = _step(opt, ids, labels, with_logits)
+    _, ref_loss = _step(reference, ids, labels, with_logits)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, reference)
+    with pytest.raises(memplan.InfeasibleBudgetError):
+        _step(opt, ids, labels, with_logits)
