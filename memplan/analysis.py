@@ -25,6 +25,7 @@ import solvers
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
 from memplan.problem import BACKWARD, Lowered, lower
+from memplan.output_use import OutputUse
 
 
 @dataclass
@@ -100,13 +101,13 @@ class _RealRnnWorkspaces(TorchDispatchMode):
         return (*out[:3], out[3].new_empty(self._numel[key]))
 
 
-def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict,
-                      no_grad_outputs: frozenset[int] = frozenset()) -> int:
+def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_use: OutputUse = OutputUse()) -> int:
     """Peak bytes of one eager forward+backward, replayed on fake tensors.
 
     Output gradients are ones, allocated when backward starts, as a loss's
-    gradient would be; outputs in ``no_grad_outputs`` (indices among the
-    output's tensors) get none, as outputs a loss does not use.
+    gradient would be. The caller holds every output through backward, as the
+    first plan assumes, unless ``output_use`` says otherwise: its ``dropped``
+    outputs are let go before backward, its ``no_grad`` ones get no gradient.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -133,11 +134,14 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict,
             MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker, \
             swapped_state(model, state):
         out = model(*fake_args, **fake_kwargs)
-        tensors = [t for i, t in enumerate(flatten_output(out)[0]) if t.requires_grad and i not in no_grad_outputs]
+        outputs = flatten_output(out)[0]
         del out
-        grads = [torch.ones_like(t) for t in tensors]
-        torch.autograd.backward(tensors, grads)
-        del tensors, grads
+        held = [t for i, t in enumerate(outputs) if i not in output_use.dropped]
+        roots = [t for i, t in enumerate(outputs) if t.requires_grad and i not in output_use.no_grad]
+        del outputs
+        grads = [torch.ones_like(t) for t in roots]
+        torch.autograd.backward(roots, grads)
+        del roots, grads, held
     return tracker.peak
 
 

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature, capture
 from memplan.costs import DeviceProfile, get_profile
 from memplan.measure import _storages_of, unmeasured
+from memplan.output_use import REPLAN_FRACTION, OutputUse, output_bytes
 from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
@@ -121,10 +122,11 @@ class OptimizedModule(nn.Module):
         self.options = options
         self._plans: dict[InputSignature, tuple[Plan, Program, list[str], list[str]]] = {}
         self._last_signature: InputSignature | None = None
-        # Per input signature: the output tensors the loss did not use at the last backward
-        # (their gradients are then planned as absent), or None once a gradient came for one
-        # of them after all: that step's loss varies, and it keeps the plan for every gradient.
-        self._no_grad_outputs: dict[InputSignature, frozenset[int] | None] = {}
+        # Per input signature: how the last backward used the outputs (memplan.output_use:
+        # gradients the loss never sent, outputs the caller had dropped), which the next plan
+        # assumes; or None once a step broke such an assumption: the use varies, and these
+        # inputs keep the plan that assumes nothing.
+        self._output_use: dict[InputSignature, OutputUse | None] = {}
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -173,10 +175,10 @@ class OptimizedModule(nn.Module):
         """The plan for these inputs (made now if there is none yet); it becomes :attr:`plan`."""
         sig = InputSignature.of(args, kwargs, self._orig_mod.training, held)
         if self.saved_plan is not None:  # a saved plan is used as it was made
-            no_grad = frozenset(self.saved_plan.no_grad_outputs)
+            use = self.saved_plan.output_use
         else:
-            no_grad = self._no_grad_outputs.get(sig) or frozenset()
-        key = sig.without_gradients_for(no_grad)
+            use = self._output_use.get(sig) or OutputUse()
+        key = sig.for_output_use(use)
         if key not in self._plans:
             # Planning is compile-time work, not part of the step: a MemoryTracker
             # around the first call must see neither the capture's fake tensors
@@ -184,64 +186,77 @@ class OptimizedModule(nn.Module):
             # the planner's own real work (profiling runs, meta-model constants).
             with unmeasured():
                 try:
-                    entry = self._make_entry(args, kwargs, held, no_grad)
+                    entry = self._make_entry(args, kwargs, held, use)
                 except InfeasibleBudgetError:
-                    no_grad = self._optimistic_no_grad(sig, args, kwargs, no_grad)
-                    if not no_grad:
+                    optimistic = self._optimistic_use(sig, args, kwargs, use)
+                    if optimistic is None:
                         raise
-                    entry = self._make_entry(args, kwargs, held, no_grad)
-                    self._no_grad_outputs[sig] = no_grad
-                    key = sig.without_gradients_for(no_grad)
-            entry[1].observer = _gradient_learner(self, sig, no_grad, entry[0].analysis.capture.addend_only_outputs)
+                    use = optimistic
+                    entry = self._make_entry(args, kwargs, held, use)
+                    self._output_use[sig] = use
+                    key = sig.for_output_use(use)
+            entry[1].observer = _use_learner(self, sig, use, entry[0])
             self._plans[key] = entry
         self._last_signature = key
         return self._plans[key]
 
-    def _optimistic_no_grad(self, sig: InputSignature, args: tuple, kwargs: dict,
-                            no_grad: frozenset[int]) -> frozenset[int]:
-        """When the plan for every output gradient does not fit: the outputs to plan without a gradient
-        before any backward has shown which ones the loss uses (empty: none to try).
+    def _optimistic_use(self, sig: InputSignature, args: tuple, kwargs: dict, use: OutputUse) -> OutputUse | None:
+        """When the plan that assumes nothing about the outputs does not fit: what to assume before
+        any backward has shown how the step uses them (None: nothing to try).
 
         Every output whose gradient is only an addend (one the model also uses itself, like
-        the logits next to the loss it computes) is assumed unused, as in ``out.loss.backward()``;
-        a loss that does use one still gets exact gradients (see ``_learn_missing_gradients``)."""
-        if self.saved_plan is not None or no_grad or sig in self._no_grad_outputs:
-            return frozenset()
-        return capture(self._orig_mod, args, kwargs).addend_only_outputs
+        the logits next to the loss it computes) is assumed to get no gradient, as in
+        ``out.loss.backward()``; a loss that does use one still gets exact gradients (see
+        ``_learn_output_use``)."""
+        if self.saved_plan is not None or use or sig in self._output_use:
+            return None
+        candidates = capture(self._orig_mod, args, kwargs).addend_only_outputs
+        return OutputUse(no_grad=candidates) if candidates else None
 
-    def _learn_missing_gradients(self, sig: InputSignature, planned_without: frozenset[int], candidates: frozenset[int],
-                                 missing: frozenset[int]) -> None:
-        """After a backward of the plan for ``sig`` made without the gradients of ``planned_without``:
-        which output gradients to plan for at the next call (see ``_no_grad_outputs``)."""
-        arrived = planned_without - missing
-        if arrived:
+    def _learn_output_use(self, sig: InputSignature, planned: OutputUse, plan: Plan,
+                          missing: frozenset[int], dropped: frozenset[int]) -> None:
+        """After a backward of ``plan``, made for ``sig`` assuming ``planned``, given the outputs that got no
+        gradient (``missing``) and those the caller had let go (``dropped``): what the next plan assumes.
+
+        A new assumption is taken up only where it concerns outputs worth re-planning for: at
+        least ``REPLAN_FRACTION`` of the plan's peak (a logits tensor, not a scalar loss)."""
+        arrived = planned.no_grad - missing
+        kept = planned.dropped - dropped
+        if arrived or kept:
+            broken = []
+            if arrived:
+                broken.append(f"output tensor(s) {sorted(arrived)} got a gradient, but this step was planned without one")
+            if kept:
+                broken.append(f"output tensor(s) {sorted(kept)} were still held when backward began, but this step "
+                              "was planned for a caller that lets them go before")
             saved = self.saved_plan is not None
             warnings.warn(
-                f"memplan: output tensor(s) {sorted(arrived)} got a gradient, but this step was planned without "
-                + ("one (the saved plan was made for a loss that did not use them). " if saved else
-                   "one (the loss did not use them at an earlier step). ")
-                + "The gradients are exact, but the step held up to twice those outputs' bytes more than planned"
-                + ("; re-plan for this loss." if saved else
-                   "; from the next call on these inputs use the plan for every output's gradient."),
+                f"memplan: {'; '.join(broken)} "
+                + ("(the saved plan was made for such a step). " if saved else "(as an earlier step did). ")
+                + "The gradients are exact, but the step held more than planned (up to twice those outputs' bytes)"
+                + ("; re-plan for this step." if saved else
+                   "; from the next call on these inputs use the plan that assumes nothing about the outputs."),
                 stacklevel=2,
             )
-            self._no_grad_outputs[sig] = None
+            self._output_use[sig] = None
             return
-        if self.saved_plan is not None or (sig in self._no_grad_outputs and self._no_grad_outputs[sig] is None):
+        if self.saved_plan is not None or (sig in self._output_use and self._output_use[sig] is None):
             return
-        learned = missing & candidates
-        if learned != planned_without:
-            self._no_grad_outputs[sig] = learned
+        learned = OutputUse(no_grad=missing & plan.analysis.capture.addend_only_outputs, dropped=dropped)
+        changed = (learned.no_grad ^ planned.no_grad) | (learned.dropped ^ planned.dropped)
+        sizes = output_bytes(plan.analysis.capture)
+        if changed and sum(sizes[i] for i in changed) >= REPLAN_FRACTION * plan.predicted_peak:
+            self._output_use[sig] = learned
 
     def _make_entry(self, args: tuple, kwargs: dict, held: int,
-                    no_grad: frozenset[int]) -> tuple[Plan, Program, list[str], list[str]]:
+                    use: OutputUse) -> tuple[Plan, Program, list[str], list[str]]:
         """Plan the step for these inputs: solved, or bound from ``plan=``.
 
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
-        for what they leave of the budget, and the plan's peak counts them. ``no_grad``: output
-        tensors whose gradient the plan leaves out (``memplan.optional_grads``)."""
+        for what they leave of the budget, and the plan's peak counts them. ``use``: what the plan
+        assumes about the outputs (``memplan.output_use``)."""
         try:
-            plan, program = self._plan_graph(args, kwargs, self.budget - held, no_grad)
+            plan, program = self._plan_graph(args, kwargs, self.budget - held, use)
         except InfeasibleBudgetError as exc:
             if not held:
                 raise
@@ -259,7 +274,7 @@ class OptimizedModule(nn.Module):
         cap = plan.analysis.capture
         return plan, program, cap.param_names, cap.buffer_names
 
-    def _plan_graph(self, args: tuple, kwargs: dict, budget: int, no_grad: frozenset[int]) -> tuple[Plan, Program]:
+    def _plan_graph(self, args: tuple, kwargs: dict, budget: int, use: OutputUse) -> tuple[Plan, Program]:
         """The plan and program of the step's graph under ``budget``."""
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -283,7 +298,7 @@ class OptimizedModule(nn.Module):
             profile=profile,
             measure_on=measure_on,
             offload=offload,
-            no_grad_outputs=no_grad,
+            output_use=use,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -301,17 +316,16 @@ class OptimizedModule(nn.Module):
         return plan.analysis.capture.output_tree.rebuild(list(outputs))
 
 
-def _gradient_learner(module: OptimizedModule, sig: InputSignature, planned_without: frozenset[int],
-                      candidates: frozenset[int]):
-    """The observer a plan's backward reports its missing output gradients to (`Program.observer`).
+def _use_learner(module: OptimizedModule, sig: InputSignature, planned: OutputUse, plan: Plan):
+    """The observer a plan's backward reports how the outputs were used to (`Program.observer`).
 
     It holds the module weakly: the module holds the plan, which holds the observer."""
     ref = weakref.ref(module)
 
-    def observe(missing: frozenset[int]) -> None:
+    def observe(missing: frozenset[int], dropped: frozenset[int]) -> None:
         owner = ref()
         if owner is not None:
-            owner._learn_missing_gradients(sig, planned_without, candidates, missing)
+            owner._learn_output_use(sig, planned, plan, missing, dropped)
 
     return observe
 

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.compaction import copy_out_late_views
-from memplan.optional_grads import addend_only, make_tangents_optional
+from memplan.output_use import OutputUse, addend_only, make_tangents_optional
 
 
 class CaptureError(RuntimeError):
@@ -177,10 +177,10 @@ class InputSignature:
             (str(spec), tuple(parts), training, torch.is_grad_enabled(), str(autocast), held_gradient_bytes)
         )
 
-    def without_gradients_for(self, outputs: frozenset[int]) -> "InputSignature":
-        """This signature, for a step whose loss sends no gradient to ``outputs`` (output tensor
-        indices): a plan of its own (see :mod:`memplan.optional_grads`)."""
-        return InputSignature(self.key + (("no_grad_outputs", tuple(sorted(outputs))),)) if outputs else self
+    def for_output_use(self, use: OutputUse) -> "InputSignature":
+        """This signature, for a step that uses the outputs as ``use`` says: a plan of its own
+        (see :mod:`memplan.output_use`)."""
+        return InputSignature(self.key + (("output_use", use.key()),)) if use else self
 
 
 @dataclass
@@ -201,10 +201,10 @@ class Capture:
     user_requires_grad: list[bool]  # per user tensor leaf
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
-    # User outputs (leaf indices) whose gradient is an addend only (memplan.optional_grads), and
-    # those of them this graph was made for a backward without: their tangents are optional.
+    # User outputs (leaf indices) whose gradient is an addend only (memplan.output_use), and how
+    # the step this graph was made for uses the outputs (the no_grad ones have optional tangents).
     addend_only_outputs: frozenset[int] = frozenset()
-    no_grad_outputs: frozenset[int] = frozenset()
+    output_use: OutputUse = OutputUse()
 
     @property
     def graph(self) -> fx.Graph:
@@ -751,16 +751,15 @@ def capture(
     args: tuple = (),
     kwargs: dict | None = None,
     *,
-    no_grad_outputs: frozenset[int] = frozenset(),
+    output_use: OutputUse = OutputUse(),
 ) -> Capture:
     """Trace ``model(*args, **kwargs)`` and its backward into one joint ATen graph.
 
     Real tensors are swapped for fake ones first, so nothing is allocated.
     Parameters are the module's ``named_parameters()`` (tied weights appear once);
     buffers its ``named_buffers()``; inputs every tensor leaf of ``(args, kwargs)``.
-    ``no_grad_outputs``: output leaves (indices among the output's tensors) the
-    backward is planned to get no gradient for; each must be in the capture's
-    ``addend_only_outputs`` (see :mod:`memplan.optional_grads`).
+    ``output_use``: how the step uses the outputs (see :mod:`memplan.output_use`);
+    each of its ``no_grad`` outputs must be in the capture's ``addend_only_outputs``.
     """
     from torch._functorch.aot_autograd import aot_function
 
@@ -898,12 +897,14 @@ def capture(
     _check_supported(gm)
     tangent_of_user = {outputs[j].index: t for t, j in zip(tangents, tangent_outputs)}
     addend_only_outputs = frozenset(i for i, t in tangent_of_user.items() if addend_only(t))
-    if not no_grad_outputs <= addend_only_outputs:
+    if not output_use.no_grad <= addend_only_outputs:
         raise ValueError(
-            f"outputs {sorted(no_grad_outputs - addend_only_outputs)} cannot be planned without a gradient: "
+            f"outputs {sorted(output_use.no_grad - addend_only_outputs)} cannot be planned without a gradient: "
             f"only outputs whose gradient is just added to another one can ({sorted(addend_only_outputs)})"
         )
-    make_tangents_optional([tangent_of_user[i] for i in sorted(no_grad_outputs)])
+    if not output_use.dropped <= set(range(n_user)):
+        raise ValueError(f"outputs {sorted(output_use.dropped)} to drop: the model has {n_user} output tensors")
+    make_tangents_optional([tangent_of_user[i] for i in sorted(output_use.no_grad)])
     copied_views = copy_out_late_views(gm)
     return Capture(
         graph_module=gm,
@@ -921,7 +922,7 @@ def capture(
         signature=signature,
         copied_views=copied_views,
         addend_only_outputs=addend_only_outputs,
-        no_grad_outputs=frozenset(no_grad_outputs),
+        output_use=output_use,
     )
 
 

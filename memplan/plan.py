@@ -17,6 +17,7 @@ from solvers.plan import tighten_frees
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
+from memplan.output_use import OutputUse
 from memplan.problem import BACKWARD, is_reference
 from memplan.runtime import Program, build_program
 
@@ -132,9 +133,9 @@ class Plan:
             f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
             f"({format_bytes(offloaded)})",
         ]
-        if a.capture.no_grad_outputs:
-            lines.append(f"  no gradient for  output tensor(s) {', '.join(map(str, sorted(a.capture.no_grad_outputs)))}: "
-                         "planned without their gradient buffers, for a loss that does not use them")
+        if a.capture.output_use:
+            lines.append(f"  outputs          {a.capture.output_use.describe()} (seen at an earlier backward, "
+                         "or assumed where only such a plan fits)")
         if a.capture.copied_views:
             copied = a.capture.copied_views
             lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "
@@ -200,17 +201,16 @@ def make_plan(
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
     offload: bool = False,
-    no_grad_outputs: frozenset[int] = frozenset(),
+    output_use: OutputUse = OutputUse(),
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
     ``measure_on``: time every op on that device instead of using the roofline.
     ``offload``: let the plan page values to host memory over the profile's host link.
-    ``no_grad_outputs``: output tensors (indices) the loss is known not to use
-    (:mod:`memplan.optional_grads`); their gradients are planned as absent.
+    ``output_use``: what the step is known to do with the outputs (:mod:`memplan.output_use`).
     """
-    cap = capture(model, args, kwargs, no_grad_outputs=no_grad_outputs)
-    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, no_grad_outputs), measure_on)
+    cap = capture(model, args, kwargs, output_use=output_use)
+    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, output_use), measure_on)
     plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
     return plan, build_program(cap, analysis.lowered, plan.schedule)
 

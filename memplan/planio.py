@@ -30,6 +30,7 @@ from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile
 from memplan.plan import Plan, format_bytes, plan_from_schedule
+from memplan.output_use import OutputUse
 from memplan.runtime import Program, build_program
 
 FORMAT = "memplan.Plan"
@@ -110,7 +111,7 @@ class SavedPlan:
     num_params: int  # parameter elements, for error messages
     schedule: "solvers.Schedule"
     path: str | None = None
-    no_grad_outputs: list[int] = field(default_factory=list)  # output tensors planned without a gradient
+    output_use: OutputUse = field(default_factory=OutputUse)  # what the plan assumed about the outputs
 
     def to_json(self) -> str:
         data = {
@@ -129,7 +130,8 @@ class SavedPlan:
             "lower_bound": self.lower_bound,
             "solve_time": self.solve_time,
             "torch_version": torch.__version__,
-            "no_grad_outputs": self.no_grad_outputs,
+            "no_grad_outputs": sorted(self.output_use.no_grad),
+            "dropped_outputs": sorted(self.output_use.dropped),
             "schedule": self.schedule.to_list(),
         }
         return json.dumps(data, indent=1)
@@ -161,7 +163,8 @@ class SavedPlan:
                 num_params=int(data.get("num_params", 0)),
                 schedule=solvers.Schedule.from_list(data["schedule"]),
                 path=path,
-                no_grad_outputs=[int(i) for i in data.get("no_grad_outputs", [])],
+                output_use=OutputUse(frozenset(int(i) for i in data.get("no_grad_outputs", [])),
+                                     frozenset(int(i) for i in data.get("dropped_outputs", []))),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise PlanMismatchError(f"{where} is a damaged memplan plan: {type(exc).__name__}: {exc}") from None
@@ -230,7 +233,7 @@ def saved_from_plan(plan: Plan) -> SavedPlan:
         num_nodes=_num_nodes(cap),
         num_params=_num_params(cap),
         schedule=plan.schedule,
-        no_grad_outputs=sorted(cap.no_grad_outputs),
+        output_use=cap.output_use,
     )
 
 
@@ -269,12 +272,11 @@ def make_plan_from_saved(
     measure_on: torch.device | None = None,
 ) -> tuple[Plan, Program]:
     """The counterpart of :func:`memplan.plan.make_plan` that reuses ``saved`` instead of solving."""
-    no_grad = frozenset(saved.no_grad_outputs)
     try:
-        cap = capture(model, args, kwargs, no_grad_outputs=no_grad)
+        cap = capture(model, args, kwargs, output_use=saved.output_use)
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
         raise PlanMismatchError(f"{saved.path or 'the saved plan'} was made for a different model: {exc}") from None
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
-    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, no_grad), measure_on)
+    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, saved.output_use), measure_on)
     plan = saved.bind(analysis, budget)
     return plan, build_program(cap, analysis.lowered, plan.schedule)

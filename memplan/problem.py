@@ -16,7 +16,9 @@ in a training step:
   until the step ends: an alias of the output that must be resident at the
   end, so its bytes count even if the plan frees its own copy. It hangs off
   ``<output>@returned``, the same reference as forward() hands it over, which
-  ``BACKWARD`` reads: the bytes count from the end of forward on. Tangents get
+  ``BACKWARD`` reads: the bytes count from the end of forward on. An output
+  the caller is known to drop before backward (``memplan.output_use``) has no
+  ``@user``: its reference ends at ``BACKWARD``. Tangents get
   a ``@user`` too: autograd holds the output gradients until ``backward()``
   returns.
 
@@ -136,6 +138,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
 
     fw_outputs: list[str] = []
     user_outputs: list[str] = []
+    held_by_caller: set[str] = set()  # user outputs the caller still holds when backward starts
     sinks: list[str] = []
     for info, node in zip(cap.outputs, out_nodes):
         if not isinstance(node, fx.Node):
@@ -144,6 +147,8 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             fw_outputs.append(node.name)
             if info.kind == "user":
                 user_outputs.append(node.name)
+                if info.index not in cap.output_use.dropped:
+                    held_by_caller.add(node.name)
         else:
             sinks.append(node.name)
     random_nodes = {n.name for n in gm.graph.nodes if n.op == "call_function" and costs.values[n.name].is_random}
@@ -226,8 +231,10 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             returned = node.name + RETURNED_SUFFIX
             add_value(returned, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[node.name],
                       alias_of=node.name, same_storage=True)
-            add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[returned],
-                      alias_of=returned, same_storage=True)
+            # One the caller drops before backward (memplan.output_use) is let go at the barrier.
+            if node.name in held_by_caller:
+                add_value(node.name + USER_SUFFIX, mem=vc.nbytes, cost=0.0, recomputable=False, preds=[returned],
+                          alias_of=returned, same_storage=True)
     if not barrier_added:
         add_backward_barrier()
     # The caller holds each output from the moment forward() returns it. A sink alone would let a

@@ -25,6 +25,7 @@ while a copy still uses it. On CPU the host copy is a clone whose storage
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -65,12 +66,12 @@ class Program:
     # depends on. One whose tangents all come from outputs the loss does not use is None, as
     # eager autograd leaves it (an optimizer then skips the parameter, weight decay included).
     grad_tangents: list[frozenset[int]]
-    # Tangents that may be None (memplan.optional_grads): the plan was made for a backward
+    # Tangents that may be None (memplan.output_use): the plan was made for a backward
     # without them. Any other tangent whose output gets no gradient is passed as zeros.
     optional_tangents: frozenset[int] = frozenset()
-    # Called at each backward with the user outputs (indices) that got no gradient: how the
-    # caller learns which gradients its loss never sends (memplan.api).
-    observer: Callable[[frozenset[int]], None] | None = None
+    # Called at each backward with the user outputs (indices) that got no gradient and those
+    # the caller no longer held: how memplan.api learns how the step uses the outputs.
+    observer: Callable[[frozenset[int], frozenset[int]], None] | None = None
 
 
 HOST_PREFIX = "host:"
@@ -345,7 +346,7 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
     tangents_for_user = [tangent_of_output.get(j) for j in user_joint_index]
     grad_tangents = tangents_reaching(cap.graph_module, low.tangents, bw_outputs)
-    optional = frozenset(tangents_for_user[i] for i in cap.no_grad_outputs)
+    optional = frozenset(tangents_for_user[i] for i in cap.output_use.no_grad)
     return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
                    grad_tangents, optional)
 
@@ -370,7 +371,9 @@ class PlannedStep(torch.autograd.Function):
     drop each at its last use); only the user outputs among them go through
     ``save_for_backward``, which is what breaks the output -> grad_fn -> ctx
     reference cycle for them. Carried values are detached so none of them
-    links back to an output's autograd graph either.
+    links back to an output's autograd graph either. Other outputs are held
+    by weak references only: one the caller drops before backward is freed
+    there, as in eager PyTorch, and backward sees that it was dropped.
     """
 
     @staticmethod
@@ -387,8 +390,13 @@ class PlannedStep(torch.autograd.Function):
         output_ids = {id(o): i for i, o in enumerate(outputs)}
         ctx.program = program
         ctx.carried = [None if id(v) in output_ids else (v.detach() if isinstance(v, torch.Tensor) else v) for v in carried]
-        ctx.carried_from_output = [output_ids.get(id(v)) for v in carried]
-        ctx.save_for_backward(*outputs)
+        carried_outputs = list(dict.fromkeys(output_ids[id(v)] for v in carried if id(v) in output_ids))
+        slot = {out_idx: k for k, out_idx in enumerate(carried_outputs)}
+        ctx.carried_from_output = [slot[output_ids[id(v)]] if id(v) in output_ids else None for v in carried]
+        ctx.save_for_backward(*(outputs[i] for i in carried_outputs))
+        # (shape, strides, dtype, device): what a zero gradient for each output looks like
+        ctx.output_layouts = [(o.shape, o.stride(), o.dtype, o.device) for o in outputs]
+        ctx.output_refs = [weakref.ref(o) for o in outputs]
         non_diff = [o for o, t in zip(outputs, program.tangents_for_user) if t is None]
         ctx.mark_non_differentiable(*non_diff)
         # Autograd would otherwise hand backward a zero tensor for every non-differentiable
@@ -404,6 +412,8 @@ class PlannedStep(torch.autograd.Function):
         saved = ctx.saved_tensors
         box = [saved[src] if src is not None else v for v, src in zip(ctx.carried, ctx.carried_from_output)]
         ctx.carried = None  # from here on, `box` holds the only references
+        del saved
+        dropped = frozenset(i for i, ref in enumerate(ctx.output_refs) if ref() is None)
         tangent_slots: list[Any] = [None] * sum(t is not None for t in program.tangents_for_user)
         given: set[int] = set()  # tangents the loss reached
         for out_idx, t_idx in enumerate(program.tangents_for_user):
@@ -414,11 +424,10 @@ class PlannedStep(torch.autograd.Function):
                     tangent_slots[t_idx] = grad
                 elif t_idx not in program.optional_tangents:
                     # an output the loss does not use: the zeros autograd would have made (the Problem counts them)
-                    tangent_slots[t_idx] = torch.zeros_like(saved[out_idx])
-        del saved
+                    tangent_slots[t_idx] = _zeros_shaped_like(*ctx.output_layouts[out_idx])
         if program.observer is not None:
             program.observer(frozenset(i for i, t in enumerate(program.tangents_for_user)
-                                       if t is not None and t not in given))
+                                       if t is not None and t not in given), dropped)
         box.extend(tangent_slots)
         del tangent_slots
         grads = [None if needs and not needs & given else g
@@ -428,6 +437,12 @@ class PlannedStep(torch.autograd.Function):
         for g in program.grad_outputs:
             per_primal.append(next(it) if g is not None else None)
         return (None, None, *per_primal)
+
+
+def _zeros_shaped_like(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """``torch.zeros_like`` of a tensor with this layout, without holding the tensor."""
+    return torch.zeros_like(torch.empty_strided(shape, stride, dtype=dtype, device="meta"), device=device)
 
 
 def run_program(program: Program, buffers: list[torch.Tensor], primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import memplan
 from memplan.analysis import replay_eager_peak
 from memplan.measure import measure_peak
+from memplan.output_use import OutputUse
 
 from .helpers import build_step, clear_grads
 
@@ -112,6 +113,7 @@ def test_eager_replay_frees_an_output_the_caller_drops_and_repeats_exactly(named
     clear_grads(model)
     measured = measure_peak(lambda: model(ids)[0].backward())
     clear_grads(model)  # the replay counts gradients the parameters hold, as eager would
-    replays = [replay_eager_peak(model, (ids,), {}, frozenset({1})) for _ in range(3)]
+    dropped = OutputUse(no_grad=frozenset({1}), dropped=frozenset({1}))  # `model(ids)[0].backward()`
+    replays = [replay_eager_peak(model, (ids,), {}, dropped) for _ in range(3)]
     assert replays == [replays[0]] * 3, replays
     assert abs(replays[0] - measured) <= 0.01 * measured, (replays, measured)

@@ -19,6 +19,7 @@ import memplan
 from memplan.capture import capture
 from memplan.costs import get_profile
 from memplan.measure import measure_peak
+from memplan.output_use import OutputUse
 from memplan.plan import make_plan
 from tests.memplan.helpers import clear_grads
 
@@ -72,6 +73,20 @@ def _step(module: nn.Module, ids, labels, loss_of) -> tuple[int, torch.Tensor]:
     return measure_peak(run), kept["loss"].detach()
 
 
+def _trainer_step(module: nn.Module, ids, labels) -> tuple[int, torch.Tensor]:
+    """One seeded step whose caller keeps only the loss, as Hugging Face's Trainer does
+    (``compute_loss`` returns ``outputs.loss``): (measured peak, loss)."""
+    clear_grads(module)
+    kept = {}
+
+    def run():
+        torch.manual_seed(0)
+        kept["loss"] = module(ids, labels)[0]
+        kept["loss"].backward()
+
+    return measure_peak(run), kept["loss"].detach()
+
+
 def _smallest_budget_for_every_gradient(model: nn.Module, ids, labels) -> int:
     """The smallest budget a plan that counts every output's gradient fits (what the first call
     plans for when it fits)."""
@@ -112,9 +127,9 @@ def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_s
     assert peaks[0] - peaks[1] >= LOGITS_BYTES + hidden_bytes - 4096, peaks
     assert peaks[1] == peaks[2]
     assert peaks[1] <= eager * 1.01, (peaks, eager)
-    assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert opt.plan.analysis.capture.output_use == OutputUse(no_grad=frozenset({1, 2, 3, 4}))  # all held
     assert len(opt.plans) == 2
-    assert "no gradient for" in opt.plan.report()
+    assert "no gradient for output tensor(s) 1, 2, 3, 4" in opt.plan.report()
 
 
 def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_less():
@@ -133,7 +148,7 @@ def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_l
         _assert_same_grads(model, reference)
         assert peak <= budget, (call, peak, budget)
         overheads.append(opt.plan.predicted_overhead)
-    assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert opt.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
     assert overheads[1] < overheads[0], overheads
 
 
@@ -145,7 +160,7 @@ def test_a_gradient_for_an_output_planned_without_one_is_exact_warns_and_ends_th
     opt = memplan.optimize(model, 10**12)
     for _ in range(2):  # learn, then run the plan without output gradients
         _step(opt, ids, labels, lambda out: out[0])
-    assert opt.plan.analysis.capture.no_grad_outputs
+    assert opt.plan.analysis.capture.output_use.no_grad
     with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
     with pytest.warns(UserWarning, match=r"output tensor\(s\) \[1\] got a gradient"):
         _, loss = _step(opt, ids, labels, with_logits)
@@ -160,7 +175,7 @@ def test_a_gradient_for_an_output_planned_without_one_is_exact_warns_and_ends_th
         _, ref_loss = _step(reference, ids, labels, loss_of)
         torch.testing.assert_close(loss, ref_loss)
         _assert_same_grads(model, reference)
-        assert opt.plan.analysis.capture.no_grad_outputs == frozenset()
+        assert opt.plan.analysis.capture.output_use.no_grad == frozenset()
     assert len(opt.plans) == 2
 
 
@@ -179,7 +194,7 @@ def test_an_output_whose_gradient_is_not_only_an_addend_cannot_be_planned_withou
     x = torch.randn(8, 16)
     assert capture(TwoHeads(), (x,)).addend_only_outputs == {1}
     with pytest.raises(ValueError, match=r"outputs \[2\] cannot be planned without a gradient"):
-        capture(TwoHeads(), (x,), no_grad_outputs=frozenset({1, 2}))
+        capture(TwoHeads(), (x,), output_use=OutputUse(no_grad=frozenset({1, 2})))
 
 
 def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
@@ -200,7 +215,7 @@ def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     torch.testing.assert_close(loss, ref_loss)
     _assert_same_grads(model, reference)
     assert peak == planned_peak
-    assert loaded.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+    assert loaded.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
 
 
 def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call():
@@ -220,7 +235,7 @@ def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first
         torch.testing.assert_close(loss, ref_loss)
         _assert_same_grads(model, reference)
         assert peak <= budget, (call, peak, budget)
-        assert opt.plan.analysis.capture.no_grad_outputs == {1, 2, 3, 4}
+        assert opt.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
     assert len(opt.plans) == 1
     # A loss that uses the logits: exact, with a warning; the next call has no plan that fits.
     with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
@@ -231,3 +246,45 @@ def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first
     _assert_same_grads(model, reference)
     with pytest.raises(memplan.InfeasibleBudgetError):
         _step(opt, ids, labels, with_logits)
+
+
+def test_outputs_the_caller_drops_before_backward_are_planned_as_let_go():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    eager, _ = _trainer_step(reference, ids, labels)
+    opt = memplan.optimize(model, 10**12)
+    peaks = []
+    for _ in range(3):
+        peak, loss = _trainer_step(opt, ids, labels)
+        _, ref_loss = _trainer_step(reference, ids, labels)
+        torch.testing.assert_close(loss, ref_loss)
+        _assert_same_grads(model, reference)
+        peaks.append(peak)
+    use = opt.plan.analysis.capture.output_use
+    assert use.no_grad == {1, 2, 3, 4} and 1 in use.dropped, use
+    assert abs(peaks[2] - opt.plan.predicted_peak) <= 0.02 * peaks[2], (peaks, opt.plan.predicted_peak)
+    assert peaks[1] == peaks[2] <= eager, (peaks, eager)
+    # the eager replay makes the same assumptions, and matches eager as measured
+    assert abs(opt.plan.analysis.eager_peak - eager) <= 0.01 * eager, (opt.plan.analysis.eager_peak, eager)
+    assert "dropped by the caller before backward" in opt.plan.report()
+
+
+def test_a_caller_that_holds_an_output_planned_as_dropped_gets_exact_gradients_and_a_warning():
+    torch.manual_seed(0)
+    model = _CausalLM()
+    reference = copy.deepcopy(model)
+    ids, labels = _inputs()
+    opt = memplan.optimize(model, 10**12)
+    for _ in range(2):
+        _trainer_step(opt, ids, labels)
+    assert 1 in opt.plan.analysis.capture.output_use.dropped
+    loss_only = lambda out: out[0]  # noqa: E731
+    with pytest.warns(UserWarning, match=r"output tensor\(s\) \[.*1.*\] were still held when backward began"):
+        _, loss = _step(opt, ids, labels, loss_only)
+    _, ref_loss = _step(reference, ids, labels, loss_only)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, reference)
+    _step(opt, ids, labels, loss_only)
+    assert not opt.plan.analysis.capture.output_use
