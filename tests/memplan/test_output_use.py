@@ -288,3 +288,17 @@ def test_a_caller_that_holds_an_output_planned_as_dropped_gets_exact_gradients_a
     _assert_same_grads(model, reference)
     _step(opt, ids, labels, loss_only)
     assert not opt.plan.analysis.capture.output_use
+
+
+def test_no_new_plan_for_outputs_too_small_to_matter():
+    # Logits of 8 x 10 next to megabytes of activations, dropped once the loss is computed outside:
+    # not worth planning again (memplan.output_use.REPLAN_FRACTION).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
+    opt = memplan.optimize(model, 10**12)
+    for _ in range(3):
+        clear_grads(model)
+        F.cross_entropy(opt(x), y).backward()
+    assert len(opt.plans) == 1
+    assert not opt.plan.analysis.capture.output_use
