@@ -52,6 +52,13 @@ class _CausalLM(nn.Module):
         return loss, logits, tuple(hidden)
 
 
+def _lm_and_twin() -> tuple[_CausalLM, _CausalLM, torch.Tensor, torch.Tensor]:
+    """A seeded model, its eager twin, and (ids, labels)."""
+    torch.manual_seed(0)
+    model = _CausalLM()
+    return model, copy.deepcopy(model), *_inputs()
+
+
 def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -95,6 +102,16 @@ def _smallest_budget_for_every_gradient(model: nn.Module, ids, labels) -> int:
     return smallest.value.min_budget
 
 
+def _same_step(step, module: nn.Module, model: nn.Module, reference: nn.Module, *args) -> int:
+    """``step(module, *args)`` and ``step(reference, *args)``: the same loss and gradients (``model`` is
+    the module ``module`` optimizes). Returns ``module``'s measured peak."""
+    peak, loss = step(module, *args)
+    _, ref_loss = step(reference, *args)
+    torch.testing.assert_close(loss, ref_loss)
+    _assert_same_grads(model, reference)
+    return peak
+
+
 def _assert_same_grads(module: nn.Module, reference: nn.Module) -> None:
     for (name, p), r in zip(module.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad, msg=lambda m: f"{name}: {m}")
@@ -107,19 +124,13 @@ def test_every_output_gradient_of_the_lm_is_an_addend():
 
 
 def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_second_call():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
-    eager, ref_loss = _step(reference, ids, labels, loss_only)
+    eager, _ = _step(reference, ids, labels, loss_only)
     opt = memplan.optimize(model, 10**12)
     peaks = []
     for _ in range(3):
-        peak, loss = _step(opt, ids, labels, loss_only)
-        _, ref_loss = _step(reference, ids, labels, loss_only)
-        torch.testing.assert_close(loss, ref_loss)
-        _assert_same_grads(model, reference)
+        peak = _same_step(_step, opt, model, reference, ids, labels, loss_only)
         assert abs(peak - opt.plan.predicted_peak) <= 0.02 * peak, (peak, opt.plan.predicted_peak)
         peaks.append(peak)
     # First call: a gradient buffer for the logits and each hidden state. Then none.
@@ -133,19 +144,13 @@ def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_s
 
 
 def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_less():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
     budget = int(1.02 * _smallest_budget_for_every_gradient(model, ids, labels))  # the first plan barely fits
     opt = memplan.optimize(model, budget)
     overheads = []
     for call in range(2):
-        peak, loss = _step(opt, ids, labels, loss_only)
-        _, ref_loss = _step(reference, ids, labels, loss_only)
-        torch.testing.assert_close(loss, ref_loss)
-        _assert_same_grads(model, reference)
+        peak = _same_step(_step, opt, model, reference, ids, labels, loss_only)
         assert peak <= budget, (call, peak, budget)
         overheads.append(opt.plan.predicted_overhead)
     assert opt.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
@@ -153,28 +158,19 @@ def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_l
 
 
 def test_a_gradient_for_an_output_planned_without_one_is_exact_warns_and_ends_the_specialization():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     opt = memplan.optimize(model, 10**12)
     for _ in range(2):  # learn, then run the plan without output gradients
         _step(opt, ids, labels, lambda out: out[0])
     assert opt.plan.analysis.capture.output_use.no_grad
     with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
     with pytest.warns(UserWarning, match=r"output tensor\(s\) \[1\] got a gradient"):
-        _, loss = _step(opt, ids, labels, with_logits)
-    _, ref_loss = _step(reference, ids, labels, with_logits)
-    torch.testing.assert_close(loss, ref_loss)
-    _assert_same_grads(model, reference)
+        _same_step(_step, opt, model, reference, ids, labels, with_logits)
     # From then on: the plan for every gradient, and no more learning for these inputs.
     for loss_of in (with_logits, lambda out: out[0]):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            _, loss = _step(opt, ids, labels, loss_of)
-        _, ref_loss = _step(reference, ids, labels, loss_of)
-        torch.testing.assert_close(loss, ref_loss)
-        _assert_same_grads(model, reference)
+            _same_step(_step, opt, model, reference, ids, labels, loss_of)
         assert opt.plan.analysis.capture.output_use.no_grad == frozenset()
     assert len(opt.plans) == 2
 
@@ -198,10 +194,7 @@ def test_an_output_whose_gradient_is_not_only_an_addend_cannot_be_planned_withou
 
 
 def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
     opt = memplan.optimize(model, 10**12)
     for _ in range(2):
@@ -210,19 +203,13 @@ def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     loaded = memplan.optimize(model, plan=tmp_path / "plan.json")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        peak, loss = _step(loaded, ids, labels, loss_only)
-    _, ref_loss = _step(reference, ids, labels, loss_only)
-    torch.testing.assert_close(loss, ref_loss)
-    _assert_same_grads(model, reference)
+        peak = _same_step(_step, loaded, model, reference, ids, labels, loss_only)
     assert peak == planned_peak
     assert loaded.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
 
 
 def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     # below every plan that counts the logits' gradient
     budget = _smallest_budget_for_every_gradient(model, ids, labels) - LOGITS_BYTES // 2
     opt = memplan.optimize(model, budget)
@@ -230,37 +217,25 @@ def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first
     for call in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            peak, loss = _step(opt, ids, labels, loss_only)
-        _, ref_loss = _step(reference, ids, labels, loss_only)
-        torch.testing.assert_close(loss, ref_loss)
-        _assert_same_grads(model, reference)
+            peak = _same_step(_step, opt, model, reference, ids, labels, loss_only)
         assert peak <= budget, (call, peak, budget)
         assert opt.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
     assert len(opt.plans) == 1
     # A loss that uses the logits: exact, with a warning; the next call has no plan that fits.
     with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
     with pytest.warns(UserWarning, match="got a gradient"):
-        _, loss = _step(opt, ids, labels, with_logits)
-    _, ref_loss = _step(reference, ids, labels, with_logits)
-    torch.testing.assert_close(loss, ref_loss)
-    _assert_same_grads(model, reference)
+        _same_step(_step, opt, model, reference, ids, labels, with_logits)
     with pytest.raises(memplan.InfeasibleBudgetError):
         _step(opt, ids, labels, with_logits)
 
 
 def test_outputs_the_caller_drops_before_backward_are_planned_as_let_go():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     eager, _ = _trainer_step(reference, ids, labels)
     opt = memplan.optimize(model, 10**12)
     peaks = []
     for _ in range(3):
-        peak, loss = _trainer_step(opt, ids, labels)
-        _, ref_loss = _trainer_step(reference, ids, labels)
-        torch.testing.assert_close(loss, ref_loss)
-        _assert_same_grads(model, reference)
+        peak = _same_step(_trainer_step, opt, model, reference, ids, labels)
         peaks.append(peak)
     use = opt.plan.analysis.capture.output_use
     assert use.no_grad == {1, 2, 3, 4} and 1 in use.dropped, use
@@ -272,20 +247,14 @@ def test_outputs_the_caller_drops_before_backward_are_planned_as_let_go():
 
 
 def test_a_caller_that_holds_an_output_planned_as_dropped_gets_exact_gradients_and_a_warning():
-    torch.manual_seed(0)
-    model = _CausalLM()
-    reference = copy.deepcopy(model)
-    ids, labels = _inputs()
+    model, reference, ids, labels = _lm_and_twin()
     opt = memplan.optimize(model, 10**12)
     for _ in range(2):
         _trainer_step(opt, ids, labels)
     assert 1 in opt.plan.analysis.capture.output_use.dropped
     loss_only = lambda out: out[0]  # noqa: E731
     with pytest.warns(UserWarning, match=r"output tensor\(s\) \[.*1.*\] were still held when backward began"):
-        _, loss = _step(opt, ids, labels, loss_only)
-    _, ref_loss = _step(reference, ids, labels, loss_only)
-    torch.testing.assert_close(loss, ref_loss)
-    _assert_same_grads(model, reference)
+        _same_step(_step, opt, model, reference, ids, labels, loss_only)
     _step(opt, ids, labels, loss_only)
     assert not opt.plan.analysis.capture.output_use
 
