@@ -115,8 +115,16 @@ def test_milp_in_problem_order_contains_checkmate_space():
         if not ref.fits or case["seed"] % 4 == 3:
             continue  # views: the model counts them pessimistically (no alias discount)
         run = case["joint"].info["milp"][0]
-        assert run["time"] is not None and run["fits"], (case["seed"], case["budget"], run)
-        assert _close_or_below(run["time"], ref.time), (case["seed"], case["budget"], run["time"], ref.time)
+        time_taken = run["time"]
+        if run["status"] != "optimal":
+            # The claim is about the model's optimum; a run the time limit cut short (a loaded
+            # machine: CI runs tests two at a time on two cores) is solved again to the end.
+            again = solve_milp(case["problem"])
+            assert again.status == "optimal", (case["seed"], case["budget"], again.status)
+            time_taken = simulate(case["problem"], again.schedule).time
+        else:
+            assert run["time"] is not None and run["fits"], (case["seed"], case["budget"], run)
+        assert _close_or_below(time_taken, ref.time), (case["seed"], case["budget"], time_taken, ref.time)
         compared += 1
     assert compared >= 20
 
