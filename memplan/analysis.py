@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import solvers
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
-from memplan.problem import BACKWARD, Lowered, lower
 from memplan.output_use import OutputUse
+from memplan.problem import BACKWARD, Lowered, lower
 
 
 @dataclass

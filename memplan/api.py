@@ -244,8 +244,10 @@ class OptimizedModule(nn.Module):
             return
         learned = OutputUse(no_grad=missing & plan.analysis.capture.addend_only_outputs, dropped=dropped)
         changed = (learned.no_grad ^ planned.no_grad) | (learned.dropped ^ planned.dropped)
-        sizes = output_bytes(plan.analysis.capture)
-        if changed and sum(sizes[i] for i in changed) >= REPLAN_FRACTION * plan.predicted_peak:
+        if not changed:
+            return
+        sizes = output_bytes(plan.analysis.capture, plan.analysis.costs)
+        if sum(sizes[i] for i in changed) >= REPLAN_FRACTION * plan.predicted_peak:
             self._output_use[sig] = learned
 
     def _make_entry(self, args: tuple, kwargs: dict, held: int,

@@ -41,6 +41,7 @@ import torch.fx as fx
 
 if TYPE_CHECKING:  # capture imports this module
     from memplan.capture import Capture
+    from memplan.costs import GraphCosts
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,12 @@ _ADD = torch.ops.aten.add.Tensor
 REPLAN_FRACTION = 0.01
 
 
-def output_bytes(cap: Capture) -> list[int]:
-    """Bytes of each of a capture's output tensors, by output index."""
+def output_bytes(cap: Capture, costs: GraphCosts) -> list[int]:
+    """Bytes of each of a capture's output tensors, by output index, as the cost model counts them."""
     sizes = [0] * len(cap.user_requires_grad)
     for info, node in zip(cap.outputs, cap.output_nodes()):
-        if info.kind == "user" and isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor):
-            val = node.meta["val"]
-            sizes[info.index] = val.untyped_storage().nbytes()
+        if info.kind == "user" and isinstance(node, fx.Node):
+            sizes[info.index] = costs.values[node.name].nbytes
     return sizes
 
 

@@ -65,9 +65,9 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids
 
 
-def _step(module: nn.Module, ids, labels, loss_of) -> tuple[int, torch.Tensor]:
-    """One seeded step whose caller holds the whole output through backward (as
-    ``out = model(**batch); out.loss.backward()`` does): (measured peak, loss)."""
+def _step(module: nn.Module, ids, labels, loss_of, caller_keeps_output: bool = True) -> tuple[int, torch.Tensor]:
+    """One seeded step: (measured peak, loss). Its caller holds the whole output through backward
+    (as ``out = model(**batch); out.loss.backward()`` does) unless ``caller_keeps_output`` is off."""
     clear_grads(module)
     kept = {}
 
@@ -75,23 +75,17 @@ def _step(module: nn.Module, ids, labels, loss_of) -> tuple[int, torch.Tensor]:
         torch.manual_seed(0)
         out = module(ids, labels)
         kept["loss"] = loss_of(out)
+        if not caller_keeps_output:
+            del out
         kept["loss"].backward()
 
     return measure_peak(run), kept["loss"].detach()
 
 
 def _trainer_step(module: nn.Module, ids, labels) -> tuple[int, torch.Tensor]:
-    """One seeded step whose caller keeps only the loss, as Hugging Face's Trainer does
-    (``compute_loss`` returns ``outputs.loss``): (measured peak, loss)."""
-    clear_grads(module)
-    kept = {}
-
-    def run():
-        torch.manual_seed(0)
-        kept["loss"] = module(ids, labels)[0]
-        kept["loss"].backward()
-
-    return measure_peak(run), kept["loss"].detach()
+    """A step whose caller keeps only the loss, as Hugging Face's Trainer does (``compute_loss``
+    returns ``outputs.loss``)."""
+    return _step(module, ids, labels, lambda out: out[0], caller_keeps_output=False)
 
 
 def _smallest_budget_for_every_gradient(model: nn.Module, ids, labels) -> int:
