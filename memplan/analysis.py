@@ -101,13 +101,16 @@ class _RealRnnWorkspaces(TorchDispatchMode):
         return (*out[:3], out[3].new_empty(self._numel[key]))
 
 
-def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_use: OutputUse = OutputUse()) -> int:
+def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_use: OutputUse = OutputUse(),
+                      output_of_leaves: list[int | None] | None = None) -> int:
     """Peak bytes of one eager forward+backward, replayed on fake tensors.
 
     Output gradients are ones, allocated when backward starts, as a loss's
     gradient would be. The caller holds every output through backward, as the
     first plan assumes, unless ``output_use`` says otherwise: its ``dropped``
     outputs are let go before backward, its ``no_grad`` ones get no gradient.
+    ``output_use`` counts the graph's model outputs; ``output_of_leaves`` maps each
+    output tensor leaf to one (`OutputTree.graph_output_of_leaves`; default: leaf i is output i).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -136,13 +139,19 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_
         out = model(*fake_args, **fake_kwargs)
         outputs = flatten_output(out)[0]
         del out
-        held = [t for i, t in enumerate(outputs) if i not in output_use.dropped]
-        roots = [t for i, t in enumerate(outputs) if t.requires_grad and i not in output_use.no_grad]
+        of = output_of_leaves if output_of_leaves is not None else list(range(len(outputs)))
+        held = [t for t, j in zip(outputs, of, strict=True) if j not in output_use.dropped]
+        roots = [t for t, j in zip(outputs, of, strict=True) if t.requires_grad and j not in output_use.no_grad]
         del outputs
         grads = [torch.ones_like(t) for t in roots]
         torch.autograd.backward(roots, grads)
         del roots, grads, held
     return tracker.peak
+
+
+def replay_eager_peak_of(cap: Capture, model: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """`replay_eager_peak` for the step ``cap`` was made for (its output use and output views)."""
+    return replay_eager_peak(model, args, kwargs, cap.output_use, cap.output_tree.graph_output_of_leaves())
 
 
 def analyze_capture(

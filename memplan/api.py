@@ -315,7 +315,7 @@ class OptimizedModule(nn.Module):
         inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         primals = [params[n] for n in param_names] + buffers + inputs
         outputs = run_program(program, buffers, primals)
-        return plan.analysis.capture.output_tree.rebuild(list(outputs))
+        return plan.analysis.capture.output_tree.rebuild(list(outputs), primals)
 
 
 def _use_learner(module: OptimizedModule, sig: InputSignature, planned: OutputUse, plan: Plan):

@@ -63,26 +63,66 @@ class OutputInfo:
     """One entry of the joint graph's output list."""
 
     kind: str  # "buffer_update" | "user" | "extra_fw" | "grad"
-    index: int  # buffer index / user tensor-leaf index / primal index
+    index: int  # buffer index / model output index (`OutputTree.sources`) / primal index
+
+
+@dataclass(frozen=True)
+class OutputView:
+    """A model output that shares storage with another tensor, as eager returns it.
+
+    The joint graph returns each storage once (a view's base, not the view: one tensor, one
+    value, one tangent); the output is remade after the step as the same view of its base,
+    so it aliases what it aliased in eager mode (``out.view(...)``, ``logits.split(...)``, a
+    slice of an input, the input itself) and costs no copy. ``base`` is ``("output", j)``
+    (the graph's j-th model output) or ``("primal", k)`` (the k-th parameter, buffer or
+    input, in the capture's primal order)."""
+
+    base: tuple[str, int]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool
+
+    def of(self, base: torch.Tensor) -> torch.Tensor:
+        """This view of ``base``: ``base`` itself where the view covers it exactly, as eager
+        hands back the very tensor a model returns twice (or returns as its input)."""
+        if not self.requires_grad and base.requires_grad:
+            base = base.detach()  # eager's output was detached (or made under no_grad)
+        if (tuple(base.shape), base.stride(), base.storage_offset()) == (self.size, self.stride, self.storage_offset):
+            return base
+        return base.as_strided(self.size, self.stride, self.storage_offset)
 
 
 @dataclass
 class OutputTree:
-    """How to rebuild the model's (possibly nested) output from its tensor leaves.
+    """How to rebuild the model's (possibly nested) output from the graph's outputs.
 
     Non-tensor leaves (ints, strings, objects of the model's own classes that
     hold no tensors) are kept verbatim from the trace and passed through.
     Objects of the model's own classes that hold tensors (also inside
     containers, and as the items of a dict subclass) are shallow-copied with
-    those parts replaced.
+    those parts replaced. ``sources`` says where each tensor leaf comes from:
+    the graph's model output of that index, or an `OutputView` (empty: leaf i
+    is graph output i).
     """
 
     spec: Any  # pytree spec over the "opened" output
     leaves: list[Any]  # constants, with None where a tensor leaf goes
     tensor_positions: list[int]  # leaf positions that are tensors
     objects: list[_Opened]  # opened custom objects, indexed by their tags in the tree
+    sources: list[int | OutputView] = field(default_factory=list)
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+    def graph_output_of_leaves(self) -> list[int | None]:
+        """Per tensor leaf: the graph output whose storage it is (None: a view of a primal)."""
+        if not self.sources:
+            return list(range(len(self.tensor_positions)))
+        return [s if isinstance(s, int) else s.base[1] if s.base[0] == "output" else None for s in self.sources]
+
+    def rebuild(self, tensors: list[torch.Tensor], primals: list[torch.Tensor] = ()) -> Any:
+        """The model's output from the graph's model outputs (and the primals, for views of them)."""
+        if self.sources:
+            bases = {"output": tensors, "primal": primals}
+            tensors = [tensors[s] if isinstance(s, int) else s.of(bases[s.base[0]][s.base[1]]) for s in self.sources]
         leaves = list(self.leaves)
         for pos, t in zip(self.tensor_positions, tensors):
             leaves[pos] = t
@@ -198,11 +238,12 @@ class Capture:
     param_names: list[str]
     buffer_names: list[str]
     mutated_buffers: list[int]  # buffer indices whose new values are "buffer_update" outputs
-    user_requires_grad: list[bool]  # per user tensor leaf
+    user_requires_grad: list[bool]  # per model output the graph returns (`OutputTree.sources`)
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
-    # User outputs (leaf indices) whose gradient is an addend only (memplan.output_use), and how
-    # the step this graph was made for uses the outputs (the no_grad ones have optional tangents).
+    # Model outputs (graph output indices, `OutputTree.sources`) whose gradient is an addend only
+    # (memplan.output_use), and how the step this graph was made for uses the outputs (the
+    # no_grad ones have optional tangents).
     addend_only_outputs: frozenset[int] = frozenset()
     output_use: OutputUse = OutputUse()
 
@@ -728,22 +769,66 @@ def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:
                 node.meta["fwd_nn_module_stack"] = fwd.meta["nn_module_stack"]
 
 
-def _aliases_to_clone(tensors: list[torch.Tensor], inputs: list[torch.Tensor]) -> set[int]:
-    """Output leaves that alias an input, another output, or an intermediate.
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # stable while t lives (an id() of the storage object is not)
 
-    AOTAutograd regenerates such outputs outside the graph and gives them no
-    tangent of their own; our runtime returns graph values directly, so we make
-    each such output its own storage (a copy) to keep the calling convention
-    one tensor = one value = one tangent.
-    """
-    seen = {id(t.untyped_storage()) for t in inputs}
-    clone = set()
-    for i, t in enumerate(tensors):
-        key = id(t.untyped_storage())
-        if t._base is not None or key in seen:
-            clone.add(i)
-        seen.add(key)
-    return clone
+
+class _Made(enum.Enum):
+    """How the joint graph makes one of its model outputs from an output leaf of the model."""
+
+    LEAF = "leaf"  # the leaf itself
+    BASE = "base"  # the leaf's ``_base``: an intermediate some outputs are views of
+    COPY = "copy"  # a copy of the leaf: a small view of an intermediate
+
+
+def _output_sources(tensors: list[torch.Tensor], primals: list[torch.Tensor]
+                    ) -> tuple[list[int | OutputView], list[tuple[int, _Made]]]:
+    """Which model outputs the joint graph returns, and how each output leaf is made from them.
+
+    Returns (per leaf: graph output index or `OutputView`; per graph output: the leaf it comes
+    from and how). A leaf that shares storage with a primal, or with a tensor the model also
+    returns, is a view of it. Views of an intermediate the model does not return make that
+    intermediate (their ``_base``) a graph output, returned once for all of them, when together
+    they hold at least half of its storage (a reshaped or split head): the caller gets eager's
+    aliasing, and no copy. A smaller view (one token's state out of a hidden sequence) is copied
+    instead: eager would hold its whole base for it, the copy lets the plan free the base. So the
+    graph keeps "one tensor, one value, one tangent"."""
+    primal_of: dict[int, int] = {}
+    for k, p in enumerate(primals):
+        primal_of.setdefault(_storage_key(p), k)
+    keys = [_storage_key(t) for t in tensors]
+    returned: dict[int, int] = {}  # storage -> the first leaf that is not a view (the tensor itself)
+    for i, (key, t) in enumerate(zip(keys, tensors)):
+        if t._base is None and key not in primal_of:
+            returned.setdefault(key, i)
+    viewed: dict[int, dict[tuple, int]] = collections.defaultdict(dict)  # storage -> its views' bytes
+    for key, t in zip(keys, tensors):
+        viewed[key][(tuple(t.shape), t.stride(), t.storage_offset())] = t.numel() * t.element_size()
+    output_of: dict[int, int] = {}
+    graph: list[tuple[int, _Made]] = []
+    sources: list[int | OutputView] = []
+    for i, (key, t) in enumerate(zip(keys, tensors)):
+        if key in primal_of:
+            base = ("primal", primal_of[key])
+        elif key not in output_of and key not in returned and 2 * sum(viewed[key].values()) < t.untyped_storage().nbytes():
+            sources.append(len(graph))
+            graph.append((i, _Made.COPY))
+            continue
+        else:
+            if key not in output_of:
+                output_of[key] = len(graph)
+                graph.append((returned[key], _Made.LEAF) if key in returned else (i, _Made.BASE))
+            if returned.get(key) == i:
+                sources.append(output_of[key])
+                continue
+            base = ("output", output_of[key])
+        sources.append(OutputView(base, tuple(t.shape), t.stride(), t.storage_offset(), t.requires_grad))
+    return sources, graph
+
+
+def _graph_output(tensors: list[torch.Tensor], leaf: int, made: _Made) -> torch.Tensor:
+    t = tensors[leaf]
+    return t._base if made is _Made.BASE else t.clone() if made is _Made.COPY else t
 
 
 def capture(
@@ -812,15 +897,15 @@ def capture(
             "updates as a buffer, and update parameters outside the step (an optimizer, or torch.no_grad())"
         )
     probe_tensors, out_tree = flatten_output(probe)
-    to_clone = _aliases_to_clone(probe_tensors, list(flat_fake))
-    user_requires_grad = [t.requires_grad for t in probe_tensors]
+    out_tree.sources, graph_outputs = _output_sources(probe_tensors, list(flat_fake))
+    user_requires_grad = [(probe_tensors[i]._base if made is _Made.BASE else probe_tensors[i]).requires_grad
+                          for i, made in graph_outputs]
     del probe, probe_tensors
-
 
     def flat_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = call_model(flat)
         tensors, _ = flatten_output(out)
-        return tuple(t.clone() if i in to_clone else t for i, t in enumerate(tensors))
+        return tuple(_graph_output(tensors, i, made) for i, made in graph_outputs)
 
     box: dict[str, Any] = {}
 

@@ -14,7 +14,7 @@ import torch
 
 import solvers
 from solvers.plan import tighten_frees
-from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
+from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
 from memplan.output_use import OutputUse
@@ -210,7 +210,7 @@ def make_plan(
     ``output_use``: what the step is known to do with the outputs (:mod:`memplan.output_use`).
     """
     cap = capture(model, args, kwargs, output_use=output_use)
-    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, output_use), measure_on)
+    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on)
     plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
     return plan, build_program(cap, analysis.lowered, plan.schedule)
 

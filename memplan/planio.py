@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 import solvers
-from memplan.analysis import Analysis, analyze_capture, replay_eager_peak
+from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile
 from memplan.plan import Plan, format_bytes, plan_from_schedule
@@ -277,6 +277,6 @@ def make_plan_from_saved(
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
         raise PlanMismatchError(f"{saved.path or 'the saved plan'} was made for a different model: {exc}") from None
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
-    analysis = analyze_capture(cap, profile, replay_eager_peak(model, args, kwargs, saved.output_use), measure_on)
+    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on)
     plan = saved.bind(analysis, budget)
     return plan, build_program(cap, analysis.lowered, plan.schedule)

@@ -69,3 +69,13 @@ def assert_measured_peak(opt: nn.Module, module: nn.Module, args: tuple, kwargs:
     assert measured <= budget, (measured, budget)
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
     return measured
+
+
+def recomputing_budget(module: nn.Module, args: tuple) -> int:
+    """A budget under which the step of ``module(*args)`` must recompute: half its activations
+    below its store-all peak, but not below the least budget the solvers meet."""
+    import memplan
+    from memplan.viz import min_budget
+
+    analysis = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args).plan.analysis
+    return max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))
