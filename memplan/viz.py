@@ -21,7 +21,8 @@ through Agg and display inline in notebooks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
@@ -29,7 +30,7 @@ import numpy as np
 import solvers
 from memplan.analysis import Analysis
 from memplan.capture import module_path
-from memplan.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
+from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, problem_for, solve_plan
 from memplan.problem import BACKWARD, is_reference
 
 if TYPE_CHECKING:
@@ -76,8 +77,14 @@ def timeline(analysis: Analysis, schedule: "solvers.Schedule") -> Timeline:
 
 
 def memory_timelines(plan: Plan) -> tuple[Timeline, Timeline]:
-    """(eager, planned) timelines. "Eager" is the joint graph in order, every value kept to its last use."""
-    return timeline(plan.analysis, plan.analysis.store_all.schedule), timeline(plan.analysis, plan.schedule)
+    """(eager, planned) timelines. "Eager" is the joint graph in order, every value kept to its last use.
+
+    Gradients the parameters held when the step began (accumulation: `Plan.held_gradient_bytes`)
+    are on the device all step in both, so both include them, as the plan's predicted peak does."""
+    held = plan.held_gradient_bytes
+    return tuple(replace(tl, memory=tl.memory + held, peak=tl.peak + held)
+                 for tl in (timeline(plan.analysis, plan.analysis.store_all.schedule),
+                            timeline(plan.analysis, plan.schedule)))
 
 
 def resample_max(tl: Timeline, width: int, until: float | None = None) -> np.ndarray:
@@ -101,15 +108,21 @@ def resample_max(tl: Timeline, width: int, until: float | None = None) -> np.nda
     return out
 
 
+BUDGET_SHOWN_ABOVE_PEAK = 1.5  # a budget more than this many times both peaks is left off plot_memory's scale
+
+
 def plot_memory(plan: Plan, *, title: str | None = None) -> "Figure":
     """Memory over predicted time, eager vs planned, budget line, forward/backward phases shaded.
 
-    One axes; three lines: eager, planned, budget.
+    One axes; three lines: eager, planned, budget; and a band for gradients held from an earlier step.
+    A budget far above both peaks (``optimize(model, "1TB")`` to keep everything) does not set the
+    scale, or both curves would be flat at the bottom: its line is left out and the legend says so.
     """
     from matplotlib.figure import Figure
 
     eager, planned = memory_timelines(plan)
-    top = max(eager.peak, planned.peak, plan.budget)
+    budget_shown = plan.budget <= BUDGET_SHOWN_ABOVE_PEAK * max(eager.peak, planned.peak)
+    top = max(eager.peak, planned.peak, plan.budget if budget_shown else 0)
     scale, unit = _unit(top)
     fig = Figure(figsize=(9, 4), layout="constrained")
     ax = fig.add_subplot()
@@ -117,8 +130,13 @@ def plot_memory(plan: Plan, *, title: str | None = None) -> "Figure":
             color="tab:gray")
     ax.plot(planned.time * 1e3, planned.memory / scale, label=f"planned (peak {planned.peak / scale:.2f} {unit})",
             color="tab:blue")
-    ax.axhline(plan.budget / scale, color="tab:red", linestyle="--", label=f"budget {plan.budget / scale:.2f} {unit}")
+    budget_label = f"budget {plan.budget / scale:.2f} {unit}" if budget_shown else \
+        f"budget {format_bytes(plan.budget)}, off the scale"
+    ax.axhline(plan.budget / scale if budget_shown else math.nan, color="tab:red", linestyle="--", label=budget_label)
     end = max(eager.total_time, planned.total_time) * 1e3
+    if plan.held_gradient_bytes:
+        ax.axhspan(0, plan.held_gradient_bytes / scale, color="tab:purple", alpha=0.15,
+                   label=f"gradients held from an earlier step ({plan.held_gradient_bytes / scale:.2f} {unit})")
     ax.axvspan(0, planned.backward_start * 1e3, color="tab:green", alpha=0.06)
     ax.axvspan(planned.backward_start * 1e3, end, color="tab:orange", alpha=0.06)
     ymax = top / scale * 1.1

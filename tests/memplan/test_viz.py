@@ -111,3 +111,43 @@ def test_sweep_and_curve(plan, tmp_path):
     assert len(fig.axes) == 1
     assert len(fig.axes[0].get_lines()) == 2  # the curve and the eager-peak line
     _png(fig, tmp_path / "curve.png")
+
+
+def test_timelines_and_plot_count_gradients_held_from_an_earlier_step(tmp_path):
+    # Gradient accumulation: the second step starts with the parameters' gradients on the device
+    # and gets a plan for what they leave of the budget. Its timeline shows them all step long,
+    # so the plotted peak is the plan's predicted one (which counts them) and the measured one.
+    import torch
+
+    from memplan.measure import measure_peak
+
+    module, args, kwargs = build_step("mlp")
+    opt = memplan.optimize(module, 10**12, example_inputs=args, example_kwargs=kwargs)
+    opt(*args, **kwargs).backward()
+    torch.manual_seed(0)
+    measured = measure_peak(lambda: opt(*args, **kwargs).backward())
+    held = opt.plan.held_gradient_bytes
+    assert held == sum(p.numel() * p.element_size() for p in module.parameters())
+    eager, planned = viz.memory_timelines(opt.plan)
+    assert planned.peak == opt.plan.predicted_peak
+    assert abs(measured - planned.peak) <= 0.01 * measured, (measured, planned.peak)
+    assert planned.memory.min() >= held and eager.peak == opt.plan.store_all_peak + held
+    _png(viz.plot_memory(opt.plan), tmp_path / "held.png")
+
+
+def test_plot_memory_keeps_a_far_budget_off_its_scale(plan):
+    # optimize(model, "1TB") keeps everything: a 1 TB budget line would flatten both curves.
+    import dataclasses
+
+    far = dataclasses.replace(plan, budget=10**12)
+    (ax,) = viz.plot_memory(far).axes
+    assert ax.get_ylim()[1] < 2 * max(plan.store_all_peak, plan.predicted_peak) / _unit_of(ax)
+    assert any("off the scale" in t.get_text() for t in ax.get_legend().get_texts())
+    (ax,) = viz.plot_memory(plan).axes  # a budget near the peaks stays on the scale, as a line
+    assert ax.get_ylim()[1] >= plan.budget / _unit_of(ax)
+
+
+def _unit_of(ax) -> float:
+    """Bytes per unit of the memory axis, read off its label ("device memory (MB)")."""
+    unit = ax.get_ylabel().rsplit("(", 1)[1].rstrip(")")
+    return {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit]
