@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from memplan.capture import InputSignature, capture
+from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile
 from memplan.measure import _storages_of, unmeasured
 from memplan.output_use import REPLAN_FRACTION, OutputUse, output_bytes
@@ -187,8 +187,8 @@ class OptimizedModule(nn.Module):
             with unmeasured():
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
-                except InfeasibleBudgetError:
-                    optimistic = self._optimistic_use(sig, args, kwargs, use)
+                except InfeasibleBudgetError as exc:
+                    optimistic = self._optimistic_use(sig, use, exc)
                     if optimistic is None:
                         raise
                     use = optimistic
@@ -200,7 +200,8 @@ class OptimizedModule(nn.Module):
         self._last_signature = key
         return self._plans[key]
 
-    def _optimistic_use(self, sig: InputSignature, args: tuple, kwargs: dict, use: OutputUse) -> OutputUse | None:
+    def _optimistic_use(self, sig: InputSignature, use: OutputUse, infeasible: InfeasibleBudgetError
+                        ) -> OutputUse | None:
         """When the plan that assumes nothing about the outputs does not fit: what to assume before
         any backward has shown how the step uses them (None: nothing to try).
 
@@ -210,7 +211,7 @@ class OptimizedModule(nn.Module):
         ``_learn_output_use``)."""
         if self.saved_plan is not None or use or sig in self._output_use:
             return None
-        candidates = capture(self._orig_mod, args, kwargs).addend_only_outputs
+        candidates = infeasible.addend_only_outputs  # read off the capture that plan was made from
         return OutputUse(no_grad=candidates) if candidates else None
 
     def _learn_output_use(self, sig: InputSignature, planned: OutputUse, plan: Plan,
@@ -262,7 +263,7 @@ class OptimizedModule(nn.Module):
         except InfeasibleBudgetError as exc:
             if not held:
                 raise
-            raise InfeasibleBudgetError(self.budget, exc.min_budget + held, held) from None
+            raise InfeasibleBudgetError(self.budget, exc.min_budget + held, held, exc.addend_only_outputs) from None
         except PlanMismatchError as exc:
             if not held:
                 raise

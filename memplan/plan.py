@@ -24,12 +24,16 @@ from memplan.runtime import Program, build_program
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
-    (`solvers.bounds.min_budget`: a search, not a proof; a plan between the two may exist)."""
+    (`solvers.bounds.min_budget`: a search, not a proof; a plan between the two may exist).
+    ``addend_only_outputs``: the graph's outputs whose gradient is an addend only
+    (`Capture.addend_only_outputs`), which a plan could do without (`memplan.output_use`)."""
 
-    def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0):
+    def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
+                 addend_only_outputs: frozenset[int] = frozenset()):
         self.budget = budget
         self.min_budget = min_budget
         self.held_gradient_bytes = held_gradient_bytes
+        self.addend_only_outputs = addend_only_outputs
         held = (
             f"; that counts {format_bytes(held_gradient_bytes)} of gradients the parameters already hold from an "
             "earlier step (accumulation): call optimizer.zero_grad() before the step, or raise the budget"
@@ -238,7 +242,8 @@ def solve_plan(
     try:
         sol = solvers.solve(problem, method=solver, time_limit=time_limit)
     except solvers.Infeasible as exc:
-        raise InfeasibleBudgetError(budget, int(exc.min_budget)) from None
+        raise InfeasibleBudgetError(budget, int(exc.min_budget),
+                                    addend_only_outputs=analysis.capture.addend_only_outputs) from None
     return plan_from_schedule(
         analysis, budget, sol.schedule, method=sol.method, status=sol.status,
         lower_bound=sol.lower_bound, solve_time=time.perf_counter() - start,

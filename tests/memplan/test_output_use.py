@@ -202,19 +202,22 @@ def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     assert loaded.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
 
 
-def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call():
+def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call(monkeypatch):
     model, reference, ids, labels = _lm_and_twin()
     # below every plan that counts the logits' gradient
     budget = _smallest_budget_for_every_gradient(model, ids, labels) - LOGITS_BYTES // 2
     opt = memplan.optimize(model, budget)
     loss_only = lambda out: out[0]  # noqa: E731
+    traced = []  # the first call traces twice: the plan that assumes nothing, then the one without those gradients
+    for module in (memplan.plan, memplan.api):  # wherever a trace could be made
+        monkeypatch.setattr(module, "capture", lambda *a, **k: traced.append(k) or capture(*a, **k), raising=False)
     for call in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             peak = _same_step(_step, opt, model, reference, ids, labels, loss_only)
         assert peak <= budget, (call, peak, budget)
         assert opt.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
-    assert len(opt.plans) == 1
+    assert len(opt.plans) == 1 and len(traced) == 2, traced
     # A loss that uses the logits: exact, with a warning; the next call has no plan that fits.
     with_logits = lambda out: out[0] + out[1].square().mean()  # noqa: E731
     with pytest.warns(UserWarning, match="got a gradient"):
