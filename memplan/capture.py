@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -720,6 +721,16 @@ _EAGER_RESAMPLING = (
 )
 
 
+class _ResamplingKernels:
+    """The Python kernels `_eager_resampling` sets aside, shared by every thread tracing at once:
+    the first to enter sets them aside, the last to leave puts them back (a thread that put them
+    back while another still traced would hand that one the decompositions)."""
+
+    lock = threading.Lock()
+    users = 0
+    removed: list = []
+
+
 @contextlib.contextmanager
 def _eager_resampling():
     """Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
@@ -727,28 +738,43 @@ def _eager_resampling():
 
     Their Python kernels for the Autograd and CompositeImplicitAutograd keys are set aside while
     tracing (and the overloads' dispatch caches cleared, so that the C++ kernels are found), and
-    put back after. An op torch no longer has is skipped."""
-    from torch._C import DispatchKey
-
-    keys = (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd)
-    removed = []
+    put back after, once no thread traces any more (`_ResamplingKernels`). An op torch no longer
+    has is skipped."""
+    shared = _ResamplingKernels
+    with shared.lock:
+        if shared.users == 0:
+            shared.removed = _set_aside_resampling_kernels()
+        shared.users += 1
     try:
-        for name in _EAGER_RESAMPLING:
-            packet = getattr(torch.ops.aten, name, None)
-            for overload in ("vec", "default"):
-                op = getattr(packet, overload, None) if packet is not None else None
-                kernels = getattr(op, "py_kernels", None)
-                if not isinstance(kernels, dict):
-                    continue
-                for key in keys:
-                    if key in kernels:
-                        removed.append((op, key, kernels.pop(key)))
-                op._dispatch_cache.clear()
         yield
     finally:
-        for op, key, fn in removed:
-            op.py_kernels[key] = fn
+        with shared.lock:
+            shared.users -= 1
+            if shared.users == 0:
+                for op, key, fn in shared.removed:
+                    op.py_kernels[key] = fn
+                    op._dispatch_cache.clear()
+                shared.removed = []
+
+
+def _set_aside_resampling_kernels() -> list:
+    """Take the Python Autograd and CompositeImplicitAutograd kernels of `_EAGER_RESAMPLING`'s
+    overloads out of their tables; returns (op, key, kernel) for each, to put back."""
+    from torch._C import DispatchKey
+
+    removed = []
+    for name in _EAGER_RESAMPLING:
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in ("vec", "default"):
+            op = getattr(packet, overload, None) if packet is not None else None
+            kernels = getattr(op, "py_kernels", None)
+            if not isinstance(kernels, dict):
+                continue
+            for key in (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd):
+                if key in kernels:
+                    removed.append((op, key, kernels.pop(key)))
             op._dispatch_cache.clear()
+    return removed
 
 
 def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:

@@ -461,6 +461,42 @@ def test_interpolation_is_traced_as_eager_runs_it(mode):
     assert torch.ops.aten.upsample_bilinear2d.vec.py_kernels
 
 
+def test_two_threads_tracing_at_once_both_trace_interpolation_as_eager_runs_it():
+    # Thread A starts tracing, B starts, A finishes while B is still inside: B must still see the
+    # kernels set aside (before, A put them back under B's trace), and both leave torch as it was.
+    import threading
+
+    from memplan.capture import _eager_resampling
+
+    kernels = torch.ops.aten.upsample_bilinear2d.vec.py_kernels
+    before = dict(kernels)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen_by_b = []
+
+    def a():
+        with _eager_resampling():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with _eager_resampling():
+            b_in.set()
+            a_out.wait(10)
+            seen_by_b.append({str(key) for key in kernels})
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    set_aside = {"DispatchKey.Autograd", "DispatchKey.CompositeImplicitAutograd"}
+    assert set_aside <= {str(key) for key in before}
+    assert len(seen_by_b) == 1 and not seen_by_b[0] & set_aside, seen_by_b
+    assert dict(kernels) == before
+
+
 class _SparseEmbedding(nn.Module):
     """A bag-of-words classifier whose embedding table gets a sparse (COO) gradient."""
 
