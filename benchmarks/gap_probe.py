@@ -50,15 +50,15 @@ def main(argv: Optional[list[str]] = None) -> tuple[float, float]:
     args = ap.parse_args(argv)
     problem = with_fraction(load(args.graph), args.fraction)
     total = problem.total_cost()
-    ctx = lower_bounds._Context(problem)  # reachability bit sets: built once, shared by every call below
+    ctx = lower_bounds.BoundContext(problem)  # reachability bit sets: built once, shared by every call below
     ws = [int(w) for w in args.moments.split(",")] if args.moments else default_moments(problem, ctx)
 
     started = time.perf_counter()
-    lp = total + lower_bounds._interval(problem, ctx, ws, None, integer=False)
+    lp = total + lower_bounds.interval_bound(problem, ctx, ws, None, integer=False)
     print(f"interval model, {len(ws)} moments {ws}", flush=True)
     print(f"  LP {lp / total:.4f} ({time.perf_counter() - started:.1f} s)", flush=True)
     started = time.perf_counter()
-    milp = total + lower_bounds._interval(problem, ctx, ws, args.milp_time)
+    milp = total + lower_bounds.interval_bound(problem, ctx, ws, args.milp_time)
     took = time.perf_counter() - started
     print(f"  MILP dual bound {milp / total:.4f} ({took:.1f} s{', closed' if took < args.milp_time * 0.98 else ''})",
           flush=True)

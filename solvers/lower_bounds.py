@@ -204,8 +204,9 @@ class _Items:
     deficit: int  # bytes that must be dropped (<= 0: none)
 
 
-class _Context:
-    """Per-problem data shared by all moments."""
+class BoundContext:
+    """Per-problem data shared by all moments and bound models (alias trees, reachability bit
+    sets): built once per problem and passed to `moments`, `main_chain` and `interval_bound`."""
 
     def __init__(self, problem: Problem) -> None:
         n = problem.n
@@ -266,10 +267,10 @@ class _Context:
 
 
 def moments(problem: Problem, time_limit: Optional[float] = None, keep_items: bool = False,
-            ctx: Optional[_Context] = None) -> list[tuple[Moment, Optional[_Items]]] | list[Moment]:
+            ctx: Optional[BoundContext] = None) -> list[tuple[Moment, Optional[_Items]]] | list[Moment]:
     """The knapsack bound of every moment (argument 1-6 of the module docstring)."""
     started = time.perf_counter()
-    ctx = ctx or _Context(problem)
+    ctx = ctx or BoundContext(problem)
     cost = problem.cost
     out: list = []
     for w in problem.non_sources:
@@ -315,7 +316,7 @@ def _combined(problem: Problem, chosen: list[_Items], time_limit: Optional[float
     return _solve_lp(problem, b, y, time_limit)
 
 
-def _cascade_rows(ctx: _Context, w: int, b, y: dict[int, int], integer: bool = False) -> bool:
+def _cascade_rows(ctx: BoundContext, w: int, b, y: dict[int, int], integer: bool = False) -> bool:
     """Add one moment's cascade LP to builder ``b`` (shared y: "computed twice"); with
     ``integer`` the res, a and y variables are 0/1 (the MILP whose LP relaxation it is).
 
@@ -425,7 +426,7 @@ def _left(time_limit: Optional[float], started: float) -> Optional[float]:
     return None if time_limit is None else max(0.1, time_limit - (time.perf_counter() - started))
 
 
-def _cascade(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float],
+def _cascade(problem: Problem, ctx: BoundContext, ws: list[int], time_limit: Optional[float],
              integer: bool = False) -> float:
     """Optimum of the cascade LPs of moments ``ws`` sharing y (a bound on the extra cost); with
     ``integer``, the dual bound of their MILP reached within ``time_limit`` (which includes
@@ -464,7 +465,7 @@ def _solve_lp(problem: Problem, b, y: dict[int, int], time_limit: Optional[float
     return max(0.0, raw.bound - 1e-6 * max(1.0, abs(raw.bound))) * scale
 
 
-def main_chain(problem: Problem, ctx: _Context) -> list[int]:
+def main_chain(problem: Problem, ctx: BoundContext) -> list[int]:
     """A longest path, in values, through the non-source values that can add memory (not views
     of sources): each is an ancestor of the next, so their first computes come in this order."""
     skip = ctx.skip
@@ -504,7 +505,7 @@ def interval_moments(chain: list[int], by_node: dict[int, Moment], k: int) -> li
     return sorted(chosen, key=pos.__getitem__)
 
 
-def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, int]:
+def _interval_rows(ctx: BoundContext, ws: list[int], b, integer: bool) -> dict[int, int]:
     """The interval model over moments ``ws`` (a chain: each an ancestor of the next) in builder
     ``b``; returns the extra-compute variable of each value (``e_v``, cost ``cost[v]``).
 
@@ -637,8 +638,8 @@ def _interval_rows(ctx: _Context, ws: list[int], b, integer: bool) -> dict[int, 
     return extra
 
 
-def _interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float],
-              integer: bool = True) -> float:
+def interval_bound(problem: Problem, ctx: BoundContext, ws: list[int], time_limit: Optional[float],
+                   integer: bool = True) -> float:
     """The interval model's bound on the extra cost over moments ``ws`` (`_interval_rows`): its
     LP optimum, or with ``integer`` its MILP's dual bound reached within ``time_limit`` (which
     includes building the model)."""
@@ -657,7 +658,7 @@ def _interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: Option
     return _solve_lp(problem, b, extra, _left(time_limit, started))  # building took seconds on gpt48
 
 
-def pruned_interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: Optional[float],
+def pruned_interval(problem: Problem, ctx: BoundContext, ws: list[int], time_limit: Optional[float],
                     progress: Optional[Callable[[float], None]] = None) -> float:
     """The interval model's bound on moments chosen from ``ws`` by their LP: moments are left out,
     one at a time, while leaving one out raises the LP optimum (within `PRUNE_SHARE` of the time),
@@ -673,13 +674,13 @@ def pruned_interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: 
     60 s at 1.3341; leaving out two, LP 1.3109 and the MILP 1.3492 in 5.6 s)."""
     started = time.perf_counter()
     if time_limit is not None and time_limit < PRUNE_MIN:
-        return _interval(problem, ctx, ws, time_limit)
+        return interval_bound(problem, ctx, ws, time_limit)
     prune_end = None if time_limit is None else started + PRUNE_SHARE * time_limit
 
     def out_of_time() -> bool:
         return prune_end is not None and time.perf_counter() >= prune_end
 
-    best = _interval(problem, ctx, ws, _left(time_limit, started), integer=False)
+    best = interval_bound(problem, ctx, ws, _left(time_limit, started), integer=False)
     if progress is not None:
         progress(best)
     chosen = ws
@@ -689,19 +690,19 @@ def pruned_interval(problem: Problem, ctx: _Context, ws: list[int], time_limit: 
             if out_of_time():
                 break
             fewer = [x for x in chosen if x != w]
-            trials.append((_interval(problem, ctx, fewer, _left(time_limit, started), integer=False), fewer))
+            trials.append((interval_bound(problem, ctx, fewer, _left(time_limit, started), integer=False), fewer))
         if not trials or max(t[0] for t in trials) <= best * (1 + 1e-9):
             break
         best, chosen = max(trials, key=lambda t: t[0])
         if progress is not None:
             progress(best)
-    best = max(best, _interval(problem, ctx, chosen, _left(time_limit, started)))
+    best = max(best, interval_bound(problem, ctx, chosen, _left(time_limit, started)))
     if chosen != ws and (time_limit is None or time_limit - (time.perf_counter() - started) >= MILP_MIN):
         # Fewer moments make a weaker integer model: where the MILP on all of them closes in the
         # time left (unet at 50%), it is the better bound.
         if progress is not None:
             progress(best)
-        best = max(best, _interval(problem, ctx, ws, _left(time_limit, started)))
+        best = max(best, interval_bound(problem, ctx, ws, _left(time_limit, started)))
     return best
 
 
@@ -741,7 +742,7 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
         return math.inf
     if problem.has_host:
         return total  # the bounds below price recomputation; a host copy can stand in for any of it
-    ctx = _Context(problem)
+    ctx = BoundContext(problem)
     found = moments(problem, time_limit, keep_items=True, ctx=ctx)
     best = 0.0
 
@@ -778,7 +779,7 @@ def lower_bound(problem: Problem, time_limit: Optional[float] = None, combine: i
         if interval:
             by_node = {m.node: m for m, _ in found}
             chain = main_chain(problem, ctx)
-            runs += [(2, lambda t: _interval(problem, ctx, interval_moments(chain, by_node, 1), t)),
+            runs += [(2, lambda t: interval_bound(problem, ctx, interval_moments(chain, by_node, 1), t)),
                      (1, lambda t: pruned_interval(problem, ctx, interval_moments(chain, by_node, INTERVAL_MOMENTS), t,
                                                      improve))]
         for share, run in runs:

@@ -13,8 +13,8 @@ import pytest
 from solvers import METHODS, Problem
 from solvers import generators as gen
 from solvers.bounds import min_budget
-from solvers.lower_bounds import (_Context, _interval, interval_moments, lower_bound, lp_lower_bound, main_chain,
-                                  moments)
+from solvers.lower_bounds import (BoundContext, interval_bound, interval_moments, lower_bound, lp_lower_bound,
+                                  main_chain, moments)
 
 from .helpers import graph
 
@@ -214,12 +214,12 @@ def test_interval_model_never_exceeds_the_optimum_on_any_chain_of_moments():
     # of every schedule, so at or below the exhaustive optimum wherever it charges anything.
     charged = above_others = 0
     for i, q in _small_budgets(600):
-        ctx = _Context(q)
+        ctx = BoundContext(q)
         chain = main_chain(q, ctx)
         by_node = {m.node: m for m in moments(q, ctx=ctx)}
         half = len(chain) // 2
         choices = [chain, chain[:half], chain[half:], interval_moments(chain, by_node, 3)]
-        extras = [_interval(q, ctx, ws, None, integer) for ws in choices if ws for integer in (False, True)]
+        extras = [interval_bound(q, ctx, ws, None, integer) for ws in choices if ws for integer in (False, True)]
         best = max(extras, default=0.0)
         if best <= TOL:
             continue
