@@ -836,14 +836,17 @@ def _output_sources(tensors: list[torch.Tensor], primals: list[torch.Tensor]
     for i, (key, t) in enumerate(zip(keys, tensors)):
         if key in primal_of:
             base = ("primal", primal_of[key])
-        elif key not in output_of and key not in returned and 2 * sum(viewed[key].values()) < t.untyped_storage().nbytes():
-            sources.append(len(graph))
-            graph.append((i, _Made.COPY))
-            continue
         else:
-            if key not in output_of:
-                output_of[key] = len(graph)
-                graph.append((returned[key], _Made.LEAF) if key in returned else (i, _Made.BASE))
+            if key not in output_of:  # the first leaf of this storage decides what the graph returns
+                if key in returned:
+                    graph.append((returned[key], _Made.LEAF))
+                elif 2 * sum(viewed[key].values()) >= t.untyped_storage().nbytes():
+                    graph.append((i, _Made.BASE))
+                else:  # each small view gets a copy of its own
+                    sources.append(len(graph))
+                    graph.append((i, _Made.COPY))
+                    continue
+                output_of[key] = len(graph) - 1
             if returned.get(key) == i:
                 sources.append(output_of[key])
                 continue

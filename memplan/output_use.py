@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # capture imports this module
 
 @dataclass(frozen=True)
 class OutputUse:
-    """How a step used the model's output tensors (indices among the output's tensor leaves)."""
+    """How a step used the model's output tensors (indices among the model outputs the joint graph
+    returns: `OutputTree.sources` maps the output's tensor leaves to them)."""
 
     no_grad: frozenset[int] = frozenset()  # the loss sent them no gradient (each must be addend-only)
     dropped: frozenset[int] = frozenset()  # the caller no longer held them when backward began

@@ -29,8 +29,8 @@ import solvers
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile
-from memplan.plan import Plan, format_bytes, plan_from_schedule
 from memplan.output_use import OutputUse
+from memplan.plan import Plan, format_bytes, plan_from_schedule
 from memplan.runtime import Program, build_program
 
 FORMAT = "memplan.Plan"
