@@ -7,11 +7,11 @@
 `scale_bench` asks "auto" for a plan and a bound within the graph's time target. When the gap stays
 above the target (unet at 30%), this probe says which side is short, with no time limit that matters:
 
-* bound side: the interval model of `solvers.lower_bounds` over the given moments (values of the
+* bound side: the interval model of `solvers.methods.lower_bounds` over the given moments (values of the
   problem's order; default: the moments auto's bound picks), as a MILP run to closure or
   ``--milp-time``; a closed MILP is that model's integer optimum, so more time cannot raise it, only
   other moments can;
-* plan side: "auto" with ``--plan-time``, then `solvers.pin_search` from its plan for
+* plan side: "auto" with ``--plan-time``, then `solvers.transforms.pin_search` from its plan for
   ``--pin-time`` seconds with ``--seed``.
 
 It prints both, as multiples of the sum of costs, and the interval the optimum lies in.
@@ -22,12 +22,11 @@ import argparse
 import time
 from typing import Optional
 
-from solvers import lower_bounds
-from solvers.auto import solve_auto
-from solvers.pin_search import pin_search
-from solvers.schedule import simulate
-
 from benchmarks.scale_bench import load, with_fraction
+from solvers import lower_bounds
+from solvers.core.schedule import simulate
+from solvers.strategies.auto import solve_auto
+from solvers.transforms.pin_search import pin_search
 
 
 def default_moments(problem, ctx) -> list[int]:

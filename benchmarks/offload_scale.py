@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Optional
 
 from solvers import METHODS
-from solvers.hierarchical import solve_hierarchical
-from solvers.offload import solve_offload
+from solvers.strategies.hierarchical import solve_hierarchical
+from solvers.strategies.offload import solve_offload
 
 from .scale_bench import TARGETS, load, run_method, with_fraction
 
@@ -43,7 +43,7 @@ FRACTIONS = (0.5, 0.3)
 BANDWIDTH = 50e9  # bytes/s each way: PCIe 5.0 x16 as measured with pinned host memory, roughly
 PLANNERS = {
     "remat (auto)": lambda p, t: METHODS["auto"](p.with_host(0.0), t),
-    "paging sweep": lambda p, t: solve_offload(p, t, joint_share=0.0),
+    "paging sweep": lambda p, t: solve_offload(p, t, hierarchical_share=0.0),
     "joint ILP": solve_hierarchical,
     "offload (default)": solve_offload,
 }

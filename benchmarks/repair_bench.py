@@ -1,4 +1,4 @@
-"""Repair over-budget schedules by recomputation (`solvers.repair`) on the real graphs.
+"""Repair over-budget schedules by recomputation (`solvers.transforms.repair`) on the real graphs.
 
 For each graph at each budget fraction, rotor's schedule and the hierarchical
 solver's are repaired when they do not fit; prints peak/budget and
@@ -14,8 +14,8 @@ from typing import Callable, Optional
 
 from benchmarks.scale_bench import load, with_fraction
 from solvers import METHODS, Problem, Schedule, simulate, validate
-from solvers.hierarchical import solve_hierarchical
-from solvers.repair import add_recomputations
+from solvers.strategies.hierarchical import solve_hierarchical
+from solvers.transforms.repair import add_recomputations
 
 PLANNERS: dict[str, Callable[[Problem], Schedule]] = {
     "rotor": lambda p: METHODS["rotor"](p, 20).schedule,

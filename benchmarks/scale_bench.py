@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from solvers import METHODS, Problem, validate
-from solvers.memory import memory_of
+from solvers.core.memory import memory_of
 
 GRAPHS_DIR = Path(__file__).resolve().parent / "graphs"
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.md"
@@ -49,9 +49,9 @@ def with_fraction(problem: Problem, fraction: float) -> Problem:
 
 
 def instance_bound(problem: Problem, time_limit: float) -> tuple[float, str]:
-    """Lower bound valid for every schedule: `solvers.lower_bounds` when present, else the sum of costs."""
+    """Lower bound valid for every schedule: `solvers.methods.lower_bounds` when present, else the sum of costs."""
     try:
-        from solvers.lower_bounds import lower_bound
+        from solvers.methods.lower_bounds import lower_bound
     except ImportError:
         return problem.total_cost(), "sum of costs"
     value = float(lower_bound(problem, time_limit))
@@ -146,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "Budget = sources + f * (store-all peak - sources). Time limit = the graph's target "
         "(gpt12 30 s, gpt48 120 s, resnet50 and unet 20 s). cost/total = cost / sum of all costs "
         "(1.000 = nothing recomputed). bound = best lower bound on every schedule's cost "
-        "(`solvers.lower_bounds.lower_bound` when present, else the sum of costs), as a multiple of "
+        "(`solvers.methods.lower_bounds.lower_bound` when present, else the sum of costs), as a multiple of "
         "the sum of costs; gap = (cost - bound) / cost. fits = validated by `solvers.validate`.",
         "",
         "| graph | values | budget | method | time (s) | cost | cost/total | bound | gap | fits | notes |",

@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.solvers_bench [--quick] [--time-limit 60]
 
 For every method, on joint forward+backward graphs of 50, 100, 200 and 500
-values (``solvers.generators.training_like``) at 70% and 50% of store_all's
+values (``solvers.core.generators.training_like``) at 70% and 50% of store_all's
 peak, report solve time, cost, lower bound and gap. Writes a Markdown table
 to benchmarks/results/solvers.md and prints it.
 """
@@ -14,8 +14,16 @@ import platform
 import time
 from pathlib import Path
 
-from solvers import METHODS, Infeasible, MethodFailed, Problem, min_budget, solve, validate
-from solvers import generators as gen
+from solvers import (
+    METHODS,
+    Infeasible,
+    MethodFailed,
+    Problem,
+    min_budget,
+    solve,
+    validate,
+)
+from solvers.core import generators as gen
 
 SIZES = (50, 100, 200, 500)
 FRACTIONS = (0.7, 0.5)
@@ -111,7 +119,7 @@ def main(argv=None) -> None:
     header = [
         "# solvers benchmark",
         "",
-        f"Training-like graphs (`solvers.generators.training_like`, seed {args.seed}); budget = fraction of "
+        f"Training-like graphs (`solvers.core.generators.training_like`, seed {args.seed}); budget = fraction of "
         f"store_all's peak; time limit {limit:g} s per solve (model building included); "
         f"machine: {platform.machine()}, {platform.python_implementation()} {platform.python_version()}.",
         "Cost = total compute time of the schedule (store_all's cost is the minimum); lower bound = the method's "

@@ -4,11 +4,12 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .auto import from_min_budget_search
-from .bounds import memory_lower_bound, min_budget_cached
-from .problem import Problem
+from .core.problem import Problem
+from .core.solution import Infeasible, Solution
+from .methods.memory_bounds import memory_lower_bound
 from .registry import METHODS
-from .solution import Infeasible, Solution
+from .strategies.min_budget import min_budget_cached
+from .strategies.remat import from_min_budget_search
 
 
 def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None) -> Solution:

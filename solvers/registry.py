@@ -1,49 +1,31 @@
-"""Registry of solve methods: name -> ``(problem, time_limit) -> Solution``.
+"""Registry of solve methods and strategies: name -> `MethodInfo` (and `METHODS`: name -> solve).
 
-A new solver is one module exporting such a function, plus one line here."""
+Methods come from `methods.catalog`; the strategies that combine them are
+added here, at the top of the layers. A new method is one module plus one
+entry in `methods.catalog`; a new strategy, one module plus one entry here.
+"""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from .core.method import MethodInfo, SolveFn
+from .methods.catalog import METHOD_INFOS
+from .methods.offload_milp import MAX_COMPUTE as OFFLOAD_MILP_MAX_COMPUTE
+from .strategies.auto import solve_auto
+from .strategies.hierarchical import solve_hierarchical
+from .strategies.joint import solve_joint
+from .strategies.offload import solve_offload
 
-from .auto import solve_auto
-from .checkmate import solve_checkmate_cpsat, solve_checkmate_default, solve_checkmate_highs, solve_checkmate_scip
-from .exhaustive import solve_exhaustive, solve_exhaustive_fixed, solve_exhaustive_stages
-from .greedy import solve_greedy
-from .hierarchical import solve_hierarchical
-from .joint import solve_joint
-from .moccasin import solve_moccasin, solve_moccasin_free
-from .offload import solve_offload
-from .problem import Problem
-from .recompute_all import solve_recompute_all
-from .revolve import solve_revolve
-from .rotor import solve_rotor
-from .select import solve_select
-from .solution import Solution
-from .sqrt_n import solve_sqrt_n
-from .store_all import solve_store_all
+STRATEGY_INFOS: tuple[MethodInfo, ...] = (
+    MethodInfo("auto", solve_auto, "strategy", host_link=True,
+               doc="the default: hierarchical (then the minimum-budget search); offload strategies with a host link"),
+    MethodInfo("hierarchical", solve_hierarchical, "strategy", host_link=True,
+               doc="coarsen, drop-set ILP, race the baselines and rotor, repair, polish, pin search"),
+    MethodInfo("offload", solve_offload, "strategy", host_link=True,
+               doc="paged store-all descents, hierarchical with paging rows, paging sweep over remat plans"),
+    MethodInfo("offload_milp", solve_joint, "strategy", host_link=True, max_compute=OFFLOAD_MILP_MAX_COMPUTE,
+               doc="the keep / recompute / offload MILP after the offload heuristic"),
+    MethodInfo("joint", solve_joint, "strategy", host_link=True, max_compute=OFFLOAD_MILP_MAX_COMPUTE,
+               doc="former name of offload_milp"),
+)
 
-SolveFn = Callable[[Problem, Optional[float]], Solution]
-
-METHODS: dict[str, SolveFn] = {
-    "auto": solve_auto,
-    "checkmate": solve_checkmate_default,
-    "checkmate_cpsat": solve_checkmate_cpsat,
-    "checkmate_mip": solve_checkmate_highs,  # the faster MathOpt MIP backend
-    "checkmate_highs": solve_checkmate_highs,
-    "checkmate_scip": solve_checkmate_scip,
-    "store_all": solve_store_all,
-    "recompute_all": solve_recompute_all,
-    "sqrt_n": solve_sqrt_n,
-    "greedy": solve_greedy,
-    "hierarchical": solve_hierarchical,
-    "rotor": solve_rotor,
-    "revolve": solve_revolve,
-    "moccasin": solve_moccasin,
-    "moccasin_free": solve_moccasin_free,
-    "offload": solve_offload,
-    "joint": solve_joint,
-    "select": solve_select,
-    "exhaustive": solve_exhaustive,
-    "exhaustive_fixed": solve_exhaustive_fixed,
-    "exhaustive_stages": solve_exhaustive_stages,
-}
+REGISTRY: dict[str, MethodInfo] = {m.name: m for m in STRATEGY_INFOS[:1] + METHOD_INFOS + STRATEGY_INFOS[1:]}
+METHODS: dict[str, SolveFn] = {name: info.solve for name, info in REGISTRY.items()}

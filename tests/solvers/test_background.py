@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks.scale_bench import with_fraction
-from solvers.background import BackgroundBound, best_printed, usable_cores
-from solvers.generators import training_like
-from solvers.hierarchical import solve_hierarchical
-from solvers.lower_bounds import lower_bound
-from solvers.problem import Problem
+from solvers.core.generators import training_like
+from solvers.core.problem import Problem
+from solvers.methods.lower_bounds import lower_bound
+from solvers.strategies.background import BackgroundBound, best_printed, usable_cores
+from solvers.strategies.hierarchical import solve_hierarchical
 
 
 def _at(fraction: float, seed: int = 0) -> Problem:
@@ -54,7 +54,10 @@ def test_the_search_reports_the_bound_of_its_background_child():
 def test_small_graphs_start_no_child():
     """Up to `BACKGROUND_MIN_VALUES` values to compute the bound is quick here and the exact phase
     answers: a child would only cost a core the start of an interpreter."""
-    from solvers.hierarchical import BACKGROUND_MIN_LIMIT, BACKGROUND_MIN_VALUES
+    from solvers.strategies.hierarchical import (
+        BACKGROUND_MIN_LIMIT,
+        BACKGROUND_MIN_VALUES,
+    )
 
     p = with_fraction(Problem.from_networkx(training_like(12, 0, base="transformer"), 2**62), 0.5)
     assert 8 < p.n_compute <= BACKGROUND_MIN_VALUES

@@ -17,8 +17,8 @@ import pytest
 
 import solvers
 from solvers import METHODS, Infeasible, Problem, solve, validate
-from solvers import generators as gen
-from solvers.exhaustive import min_peak
+from solvers.core import generators as gen
+from solvers.methods.exhaustive import min_peak
 
 from .helpers import budgets_between
 

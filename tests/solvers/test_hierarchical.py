@@ -10,16 +10,25 @@ import numpy as np
 import pytest
 
 from solvers import METHODS, Problem, simulate, validate
-from solvers.bounds import min_budget, store_all_peak
-from solvers.coarsen import coarsen
-from solvers.exhaustive import solve_exhaustive
-from solvers.generators import layered, random_dag, training_like
-from solvers.hierarchical import (EARLY_GAP, CoverModel, DropPlanner, _floor_stages, _Incumbent, candidates, pagings,
-                                  solve_hierarchical)
-from solvers.memory import memory_of
-from solvers.offload import solve_offload
-from solvers.schedule import Op, Schedule, Step
-from solvers.store_all import solve_store_all
+from solvers.core.generators import layered, random_dag, training_like
+from solvers.core.memory import memory_of
+from solvers.core.schedule import Op, Schedule, Step
+from solvers.methods.exhaustive import solve_exhaustive
+from solvers.methods.memory_bounds import store_all_peak
+from solvers.methods.store_all import solve_store_all
+from solvers.strategies.hierarchical import (
+    EARLY_GAP,
+    CoverModel,
+    DropPlanner,
+    _floor_stages,
+    _Incumbent,
+    candidates,
+    pagings,
+    solve_hierarchical,
+)
+from solvers.strategies.min_budget import min_budget
+from solvers.strategies.offload import solve_offload
+from solvers.transforms.coarsen import coarsen
 
 from .helpers import graph
 
@@ -251,7 +260,7 @@ def test_seeds_join_the_incumbent_and_plans_over_budget_are_ignored():
     for seed in range(4):
         p = _transformer_with_link(seed)
         p = p.with_budget(store_all_peak(p) // 2)
-        paged = solve_offload(p, 4.0, joint_share=0.0)
+        paged = solve_offload(p, 4.0, hierarchical_share=0.0)
         assert paged.fits
         seed_time = validate(p, paged.schedule).time
         over = solve_store_all(p).schedule

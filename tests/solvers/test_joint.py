@@ -13,12 +13,23 @@ import networkx as nx
 import pytest
 
 from solvers import MethodFailed, Problem, simulate, validate
-from solvers import generators as gen
-from solvers.exhaustive import min_peak, solve_exhaustive, solve_exhaustive_stages
-from solvers.checkmate import memory_scale
-from solvers.joint import MAX_COMPUTE, MEMORY_UNITS_LIMIT, _JointModel, first_compute_order, solve_joint, solve_milp
-from solvers.milp_backends import BACKENDS
-from solvers.store_all import solve_store_all
+from solvers.core import generators as gen
+from solvers.methods.checkmate import memory_scale
+from solvers.methods.exhaustive import (
+    min_peak,
+    solve_exhaustive,
+    solve_exhaustive_stages,
+)
+from solvers.methods.milp_backends import BACKENDS
+from solvers.methods.offload_milp import (
+    MAX_COMPUTE,
+    MEMORY_UNITS_LIMIT,
+    _JointModel,
+    first_compute_order,
+    solve_milp,
+)
+from solvers.methods.store_all import solve_store_all
+from solvers.strategies.joint import solve_joint
 
 from .helpers import skip_chain as _skip_chain
 

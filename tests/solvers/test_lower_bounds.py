@@ -11,10 +11,17 @@ import networkx as nx
 import pytest
 
 from solvers import METHODS, Problem
-from solvers import generators as gen
-from solvers.bounds import min_budget
-from solvers.lower_bounds import (BoundContext, interval_bound, interval_moments, lower_bound, lp_lower_bound,
-                                  main_chain, moments)
+from solvers.core import generators as gen
+from solvers.methods.lower_bounds import (
+    BoundContext,
+    interval_bound,
+    interval_moments,
+    lower_bound,
+    lp_lower_bound,
+    main_chain,
+    moments,
+)
+from solvers.strategies.min_budget import min_budget
 
 from .helpers import graph
 
@@ -106,7 +113,7 @@ def test_infeasible_budget_gives_infinity():
 def test_real_graph_is_fast_and_below_the_greedy_cost():
     pytest.importorskip("benchmarks.export_graphs")
     from benchmarks.export_graphs import load
-    from solvers.memory import memory_of
+    from solvers.core.memory import memory_of
 
     p = load("unet")
     peak = METHODS["store_all"](p, None).peak

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from solvers import METHODS, Problem, ScheduleError, Solution, simulate, validate
-from solvers import generators as gen
+from solvers.core import generators as gen
 
 CONSTRUCTIVE = ("store_all", "recompute_all", "sqrt_n", "greedy")
 FRACTIONS = (1.0, 0.75, 0.55, 0.4)

@@ -8,11 +8,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from solvers.milp_backends import BACKENDS, STRAY_PRINTS
+from solvers.methods.milp_backends import BACKENDS, STRAY_PRINTS
 
 CHILD = textwrap.dedent("""
     import ctypes, sys, time
-    from solvers.milp_backends import STRAY_PRINTS, _without_stray_prints
+    from solvers.methods.milp_backends import STRAY_PRINTS, _without_stray_prints
     libc = ctypes.CDLL(None)
     print("before", flush=True)
     with _without_stray_prints():

@@ -8,11 +8,11 @@ import math
 import networkx as nx
 import pytest
 
-import solvers.moccasin as moccasin
+import solvers.methods.moccasin as moccasin
 from solvers import METHODS, Problem, validate
-from solvers.exhaustive import solve_exhaustive_fixed
-from solvers.moccasin import _instances_of_hint, solve_moccasin
-from solvers.portfolio import best_constructive
+from solvers.methods.baselines import best_baseline
+from solvers.methods.exhaustive import solve_exhaustive_fixed
+from solvers.methods.moccasin import _instances_of_hint, solve_moccasin
 
 from .test_lower_bounds import _budgets, _small_problems
 
@@ -51,7 +51,7 @@ def test_fixed_order_model_reaches_the_fixed_order_optimum_without_views():
             _check(q, sol, opt)
             if sol.info.get("model_status") != "OPTIMAL":
                 continue
-            order, _ = _instances_of_hint(q, best_constructive(q).schedule)
+            order, _ = _instances_of_hint(q, best_baseline(q).schedule)
             fixed = solve_exhaustive_fixed(q, None, order=order)
             if max(fixed.schedule.computes().count(x) for x in set(fixed.schedule.computes())) > 2:
                 continue  # needs more than two instances of some value: outside the model
@@ -88,8 +88,8 @@ def test_view_of_a_view_is_counted_conservatively():
 
 
 def test_training_graph_of_a_hundred_values():
-    from solvers import generators as gen
-    from solvers.memory import memory_of
+    from solvers.core import generators as gen
+    from solvers.core.memory import memory_of
 
     p = Problem.from_networkx(gen.training_like(100, seed=3), 0)
     peak = METHODS["store_all"](p.with_budget(2**40), None).peak
@@ -98,6 +98,6 @@ def test_training_graph_of_a_hundred_values():
     sol = solve_moccasin(q, 2.0)
     assert sol.fits
     validate(q, sol.schedule)
-    assert sol.cost <= best_constructive(q).cost + TOL
+    assert sol.cost <= best_baseline(q).cost + TOL
     assert q.total_cost() <= sol.lower_bound <= sol.cost
     assert sol.solve_time < 15.0

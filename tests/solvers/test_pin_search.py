@@ -1,16 +1,15 @@
-"""`solvers.pin_search`: keeping what a greedy repair recomputes, checked by the simulator on
+"""`solvers.transforms.pin_search`: keeping what a greedy repair recomputes, checked by the simulator on
 joint graphs of U-Nets, transformers and layered networks: every result fits, none costs more
 than its start, and most cost less."""
 from __future__ import annotations
 
-import pytest
-
 from solvers import METHODS, Problem, simulate, validate
-from solvers.bounds import store_all_peak
-from solvers.generators import training, training_like, unet
-from solvers.pin_search import compute_sequence, pin_search, without_unread
-from solvers.plan import schedule_from_sequence
-from solvers.repair import recompute_down
+from solvers.core.generators import training, training_like, unet
+from solvers.core.sequence import schedule_from_sequence
+from solvers.core.uses import compute_sequence, without_unread
+from solvers.methods.memory_bounds import store_all_peak
+from solvers.transforms.pin_search import pin_search
+from solvers.transforms.repair import recompute_down
 
 
 def _problems():

@@ -1,16 +1,15 @@
-"""`solvers.polish.keep_recomputed`: undoing recomputations that the budget does not need,
+"""`solvers.transforms.polish.keep_recomputed`: undoing recomputations that the budget does not need,
 checked by the simulator on random graphs and on schedules from several methods."""
 from __future__ import annotations
 
+import networkx as nx
 import pytest
 
-import networkx as nx
-
 from solvers import METHODS, MethodFailed, Problem, Schedule, simulate, validate
-from solvers.bounds import store_all_peak
-from solvers.generators import chain, layered, random_dag, training_like
-from solvers.plan import tighten_frees
-from solvers.polish import keep_recomputed
+from solvers.core.generators import chain, layered, random_dag, training_like
+from solvers.core.sequence import tighten_frees
+from solvers.methods.memory_bounds import store_all_peak
+from solvers.transforms.polish import keep_recomputed
 
 
 def _graphs(view_prob: float = 0.0):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from solvers import Problem
-from solvers import generators as gen
+from solvers.core import generators as gen
 
 from .helpers import graph
 

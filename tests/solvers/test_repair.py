@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from solvers import Problem, Schedule, simulate, validate
-from solvers import generators as gen
-from solvers.bounds import min_budget, store_all_peak
-from solvers.repair import add_recomputations, recompute_down
-from solvers.store_all import solve_store_all
+from solvers.core import generators as gen
+from solvers.methods.memory_bounds import store_all_peak
+from solvers.methods.store_all import solve_store_all
+from solvers.strategies.min_budget import min_budget
+from solvers.transforms.repair import add_recomputations, recompute_down
 
 from .helpers import graph
 
@@ -169,7 +170,7 @@ def _real(name: str) -> Problem:
 def test_rotor_at_30_percent_is_repaired_to_fit(name):
     # Measured: rotor's schedules are 0.146% (gpt12) and 17% (unet) over at 30%; repaired,
     # both fit (gpt12 at cost/total 1.275, unet 1.614, in well under a second each).
-    from solvers.rotor import solve_rotor
+    from solvers.methods.rotor import solve_rotor
 
     p = _real(name)
     base = solve_rotor(p, 20).schedule

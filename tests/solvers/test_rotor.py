@@ -8,12 +8,20 @@ import math
 
 import pytest
 
-from solvers import METHODS, MethodFailed, Problem, Solution, min_budget, simulate, validate
-from solvers import generators as gen
-from solvers.chain import extract_chain
-from solvers.memory import memory_of
-from solvers.revolve import binomial_table, griewank_advances, solve_revolve
-from solvers.rotor import solve_rotor
+from solvers import (
+    METHODS,
+    MethodFailed,
+    Problem,
+    Solution,
+    min_budget,
+    simulate,
+    validate,
+)
+from solvers.core import generators as gen
+from solvers.core.memory import memory_of
+from solvers.methods.chain import extract_chain
+from solvers.methods.revolve import binomial_table, griewank_advances, solve_revolve
+from solvers.methods.rotor import solve_rotor
 
 from .helpers import graph
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from solvers import Problem, solve, validate
-from solvers import generators as gen
-from solvers.select import solve_select, use_clusters
+from solvers.core import generators as gen
+from solvers.methods.select import solve_select, use_clusters
 
 
 def _problems():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from solvers import Problem, Schedule, ScheduleError, simulate, validate
-from solvers.memory import Residency, memory_of
+from solvers.core.memory import Residency, memory_of
 
 from .helpers import chain_problem, graph
 
@@ -296,7 +296,7 @@ def test_views_apart_never_counts_fewer_bytes():
     # `Problem.with_views_apart` is the rule that counts each view on its own: at every step
     # of any schedule it holds at least the bytes of the exact rule, so a plan that fits it fits.
     from solvers import METHODS
-    from solvers import generators as gen
+    from solvers.core import generators as gen
 
     compared = shared = 0
     for seed in range(40):

@@ -140,7 +140,7 @@ def test_values_marked_not_offloadable_are_rejected_and_survive_io():
     for q in (Problem.from_json(p.to_json()), Problem.from_networkx(p.to_networkx(), p.budget, 1.0),
               p.with_host(2.0)):
         assert list(q.offloadable) == [False, False, True]  # the source x is never offloadable
-    from solvers.offload import add_offloads
+    from solvers.transforms.paging import add_offloads
 
     paged = add_offloads(p.with_budget(3), Schedule.from_list([("compute", "v0"), ("compute", "v1")]))
     assert "v0" not in paged.offloads()
@@ -176,7 +176,7 @@ def _held_by_view(depth: int) -> tuple[Problem, Schedule]:
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_storage_held_only_by_views_is_paged_out(depth):
-    from solvers.offload import add_offloads
+    from solvers.transforms.paging import add_offloads
 
     p, schedule = _held_by_view(depth)
     before = simulate(p, schedule)

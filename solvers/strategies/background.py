@@ -1,0 +1,130 @@
+"""The lower bound, computed in a child process while the search runs on.
+
+`hierarchical.solve_hierarchical` spends its time limit searching and then
+reports `lower_bounds.lower_bound`, which is mostly HiGHS time. Run at the
+end, the bound gets a tenth of the limit; on a second core it can have
+nearly all of it while the search keeps the first core.
+
+Why a child interpreter and not a thread or `multiprocessing`:
+
+* two HiGHS instances solving at once in one process have crashed
+  (ERGO-Code/HiGHS#3141), and the bound's Python (moments, model building)
+  would hold the GIL against the search;
+* `multiprocessing`'s spawn re-imports the caller's ``__main__`` (a training
+  script without a ``__name__`` guard would run again), and fork copies a
+  process that may hold torch's threads.
+
+The child reads the problem from a temporary file and prints each bound it
+proves as it goes (`lower_bound`'s ``progress``), so that a child stopped at
+the deadline still gives the best one so far. Anything that goes wrong (the
+child cannot start, fails, or has proved nothing yet) gives None, and the
+caller computes the bound itself as before.
+
+    python -m solvers.background PROBLEM.json TIME_LIMIT
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Optional
+
+from ..core.problem import Problem
+
+# The child yields to the search (and to anything else) where cores are short: the bound is worth
+# less than the plan.
+CHILD_NICENESS = 10
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class BackgroundBound:
+    """`lower_bounds.lower_bound(problem, time_limit)` running in a child process."""
+
+    def __init__(self, problem: Problem, time_limit: float) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="memplan-bound-")
+        path = Path(self._dir.name) / "problem.json"
+        problem.save(path)
+        env = dict(os.environ)
+        # The child must import this copy of `solvers`, installed or not.
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "solvers.background", str(path), repr(float(time_limit))],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, text=True)
+        # A caller that fails before `result` must not leave the child running or the file behind.
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
+
+    @classmethod
+    def start(cls, problem: Problem, time_limit: float) -> Optional["BackgroundBound"]:
+        """The child computing the bound, or None when it cannot be started."""
+        try:
+            return cls(problem, time_limit)
+        except OSError:
+            return None
+
+    def result(self, until: float) -> Optional[float]:
+        """The child's bound, waiting for it until ``until`` (a `time.perf_counter` instant): when
+        the child is not done by then, the best bound it has printed so far (every one it prints
+        is valid); None when it printed none. The child is gone afterwards."""
+        try:
+            out, _ = self._proc.communicate(timeout=max(0.0, until - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            out, _ = self._proc.communicate()
+        self.close()
+        return best_printed(out or "")
+
+    def close(self) -> None:
+        """Stop the child (if it still runs) and remove its file."""
+        self._finalizer()
+
+
+def best_printed(out: str) -> Optional[float]:
+    """The largest bound in the child's output ``out``, read from whole lines only: a number cut
+    short by the kill may read as another (``1.2e-05`` as ``1.2``)."""
+    values = []
+    for line in out.split("\n")[:-1]:  # the part after the last newline is not whole
+        try:
+            values.append(float(line))
+        except ValueError:
+            continue
+    values = [v for v in values if not math.isnan(v)]
+    return max(values) if values else None
+
+
+def _stop(proc: subprocess.Popen, directory: tempfile.TemporaryDirectory) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    directory.cleanup()
+
+
+def main(argv: list[str]) -> None:
+    from ..methods.lower_bounds import lower_bound
+
+    if hasattr(os, "nice"):
+        os.nice(CHILD_NICENESS)
+    problem = Problem.load(argv[0])
+
+    def report(value: float) -> None:
+        print(repr(float(value)), flush=True)
+
+    report(lower_bound(problem, float(argv[1]), progress=report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
