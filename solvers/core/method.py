@@ -18,6 +18,7 @@ SolveFn = Callable[[Problem, Optional[float]], Solution]
 FALLBACK = "fallback"  # constructive baselines: the best of them is the schedule of last resort
 HINTS = "hints"  # fast remat-only baselines whose fitting schedules warm-start a MILP
 RACE = "race"  # fast methods the hierarchical strategy races first, for a schedule whatever happens next
+OBLIVIOUS = "oblivious"  # budget-oblivious baselines: one schedule whatever the budget, a candidate lowest peak
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,9 @@ class MethodInfo:
     solve: SolveFn
     kind: str  # "baseline", "chain" (dynamic program over a chain), "exact" (MILP / CP / search), "strategy"
     host_link: bool = False  # plans transfers when the problem has a host link
-    max_compute: Optional[int] = None  # values to compute beyond which it raises MethodFailed
+    # Values to compute beyond which strategies leave it out: it raises MethodFailed there, or its
+    # run time grows too fast to pay (recompute_all is quadratic).
+    max_compute: Optional[int] = None
     portfolios: frozenset[str] = frozenset()
     doc: str = ""
 

@@ -61,11 +61,9 @@ How it is run (a heuristic first, then the MILP in two orders) is the
 strategy "offload_milp" (`strategies/joint.py`).
 
 Size limit: graphs with more than `MAX_COMPUTE` values to compute raise
-`MethodFailed`. The model has O(m^2) variables per family (about 4 m^2 in
-all: 4.8k at 36 values to compute, 12k at 55); at 35-36 values HiGHS proves
-optimality in 3-10 s at mid budgets but may find nothing better than its warm
-start in 20 s at the remat-only minimum budget, and at 55 it stops at the
-time limit (30 s) with good but unproven schedules.
+`MethodFailed`: the model has O(m^2) variables per family (about 4 m^2 in
+all), and past that size the MILP stops at its time limit with unproven
+schedules.
 """
 from __future__ import annotations
 

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
+from ..core.method import OBLIVIOUS, portfolio
 from ..core.problem import Problem
 from ..core.schedule import Schedule, simulate
 from ..core.solution import MethodFailed
+from ..methods.catalog import METHOD_INFOS
 from ..methods.exhaustive import MAX_NODES as EXHAUSTIVE_MAX_NODES
 from ..methods.exhaustive import min_peak
 from ..methods.greedy import solve_greedy
 from ..methods.memory_bounds import memory_lower_bound
-from ..methods.recompute_all import solve_recompute_all
 from ..methods.rotor import solve_rotor
 from ..methods.select import solve_select
-from ..methods.sqrt_n import solve_sqrt_n
 from ..methods.store_all import solve_store_all
 from ..transforms.paging import add_offloads
 from ..transforms.repair import add_recomputations
@@ -43,7 +44,6 @@ REPAIR_TIME_LIMIT = 10.0
 # The bisection stops within this share of the budget: the greedy's answers are not monotone
 # in the budget anyway, and each probe costs seconds on thousands of values.
 BISECTION_RESOLUTION = 1e-3
-RECOMPUTE_ALL_MAX_NODES = 500  # quadratic: 30 s on gpt12's 2108 values, where rotor's peak is lower anyway
 
 
 def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Schedule]:
@@ -56,13 +56,11 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
     floor = problem.with_budget(memory_lower_bound(problem))
     store_all = solve_store_all(unlimited, None)
     best: tuple[int, Schedule] = (store_all.peak, store_all.schedule)
-    starts = (
-        lambda: solve_rotor(floor,
-                            max(0.1, min(ROTOR_TIME_LIMIT, deadline - time.perf_counter()))),
-        lambda: solve_sqrt_n(unlimited, None),
-    )
-    if problem.n_compute <= RECOMPUTE_ALL_MAX_NODES:
-        starts += (lambda: solve_recompute_all(unlimited, None),)
+    # Rotor asked for the trivial bound gives its lowest-peak schedule; the budget-oblivious
+    # baselines have one schedule each, whatever the budget.
+    starts = [lambda: solve_rotor(floor, max(0.1, min(ROTOR_TIME_LIMIT, deadline - time.perf_counter())))]
+    starts += [partial(method.solve, unlimited, None) for method in portfolio(METHOD_INFOS, OBLIVIOUS)
+               if method.max_compute is None or problem.n_compute <= method.max_compute]
     for i, start in enumerate(starts):
         if i > 0 and time.perf_counter() >= deadline:
             break

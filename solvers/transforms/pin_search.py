@@ -24,11 +24,10 @@ recomputations first, those that failed on an earlier schedule last); the
 first that helps is taken and the scan starts again on the new schedule. A
 repair that already costs more than the best plan is abandoned.
 
-When a whole scan finds nothing (a local optimum: unet 30% from 1.5554 to
-1.4990 of the total compute cost in about 10 s), the search is *kicked* until
-the deadline: one random move, repaired at any cost, then the local search from
-there; the result replaces the best plan when it is faster (an iterated local
-search, seeded so that a run repeats: unet 30% reaches 1.4539 in about 100 s).
+When a whole scan finds nothing (a local optimum), the search is *kicked*
+until the deadline: one random move, repaired at any cost, then the local
+search from there; the result replaces the best plan when it is faster (an
+iterated local search, seeded so that a run repeats).
 It only ever returns a schedule that fits and is at least as fast as the one it
 was given.
 """

@@ -19,10 +19,8 @@ down with local moves, the recomputation analog of `paging.add_offloads`
   too far back, kept longer: their free is moved to after the remake. Keeping
   an input costs no compute but holds its bytes, at the peak too if it was
   freed before it; each move is offered with several chain lengths and the
-  ranking chooses. On gpt12 at 30% of store-all's activations every planner
-  ends 0.15% over at the last step, where all the gradients are held; moving
-  one layer's weight gradient to the very end, made from a few kept inputs and
-  eight recomputed values, fits it;
+  ranking chooses (a gradient made early and held to the end can be moved to
+  the very end, made from a few kept inputs and a short recomputed chain);
 * views (``alias_of``) share their base's storage, so freeing a base frees
   nothing while a view of it is held: views made from the value and held
   across ``k`` are freed with it and made again from the recomputed value
