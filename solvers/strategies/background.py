@@ -20,7 +20,7 @@ the deadline still gives the best one so far. Anything that goes wrong (the
 child cannot start, fails, or has proved nothing yet) gives None, and the
 caller computes the bound itself as before.
 
-    python -m solvers.background PROBLEM.json TIME_LIMIT
+    python -m solvers.strategies.background PROBLEM.json TIME_LIMIT
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class BackgroundBound:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "solvers.background", str(path), repr(float(time_limit))],
+            [sys.executable, "-m", "solvers.strategies.background", str(path), repr(float(time_limit))],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, text=True)
         # A caller that fails before `result` must not leave the child running or the file behind.
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)

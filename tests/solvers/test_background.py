@@ -1,4 +1,4 @@
-"""The lower bound computed in a child process (`solvers.background`)."""
+"""The lower bound computed in a child process (`solvers.strategies.background`)."""
 from __future__ import annotations
 
 import time

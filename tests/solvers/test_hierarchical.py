@@ -20,12 +20,12 @@ from solvers.strategies.hierarchical import (
     EARLY_GAP,
     CoverModel,
     DropPlanner,
-    _floor_stages,
-    _Incumbent,
     candidates,
     pagings,
     solve_hierarchical,
 )
+from solvers.strategies.hierarchical.search import _floor_stages
+from solvers.strategies.hierarchical.strategy import _Incumbent
 from solvers.strategies.min_budget import min_budget
 from solvers.strategies.offload import solve_offload
 from solvers.transforms.coarsen import coarsen
