@@ -18,8 +18,6 @@ import torch
 from torch import nn
 
 import memplan
-from memplan import zoo
-
 from benchmarks.config import ModelSpec
 from benchmarks.models.layouts import BlockLayout, layout_for
 from benchmarks.steps import (
@@ -30,6 +28,7 @@ from benchmarks.steps import (
     compare_grads,
     measure_step_peak,
 )
+from memplan.models import zoo
 
 
 @dataclass

@@ -15,11 +15,11 @@ import gzip
 import time
 from pathlib import Path
 
-from memplan import zoo
 from memplan.analysis import analyze_capture
 from memplan.api import WithLoss
 from memplan.capture import capture
 from memplan.costs import get_profile
+from memplan.models import zoo
 
 # name -> (zoo model, size, config overrides)
 GRAPHS = {

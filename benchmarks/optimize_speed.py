@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 import memplan
-from memplan import zoo
 from memplan.measure import measure_peak
+from memplan.models import zoo
 
 
 def _timed_step(module, args, kwargs) -> float:

@@ -23,9 +23,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import memplan
-from memplan import zoo
-from memplan.measure import measure_peak
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
+from memplan.measure import measure_peak
+from memplan.models import zoo
 
 MODELS = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16, "resnet50": 8}
 
@@ -76,7 +76,8 @@ def capture_1p3b() -> dict:
     code = textwrap.dedent(
         """
         import json, resource, time
-        from memplan import zoo, analyze, WithLoss
+        from memplan import analyze, WithLoss
+        from memplan.models import zoo
         t0 = time.perf_counter()
         zm = zoo.build("gpt-1.3b", meta=True)
         a = analyze(WithLoss(zm.model, zm.loss_fn), tuple(zm.example_inputs), zm.example_kwargs)

@@ -1,7 +1,23 @@
 """memplan: plan a training step's memory under a byte budget (torch side).
 
 ``memplan.optimize(model, budget="16GB")`` returns a module that trains to the
-same gradients with a peak device memory under the budget. See DESIGN.md.
+same gradients with a peak device memory under the budget.
+
+The modules, in pipeline order (a stage imports only from the stages above it;
+``tests/test_layers.py`` checks there are no import cycles):
+
+* leaves: ``storage`` (which storages hold a value), ``units`` (byte counts for people);
+* ``capture``: the joint graph, with its graph passes ``compaction`` and ``output_use``;
+* ``costs`` (bytes, FLOPs, time per value), with ``measure`` (the memory tracker)
+  and ``profiling`` (timings on the device) beside it;
+* ``problem``: the lowering to the torch-free ``solvers.Problem``;
+* ``analysis``: costs, Problem and store-all baseline of one step;
+* ``runtime``: a schedule as straight-line code;
+* ``planformat`` (the saved-plan file), ``plan`` (solve and predict), ``planio`` (reuse saved plans);
+* ``api``: ``optimize``; then ``viz`` and ``cli`` on top.
+
+``memplan.models`` (the built-in model zoo and ``make demo``) is no part of the
+pipeline: nothing above imports it but the CLI.
 """
 from memplan.analysis import Analysis, analyze
 from memplan.api import OptimizedModule, WithLoss, optimize, parse_budget

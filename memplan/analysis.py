@@ -22,7 +22,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import solvers
-from memplan.capture import Capture, capture
+from memplan.capture import (
+    Capture,
+    MetaConstantsAsCPU,
+    capture,
+    eager_resampling,
+    fakeify,
+    flatten_output,
+    swapped_state,
+)
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
 from memplan.output_use import OutputUse
 from memplan.problem import BACKWARD, Lowered, lower
@@ -114,26 +122,25 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.capture import _eager_resampling, _MetaConstantsAsCPU, _fakeify, flatten_output, swapped_state
     from memplan.measure import MemoryTracker
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     state = {}
-    # _fakeify: meta tensors are replayed as CPU tensors, as capture traces them.
+    # fakeify: meta tensors are replayed as CPU tensors, as capture traces them.
     for name, p in model.named_parameters():
-        state[name] = _fakeify(fake_mode, p).requires_grad_(p.requires_grad)
+        state[name] = fakeify(fake_mode, p).requires_grad_(p.requires_grad)
     for name, b in model.named_buffers():
-        state[name] = _fakeify(fake_mode, b)
+        state[name] = fakeify(fake_mode, b)
     fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(
-        torch.Tensor, lambda t: _fakeify(fake_mode, t), (args, kwargs)
+        torch.Tensor, lambda t: fakeify(fake_mode, t), (args, kwargs)
     )
     device = next((t.device for t in state.values()), torch.device("cpu"))
-    meta_constants = _MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
+    meta_constants = MetaConstantsAsCPU(model)  # a meta model's loss labels, as capture traces them
     # The fake state stays swapped in through backward too: a reentrant checkpoint reruns
     # its function there, and with the real parameters back in place it would accumulate
     # fake gradients into their .grad. (Capture, which always runs first, has already
     # refused a forward that reassigns a parameter or buffer.)
-    with fake_mode, meta_constants, _eager_resampling(), _RealRnnWorkspaces(), \
+    with fake_mode, meta_constants, eager_resampling(), _RealRnnWorkspaces(), \
             MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker, \
             swapped_state(model, state):
         out = model(*fake_args, **fake_kwargs)
@@ -174,7 +181,7 @@ def analyze_capture(
         return sum(costs.values[n].nbytes for n in names)
 
     return Analysis(
-        num_nodes=sum(1 for n in cap.graph.nodes if n.op == "call_function"),
+        num_nodes=cap.num_ops(),
         param_bytes=kind_bytes("param"),
         buffer_bytes=kind_bytes("buffer"),
         input_bytes=kind_bytes("input"),

@@ -16,13 +16,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from memplan.capture import InputSignature
-from memplan.costs import DeviceProfile, get_profile
-from memplan.measure import _storages_of, unmeasured
-from memplan.output_use import REPLAN_FRACTION, OutputUse, output_bytes
-from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, make_plan
+from memplan.costs import DeviceProfile, get_profile, output_bytes
+from memplan.measure import storages_of, unmeasured
+from memplan.output_use import REPLAN_FRACTION, OutputUse
+from memplan.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
+from memplan.units import format_bytes
 
 _UNITS = {
     "": 1,
@@ -75,7 +76,7 @@ def held_gradient_bytes(model: nn.Module) -> int:
         g = p.grad
         if p.requires_grad and g is not None:
             # a sparse gradient (nn.Embedding(sparse=True)) is held in its indices and values
-            for i, st in enumerate(_storages_of(g, allow_fake=True)):
+            for i, st in enumerate(storages_of(g, allow_fake=True)):
                 key = (str(g.device), st.data_ptr() or (id(g), i))  # meta tensors have no address
                 storages[key] = st.nbytes()
     return sum(storages.values())

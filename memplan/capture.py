@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
 import enum
 import functools
 import threading
@@ -38,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.compaction import copy_out_late_views
 from memplan.output_use import OutputUse, addend_only, make_tangents_optional
+from memplan.storage import storage_key
 
 
 class CaptureError(RuntimeError):
@@ -254,6 +254,10 @@ class Capture:
 
     def placeholders(self) -> list[fx.Node]:
         return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def num_ops(self) -> int:
+        """ATen ops of the joint graph (its ``call_function`` nodes)."""
+        return sum(1 for n in self.graph.nodes if n.op == "call_function")
 
     def output_nodes(self) -> list[fx.Node | None]:
         (out,) = [n for n in self.graph.nodes if n.op == "output"]
@@ -484,12 +488,15 @@ class _Captured(Exception):
     """Raised from the partitioner to stop AOTAutograd once the joint graph is in hand."""
 
 
-def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+def fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake tensor under ``fake_mode`` standing for ``t`` in a trace (or the eager replay of
+    `memplan.analysis`): same shape, strides and dtype, a leaf even where ``t`` is not, and
+    on the CPU where ``t`` is a meta tensor."""
     if t.grad_fn is not None:
         # A non-leaf input (another module's output) is a leaf of the traced
         # step: its history lies outside it, and a backward (the eager replay's)
         # must stop there instead of reaching into the fake of that history.
-        return _fakeify(fake_mode, t.detach()).requires_grad_(True)
+        return fakeify(fake_mode, t.detach()).requires_grad_(True)
     if t.is_meta:
         # A meta tensor (a model built on the meta device, to plan it without
         # memory) is traced as a CPU tensor of the same shape: meta kernels are
@@ -502,10 +509,10 @@ def _fakeify(fake_mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     return fake
 
 
-class _MetaConstantsAsCPU(torch.overrides.TorchFunctionMode):
+class MetaConstantsAsCPU(torch.overrides.TorchFunctionMode):
     """Swap the meta tensors a model holds outside its state for CPU zeros while tracing.
 
-    A model built on the meta device plans as a CPU model (see :func:`_fakeify`),
+    A model built on the meta device plans as a CPU model (see :func:`fakeify`),
     but tensors it holds outside its parameters, buffers and inputs (a loss
     closure's labels, a plain tensor attribute) reach the trace as they are.
     Tracing needs them as real CPU tensors (a fake tensor cannot be a graph
@@ -722,7 +729,7 @@ _EAGER_RESAMPLING = (
 
 
 class _ResamplingKernels:
-    """The Python kernels `_eager_resampling` sets aside, shared by every thread tracing at once:
+    """The Python kernels `eager_resampling` sets aside, shared by every thread tracing at once:
     the first to enter sets them aside, the last to leave puts them back (a thread that put them
     back while another still traced would hand that one the decompositions)."""
 
@@ -732,7 +739,7 @@ class _ResamplingKernels:
 
 
 @contextlib.contextmanager
-def _eager_resampling():
+def eager_resampling():
     """Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
     ``*_backward`` op in backward (the derivative formula of ``derivatives.yaml``).
 
@@ -795,10 +802,6 @@ def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:
                 node.meta["fwd_nn_module_stack"] = fwd.meta["nn_module_stack"]
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata  # stable while t lives (an id() of the storage object is not)
-
-
 class _Made(enum.Enum):
     """How the joint graph makes one of its model outputs from an output leaf of the model."""
 
@@ -821,8 +824,8 @@ def _output_sources(tensors: list[torch.Tensor], primals: list[torch.Tensor]
     graph keeps "one tensor, one value, one tangent"."""
     primal_of: dict[int, int] = {}
     for k, p in enumerate(primals):
-        primal_of.setdefault(_storage_key(p), k)
-    keys = [_storage_key(t) for t in tensors]
+        primal_of.setdefault(storage_key(p), k)
+    keys = [storage_key(t) for t in tensors]
     returned: dict[int, int] = {}  # storage -> the first leaf that is not a view (the tensor itself)
     for i, (key, t) in enumerate(zip(keys, tensors)):
         if t._base is None and key not in primal_of:
@@ -887,9 +890,9 @@ def capture(
     signature = InputSignature.of(tuple(args), kwargs, model.training)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_params = [_fakeify(fake_mode, p) for p in params.values()]
-    fake_buffers = [_fakeify(fake_mode, b) for b in buffers.values()]
-    fake_inputs = [_fakeify(fake_mode, in_leaves[i]) for i in in_tensor_pos]
+    fake_params = [fakeify(fake_mode, p) for p in params.values()]
+    fake_buffers = [fakeify(fake_mode, b) for b in buffers.values()]
+    fake_inputs = [fakeify(fake_mode, in_leaves[i]) for i in in_tensor_pos]
     for fp, p in zip(fake_params, params.values()):
         fp.requires_grad_(p.requires_grad)
 
@@ -907,7 +910,7 @@ def capture(
     # Pre-pass: one fake forward to learn the output structure, which buffers
     # are mutated, and which outputs alias something.
     flat_fake = tuple(fake_params + fake_buffers + fake_inputs)
-    meta_constants = _MetaConstantsAsCPU(model)
+    meta_constants = MetaConstantsAsCPU(model)
     try:
         with fake_mode, torch.enable_grad(), meta_constants, _reentrant_checkpoints_as_plain_calls():
             probe = call_model(flat_fake)
@@ -956,7 +959,7 @@ def capture(
                 meta_constants,
                 _reentrant_checkpoints_as_plain_calls(),
                 _rnn_dropout_between_layers(),
-                _eager_resampling(),
+                eager_resampling(),
             ):
                 compiled(*flat_fake)
     except _Captured:

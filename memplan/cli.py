@@ -65,14 +65,14 @@ class Target:
 
 
 def _zoo_name(spec: str) -> bool:
-    from memplan import zoo
+    from memplan.models import zoo
 
     base = spec.split(":", 1)[0]
     return base in zoo.names() or base in zoo.aliases()
 
 
 def _known_targets() -> str:
-    from memplan import zoo
+    from memplan.models import zoo
 
     return ", ".join(zoo.names() + list(zoo.aliases()))
 
@@ -80,13 +80,13 @@ def _known_targets() -> str:
 def load_target(spec: str, batch_size: int | None = None) -> Target:
     """Resolve TARGET: a zoo name (``gpt2-small``, ``gpt:small``), ``file.py:factory`` or ``pkg.mod:factory``."""
     import memplan
-    from memplan import zoo
+    from memplan.models import zoo
 
     if _zoo_name(spec):
         try:
             zm = zoo.build(spec, batch_size=batch_size, meta=True)
         except (KeyError, ValueError) as exc:
-            raise CLIError(str(exc).strip("'\""), hint="sizes are listed by `memplan.zoo.sizes(name)`") from None
+            raise CLIError(str(exc).strip("'\""), hint="sizes are listed by `memplan.models.zoo.sizes(name)`") from None
         module = memplan.WithLoss(zm.model, zm.loss_fn)
         return Target(spec, module, tuple(zm.example_inputs), dict(zm.example_kwargs), zm.description)
     if ":" not in spec:
@@ -259,7 +259,7 @@ def _solve_options(args: argparse.Namespace) -> dict:
 
 
 def _fmt(n: float | None) -> str:
-    from memplan.plan import format_bytes
+    from memplan.units import format_bytes
 
     return "-" if n is None else format_bytes(n)
 

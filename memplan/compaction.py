@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from memplan.costs import _storage_key, _tensors
+from memplan.storage import dense_tensors, storage_key
 
 # A copy is worth making when it frees at least as many bytes as it takes.
 MAX_VIEW_FRACTION = 0.5
@@ -51,7 +51,7 @@ def _late_views(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, list[fx.Node
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        for key in {_storage_key(t) for t in _tensors(node.meta.get("val"))}:
+        for key in {storage_key(t) for t in dense_tensors(node.meta.get("val"))}:
             members.setdefault(key, []).append(node)
             owner.setdefault(key, node)
     found = []

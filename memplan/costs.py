@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from memplan.measure import _sparse_parts
+from memplan.storage import dense_tensors, storage_key
+
+if TYPE_CHECKING:
+    from memplan.capture import Capture
 
 
 @dataclass(frozen=True)
@@ -101,23 +105,6 @@ class GraphCosts:
         return sum(v.time for v in self.values.values())
 
 
-def _tensors(val: object) -> list[torch.Tensor]:
-    """The dense tensors holding ``val``'s memory: a sparse tensor stands for its indices and values.
-
-    A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) has no storage of its
-    own; it is built around (and aliases) dense indices and values tensors.
-    """
-    out: list[torch.Tensor] = []
-    for t in pytree.tree_leaves(val):
-        if isinstance(t, torch.Tensor):
-            out.extend(_sparse_parts(t) if t.layout != torch.strided else [t])
-    return out
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
 def _rounded_up(n: int, granularity: int) -> int:
     """``n`` bytes as the allocator hands them out: rounded up to its ``granularity``."""
     return int(math.ceil(n / granularity) * granularity) if granularity > 1 and n else n
@@ -169,7 +156,7 @@ def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
 
 def value_device(node: fx.Node) -> torch.device:
     """The device of a node's (first) tensor value; CPU for nodes without one."""
-    tensors = _tensors(node.meta.get("val"))
+    tensors = dense_tensors(node.meta.get("val"))
     return tensors[0].device if tensors else torch.device("cpu")
 
 
@@ -206,11 +193,11 @@ def annotate(
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
-        tensors = _tensors(node.meta.get("val"))
+        tensors = dense_tensors(node.meta.get("val"))
         keys: list[int] = []
         new_bytes = 0
         for t in tensors:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key in keys:
                 continue
             keys.append(key)
@@ -247,3 +234,12 @@ def annotate(
             is_random=node.op == "call_function" and _is_random(node),
         )
     return GraphCosts(values, storage_bytes, owner_of, profile)
+
+
+def output_bytes(cap: Capture, costs: GraphCosts) -> list[int]:
+    """Bytes of each of a capture's output tensors, by output index, as the cost model counts them."""
+    sizes = [0] * len(cap.user_requires_grad)
+    for info, node in zip(cap.outputs, cap.output_nodes()):
+        if info.kind == "user" and isinstance(node, fx.Node):
+            sizes[info.index] = costs.values[node.name].nbytes
+    return sizes

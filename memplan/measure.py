@@ -76,6 +76,8 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass,
 )
 
+from memplan.storage import sparse_parts
+
 __all__ = [
     "MemoryTracker",
     "OpEvent",
@@ -83,6 +85,7 @@ __all__ = [
     "is_host",
     "mark_host",
     "measure_peak",
+    "storages_of",
     "unmeasured",
 ]
 
@@ -113,30 +116,17 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, _fake_tensor_types()[0])
 
 
-_SPARSE_PARTS = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
+def storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.UntypedStorage]:
+    """Yield the untyped storages backing ``t``; nothing for storage-less tensors.
 
-
-def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """The dense tensors a sparse tensor's memory lives in (indices and values); [] for strided ones.
-
-    A sparse tensor (``nn.Embedding(sparse=True)``'s gradient) has no storage of
-    its own: ``untyped_storage()`` raises. Its memory is its parts' storages.
+    A sparse tensor yields its indices' and values' storages, a wrapper subclass
+    (DTensor, ...) its inner tensors'. A fake tensor raises unless ``allow_fake``
+    (then its fake storage is yielded): fake tensors have no memory to measure.
     """
-    names = _SPARSE_PARTS.get(t.layout, ())
-    return [getattr(t, name)() for name in names]
-
-
-def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.UntypedStorage]:
-    """Yield the untyped storages backing ``t``; nothing for storage-less tensors."""
-    if t.layout != torch.strided and t.layout in _SPARSE_PARTS:
-        for part in _sparse_parts(t):
-            yield from _storages_of(part, allow_fake)
+    parts = sparse_parts(t) if t.layout != torch.strided else []
+    if parts:
+        for part in parts:
+            yield from storages_of(part, allow_fake)
         return
     if type(t) not in _PLAIN_TENSOR_TYPES:
         fake_tensor, _ = _fake_tensor_types()
@@ -152,7 +142,7 @@ def _storages_of(t: torch.Tensor, allow_fake: bool = False) -> Iterator[torch.Un
             for attr in attrs:
                 inner = getattr(t, attr)
                 if isinstance(inner, torch.Tensor):
-                    yield from _storages_of(inner, allow_fake)
+                    yield from storages_of(inner, allow_fake)
             return
     try:
         yield t.untyped_storage()
@@ -197,13 +187,13 @@ def _host_depth() -> int:
 def mark_host(*tensors: torch.Tensor) -> None:
     """Mark the storages of ``tensors`` as host memory: no tracker counts them."""
     for t in tensors:
-        for st in _storages_of(t):
+        for st in storages_of(t):
             _mark_storage_host(st)
 
 
 def is_host(t: torch.Tensor) -> bool:
     """Whether ``t``'s storage is marked as host memory."""
-    return any(id(st) in _HOST for st in _storages_of(t))
+    return any(id(st) in _HOST for st in storages_of(t))
 
 
 def _fresh_outputs(args: Any, kwargs: dict, out: Any) -> Iterator[torch.UntypedStorage]:
@@ -212,9 +202,9 @@ def _fresh_outputs(args: Any, kwargs: dict, out: Any) -> Iterator[torch.UntypedS
     Fake storages are let through (marking one is harmless): this runs inside a
     dispatch callback, where raising can abort the process.
     """
-    inputs = {id(st) for t in _tensors_in((args, kwargs), []) for st in _storages_of(t, allow_fake=True)}
+    inputs = {id(st) for t in _tensors_in((args, kwargs), []) for st in storages_of(t, allow_fake=True)}
     for t in _tensors_in(out, []):
-        for st in _storages_of(t, allow_fake=True):
+        for st in storages_of(t, allow_fake=True):
             if id(st) not in inputs:
                 yield st
 
@@ -437,7 +427,7 @@ class MemoryTracker(TorchDispatchMode):
             if type(obj) in _PLAIN_TENSOR_TYPES:
                 if obj.layout != torch.strided:
                     # Sparse: counted through its indices and values; nested and others: skipped.
-                    self._see_all(_sparse_parts(obj), resident)
+                    self._see_all(sparse_parts(obj), resident)
                     continue
                 try:
                     st = obj.untyped_storage()
@@ -456,7 +446,7 @@ class MemoryTracker(TorchDispatchMode):
                 if not self.allow_fake and _is_fake(obj):
                     self._saw_fake = True
                     continue
-                for st in _storages_of(obj, self.allow_fake):
+                for st in storages_of(obj, self.allow_fake):
                     rec = records.get(id(st))
                     if rec is None:
                         self._add(st, resident)

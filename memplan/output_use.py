@@ -34,14 +34,9 @@ runtime keeps no reference to it that the plan does not count.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-
-if TYPE_CHECKING:  # capture imports this module
-    from memplan.capture import Capture
-    from memplan.costs import GraphCosts
 
 
 @dataclass(frozen=True)
@@ -75,15 +70,6 @@ _ADD = torch.ops.aten.add.Tensor
 # What learning how a step uses the outputs must be worth before memplan plans again: the
 # bytes of the outputs concerned, as a fraction of the peak of the plan in use.
 REPLAN_FRACTION = 0.01
-
-
-def output_bytes(cap: Capture, costs: GraphCosts) -> list[int]:
-    """Bytes of each of a capture's output tensors, by output index, as the cost model counts them."""
-    sizes = [0] * len(cap.user_requires_grad)
-    for info, node in zip(cap.outputs, cap.output_nodes()):
-        if info.kind == "user" and isinstance(node, fx.Node):
-            sizes[info.index] = costs.values[node.name].nbytes
-    return sizes
 
 
 def add_if_given(tangent: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:

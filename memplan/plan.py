@@ -8,23 +8,25 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import torch
 
 import solvers
-from solvers.plan import tighten_frees
+from solvers.core.sequence import tighten_frees
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
 from memplan.output_use import OutputUse
+from memplan.planformat import plan_record, record_to_json
 from memplan.problem import BACKWARD, is_reference
 from memplan.runtime import Program, build_program
+from memplan.units import format_bytes
 
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
-    (`solvers.bounds.min_budget`: a search, not a proof; a plan between the two may exist).
+    (`solvers.strategies.min_budget.min_budget`: a search, not a proof; a plan between the two may exist).
     ``addend_only_outputs``: the graph's outputs whose gradient is an addend only
     (`Capture.addend_only_outputs`), which a plan could do without (`memplan.output_use`)."""
 
@@ -43,13 +45,6 @@ class InfeasibleBudgetError(ValueError):
             f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
         )
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -110,11 +105,9 @@ class Plan:
             return None
         return max(0.0, 1.0 - self.lower_bound / self.predicted_time)
 
-    def save(self, path: str) -> None:
+    def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
-        from memplan.planio import save_plan
-
-        save_plan(self, path)
+        Path(path).write_text(record_to_json(plan_record(self)))
 
     def report(self) -> str:
         a = self.analysis
@@ -263,7 +256,7 @@ def plan_from_schedule(
     """A :class:`Plan` for a schedule, validated against the analysis' Problem under ``budget``.
 
     Peak and time come from the simulator, never from whoever made the schedule.
-    Frees are first moved to the last reads (`solvers.plan.tighten_frees`), where the runtime
+    Frees are first moved to the last reads (`solvers.core.sequence.tighten_frees`), where the runtime
     frees whatever the schedule says, so that the prediction describes the step that runs.
     Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
     """

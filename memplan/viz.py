@@ -30,8 +30,9 @@ import numpy as np
 import solvers
 from memplan.analysis import Analysis
 from memplan.capture import module_path
-from memplan.plan import InfeasibleBudgetError, Plan, format_bytes, problem_for, solve_plan
+from memplan.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
 from memplan.problem import BACKWARD, is_reference
+from memplan.units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -7,7 +7,8 @@ import gc
 import torch
 import torch.nn as nn
 
-from memplan import WithLoss, zoo
+from memplan import WithLoss
+from memplan.models import zoo
 
 
 # Batch sizes at which activations, not parameters, dominate each tiny model's

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,14 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan import zoo
 from memplan.capture import capture
 from memplan.costs import annotate
-from memplan.problem import BACKWARD, lower
+from memplan.models import zoo
+from memplan.problem import lower
 
 from memplan import WithLoss
 
-from .helpers import DataDependent, assert_same_step, build_step, clear_grads
+from .helpers import DataDependent, assert_same_step, clear_grads
 
 
 def _grad_names(cap):
@@ -280,7 +279,8 @@ def test_gpt_1p3b_meta_capture_fits_in_2gb():
     code = textwrap.dedent(
         """
         import json, resource, time, torch
-        from memplan import zoo, analyze
+        from memplan import analyze
+        from memplan.models import zoo
         t0 = time.perf_counter()
         zm = zoo.build("gpt-1.3b", meta=True)
         a = analyze(zm.model, tuple(zm.example_inputs))

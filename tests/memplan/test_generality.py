@@ -466,7 +466,7 @@ def test_two_threads_tracing_at_once_both_trace_interpolation_as_eager_runs_it()
     # kernels set aside (before, A put them back under B's trace), and both leave torch as it was.
     import threading
 
-    from memplan.capture import _eager_resampling
+    from memplan.capture import eager_resampling
 
     kernels = torch.ops.aten.upsample_bilinear2d.vec.py_kernels
     before = dict(kernels)
@@ -474,14 +474,14 @@ def test_two_threads_tracing_at_once_both_trace_interpolation_as_eager_runs_it()
     seen_by_b = []
 
     def a():
-        with _eager_resampling():
+        with eager_resampling():
             a_in.set()
             b_in.wait(10)
         a_out.set()
 
     def b():
         a_in.wait(10)
-        with _eager_resampling():
+        with eager_resampling():
             b_in.set()
             a_out.wait(10)
             seen_by_b.append({str(key) for key in kernels})

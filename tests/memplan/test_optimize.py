@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import memplan
-from memplan import zoo
+from memplan.models import zoo
 
 from .helpers import DataDependent, assert_measured_peak, assert_same_step, build_step, clear_grads
 

@@ -9,8 +9,9 @@ import torch.nn as nn
 
 import memplan
 import solvers
-from memplan import zoo
-from memplan.planio import SavedPlan, graph_signature, input_signature
+from memplan.models import zoo
+from memplan.planformat import graph_signature, input_signature
+from memplan.planio import SavedPlan
 
 from .helpers import build_step, clear_grads, twin
 

@@ -1,15 +1,14 @@
-"""Tests for memplan.zoo: every model trains at tiny size; big ones build on meta."""
+"""Tests for memplan.models.zoo: every model trains at tiny size; big ones build on meta."""
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
 
-from memplan import zoo
 from memplan.measure import MemoryTracker
+from memplan.models import zoo
 
 
 @pytest.mark.parametrize("name", zoo.names())

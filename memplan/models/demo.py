@@ -1,6 +1,6 @@
 """``make demo``: plan the built-in default model well under its eager peak, run it, measure it.
 
-Run as ``python -m memplan.demo [--model gpt] [--size small] [--fraction 0.5]``.
+Run as ``python -m memplan.models.demo [--model gpt] [--size small] [--fraction 0.5]``.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 import memplan
-from memplan import zoo
 from memplan.measure import measure_peak
-from memplan.plan import format_bytes
+from memplan.models import zoo
+from memplan.units import format_bytes
 
 
 def _step(module, args, kwargs):

@@ -1,0 +1,259 @@
+"""The import layering of the project's packages, read off the source with ``ast``.
+
+* no import cycles among a package's modules, imports inside functions
+  included (a lazy import is still an edge); imports under
+  ``if TYPE_CHECKING:`` are left out, they never run;
+* no module imports another module's private (``_underscore``) names;
+* ``solvers`` imports only downward through its layers (`SOLVERS_LAYERS`),
+  and never imports torch.
+
+Nothing is imported: the test parses files, so it runs in milliseconds and
+does not depend on the packages importing cleanly.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ["memplan", "solvers"]
+
+# solvers' subpackages, lowest first: a module may import from its own layer and the ones before it.
+SOLVERS_LAYERS = [
+    "solvers.core",
+    "solvers.methods",
+    "solvers.transforms",
+    "solvers.strategies",
+    "solvers.registry",
+    "solvers.api",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Reading the imports
+# --------------------------------------------------------------------------- #
+
+
+def package_modules(package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under ``package`` (a package is its ``__init__``)."""
+    modules = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere in the file (functions included),
+    except the body of an ``if TYPE_CHECKING:`` (its ``else`` does run)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _base_of(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` reads from (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module if is_package else module.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def _owner(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module ``name`` lives in: itself, or the closest enclosing package module."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def parsed_imports(package: str) -> dict[str, list[tuple[str, str | None]]]:
+    """Per module: (absolute imported module, name taken from it or None for ``import x``),
+    for every runtime import, inside and outside the project."""
+    modules = package_modules(package)
+    out: dict[str, list[tuple[str, str | None]]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        entries: list[tuple[str, str | None]] = []
+        for node in _runtime_imports(tree):
+            if isinstance(node, ast.Import):
+                entries.extend((alias.name, None) for alias in node.names)
+            else:
+                base = _base_of(node, module, path.name == "__init__.py")
+                entries.extend((base, alias.name) for alias in node.names)
+        out[module] = entries
+    return out
+
+
+def project_imports(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports at run time (lazy imports included).
+
+    ``from pkg import sub`` counts as importing the submodule ``pkg.sub`` when there is one,
+    else the package ``pkg``; a module's import of itself is left out.
+    """
+    modules = package_modules(package)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, entries in parsed_imports(package).items():
+        for base, name in entries:
+            target = None
+            if name is not None and f"{base}.{name}" in modules:
+                target = f"{base}.{name}"
+            elif base == package or base.startswith(package + "."):
+                target = _owner(base, modules)
+            if target is not None and target != module:
+                graph[module].add(target)
+    return graph
+
+
+def import_cycles(imports: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (each one holds a cycle), sorted."""
+    g = nx.DiGraph([(a, b) for a, targets in imports.items() for b in targets])
+    g.add_nodes_from(imports)
+    return sorted(sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1)
+
+
+def private_imports(package: str) -> list[str]:
+    """``importer: from X import _name`` for every private name a module takes from another
+    module of ``package`` (dunder names such as ``__version__`` are public)."""
+    modules = package_modules(package)
+    bad = []
+    for module, entries in parsed_imports(package).items():
+        for base, name in entries:
+            if name is None or not name.startswith("_") or name.startswith("__"):
+                continue
+            owner = _owner(base, modules) if base.split(".")[0] == package else None
+            if owner is not None and owner != module:
+                bad.append(f"{module}: from {base} import {name}")
+    return bad
+
+
+def layer_of(module: str, layers: list[str]) -> int | None:
+    """Index of the layer (a module-name prefix) ``module`` belongs to; None if in none."""
+    for i, prefix in enumerate(layers):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    return None
+
+
+def layer_violations(imports: dict[str, set[str]], layers: list[str]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import from a lower layer into a higher one.
+
+    ``layers``: module-name prefixes, lowest first. Modules in no layer (the package's
+    ``__init__``) are not checked; importing within a layer or downward is fine.
+    """
+    bad = []
+    for importer, targets in sorted(imports.items()):
+        low = layer_of(importer, layers)
+        if low is None:
+            continue
+        for target in sorted(targets):
+            high = layer_of(target, layers)
+            if high is not None and high > low:
+                bad.append((importer, target))
+    return bad
+
+
+# --------------------------------------------------------------------------- #
+# The rules
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycles(package):
+    cycles = import_cycles(project_imports(package))
+    assert not cycles, f"import cycles in {package} (lazy imports included): {cycles}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_names_across_modules(package):
+    bad = private_imports(package)
+    assert not bad, "private names imported from another module:\n" + "\n".join(bad)
+
+
+def test_solvers_layers_import_only_downward():
+    imports = project_imports("solvers")
+    placed = {layer: [m for m in imports if layer_of(m, [layer]) == 0] for layer in SOLVERS_LAYERS}
+    assert all(placed.values()), f"layers with no module: {[k for k, v in placed.items() if not v]}"
+    bad = layer_violations(imports, SOLVERS_LAYERS)
+    assert not bad, "upward imports in solvers:\n" + "\n".join(f"{a} -> {b}" for a, b in bad)
+
+
+def test_solvers_never_imports_torch():
+    bad = sorted(
+        module
+        for module, entries in parsed_imports("solvers").items()
+        for base, _ in entries
+        if base.split(".")[0] in ("torch", "memplan")
+    )
+    assert not bad, f"solvers modules that import torch (or memplan): {bad}"
+
+
+# --------------------------------------------------------------------------- #
+# The readers themselves, on made-up graphs
+# --------------------------------------------------------------------------- #
+
+
+def test_import_cycles_finds_lazy_and_long_cycles():
+    assert import_cycles({"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}) == [["p.a", "p.b", "p.c"]]
+    assert import_cycles({"p.a": {"p.b"}, "p.b": set()}) == []
+
+
+def test_layer_violations_reports_upward_imports_only():
+    layers = ["s.core", "s.methods", "s.api"]
+    imports = {
+        "s.core.x": {"s.core.y", "s.methods.m"},  # the second is upward
+        "s.methods.m": {"s.core.x"},
+        "s.api": {"s.methods.m", "s.core.y"},
+        "s": {"s.api"},  # in no layer: not checked
+    }
+    assert layer_violations(imports, layers) == [("s.core.x", "s.methods.m")]
+
+
+def test_project_imports_resolves_relative_and_submodule_forms(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import b\n"
+        "if TYPE_CHECKING:\n    from pkg.sub import c\n"
+        "def f():\n    from .sub.c import _g\n"
+    )
+    (pkg / "b.py").write_text("import pkg.sub\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import a\nfrom ..b import x\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert project_imports("pkg") == {
+        "pkg": {"pkg.a"},
+        "pkg.a": {"pkg.b", "pkg.sub.c"},
+        "pkg.b": {"pkg.sub"},
+        "pkg.sub": set(),
+        "pkg.sub.c": {"pkg.a", "pkg.b"},
+    }
+    assert private_imports("pkg") == ["pkg.a: from pkg.sub.c import _g"]
+    assert import_cycles(project_imports("pkg")) == [["pkg.a", "pkg.sub.c"]]
