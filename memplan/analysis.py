@@ -15,13 +15,15 @@ Two predictions, both on fake tensors (nothing allocated):
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import solvers
+from solvers.core.solution import finish
 from memplan.capture import (
     Capture,
     MetaConstantsAsCPU,
@@ -32,8 +34,9 @@ from memplan.capture import (
     swapped_state,
 )
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
+from memplan.optimizer import ParamUpdate
 from memplan.output_use import OutputUse
-from memplan.problem import BACKWARD, Lowered, lower
+from memplan.problem import BACKWARD, Lowered, lower, updated_after_reads
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Analysis:
     costs: GraphCosts = field(repr=False)
     lowered: Lowered = field(repr=False)
     store_all: "solvers.Solution" = field(repr=False)
+    optimizer_state_bytes: int = 0  # state the optimizer keeps for the parameters it updates in the step
 
     @property
     def graph_peak(self) -> int:
@@ -162,9 +166,12 @@ def replay_eager_peak_of(cap: Capture, model: torch.nn.Module, args: tuple, kwar
 
 
 def analyze_capture(
-    cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None
+    cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None,
+    updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False,
 ) -> Analysis:
-    """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there."""
+    """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
+    ``updates``: the optimizer updates the step applies (`memplan.optimizer`), as soon as each
+    gradient is final or, with ``updates_after_backward``, once all are."""
     measured = None
     if measure_on is not None:
         from memplan.profiling import measure_op_times
@@ -173,8 +180,11 @@ def analyze_capture(
         aliases = {name for name, v in estimate.values.items() if v.alias_of is not None}
         measured = measure_op_times(cap.graph_module, measure_on, skip=aliases)
     costs = annotate(cap.graph_module, profile, measured)
-    low = lower(cap, costs)
+    low = lower(cap, costs, updates=updates, updates_after_backward=updates_after_backward)
     store_all = solvers.solve(low.problem, method="store_all")
+    if low.updates:  # the Problem's order may update a parameter before its last read
+        store_all = finish(low.problem, updated_after_reads(low, low.problem, store_all.schedule), "store_all",
+                           time.perf_counter())
 
     def kind_bytes(kind: str) -> int:
         names = [n.name for n, p in zip(cap.placeholders(), cap.primals) if p.kind == kind]
@@ -194,6 +204,7 @@ def analyze_capture(
         costs=costs,
         lowered=low,
         store_all=store_all,
+        optimizer_state_bytes=sum(u.state_bytes for u in updates),
     )
 
 

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
+from memplan.optimizer import check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
 from memplan.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
@@ -103,12 +104,20 @@ class OptimizedModule(nn.Module):
         **options: Any,
     ):
         super().__init__()
-        unknown = set(options) - {"offload", "profile", "plan"}
+        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
         saved = options.pop("plan", None)
         self.saved_plan = as_saved(saved) if saved is not None else None
+        # optimizer=opt: the step applies opt's updates in backward, its state in the budget.
+        self.optimizer = options.pop("optimizer", None)
+        self.track_grad_norm = bool(options.pop("grad_norm", False))
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, model)
+            if self.saved_plan is not None:
+                raise ValueError("memplan.optimize: a saved plan (plan=) cannot be combined with optimizer= yet; "
+                                 "plan the step with the optimizer instead")
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -160,6 +169,15 @@ class OptimizedModule(nn.Module):
         if self._last_signature is None:
             raise RuntimeError("no plan yet: call the module once, or pass example_inputs to memplan.optimize")
         return self._plans[self._last_signature][0]
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """L2 norm of the gradients the optimizer applied in the last step (``optimize(..., optimizer=opt,
+        grad_norm=True)``; None otherwise, or before the first step)."""
+        if self._last_signature is None:
+            return None
+        updater = self._plans[self._last_signature][1].updater
+        return updater.grad_norm if updater is not None else None
 
     @property
     def plans(self) -> dict[InputSignature, Plan]:
@@ -303,6 +321,8 @@ class OptimizedModule(nn.Module):
             measure_on=measure_on,
             offload=offload,
             output_use=use,
+            optimizer=self.optimizer,
+            grad_norm=self.track_grad_norm,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -229,10 +229,15 @@ class Progress:
                 self.console.print(f"[dim]{text}: {self.times[key]:.1f} s{outcome}[/]", highlight=False)
 
 
-def analyze_target(target: Target, progress: Progress, device_profile: str | None):
+# --optimizer NAME: the optimizer of the whole step, with torch's default hyperparameters.
+OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.01, "momentum": 0.9}), "adam": ("Adam", {}), "adamw": ("AdamW", {})}
+
+
+def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None):
     from memplan.analysis import analyze_capture, replay_eager_peak
     from memplan.capture import capture
     from memplan.costs import get_profile
+    from memplan.optimizer import learn_updates
 
     import torch
 
@@ -245,8 +250,14 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         cap = capture(target.module, target.args, target.kwargs)
     with progress.stage("eager", "replaying the eager step on fake tensors"):
         eager = replay_eager_peak(target.module, target.args, target.kwargs)
+    updates = []
+    if optimizer is not None:
+        cls_name, hyper = OPTIMIZERS[optimizer]
+        opt = getattr(torch.optim, cls_name)(target.module.parameters(), **hyper)
+        with progress.stage("optimizer", f"learning what {cls_name} keeps and allocates"):
+            updates = learn_updates(opt, target.module, [p.name for p in cap.primals], profile)
     with progress.stage("analyze", "costing and lowering the joint graph"):
-        return analyze_capture(cap, profile, eager)
+        return analyze_capture(cap, profile, eager, updates=updates)
 
 
 def _solve_options(args: argparse.Namespace) -> dict:
@@ -319,6 +330,7 @@ def report_data(target: Target, plan, progress: Progress, depth: int) -> dict:
         "summary": {
             "aten_ops": a.num_nodes,
             "param_bytes": a.param_bytes,
+            "optimizer_state_bytes": a.optimizer_state_bytes,
             "eager_peak": a.eager_peak,
             "store_all_peak": plan.store_all_peak,
             "budget": plan.budget,
@@ -354,6 +366,9 @@ def print_report(console, target: Target, plan, data: dict, top: int) -> None:
     summary.add_row("model", target.description)
     summary.add_row("joint graph", f"{s['aten_ops']} ATen ops (forward + backward), device profile {s['device_profile']}")
     summary.add_row("parameters", _fmt(s["param_bytes"]))
+    if s["optimizer_state_bytes"]:
+        summary.add_row("optimizer state", f"{_fmt(s['optimizer_state_bytes'])} on the device; each update runs in "
+                                           "backward, its gradient freed as applied")
     summary.add_row("eager peak", f"{_fmt(s['eager_peak'])} (eager autograd, replayed on fake tensors); "
                                   f"{_fmt(s['store_all_peak'])} keeping every value of the joint graph")
     summary.add_row("budget", _fmt(s["budget"]))
@@ -416,7 +431,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
-    analysis = analyze_target(target, progress, args.device_profile)
+    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
     budget = parse_budget_arg(args.budget, analysis.eager_peak,
                               lambda: _min_budget(analysis, progress, options["offload"]))
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
@@ -463,7 +478,7 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
-    analysis = analyze_target(target, progress, args.device_profile)
+    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
     find_min = functools.lru_cache(maxsize=1)(lambda: _min_budget(analysis, progress, options["offload"]))
     budgets = [(label, parse_budget_arg(label, analysis.eager_peak, find_min)) for label in labels]
     with progress.stage("solve", f"solving {len(budgets)} budgets with {args.solver}"):
@@ -527,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device-profile", default=None, help="cost model: cpu, a100, h100, h200 (default: the model's device)")
         p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                        help="allow offloading activations to host memory")
+        p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
+                       help="plan the whole step: this optimizer's state and update in the budget (torch defaults)")
         p.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
         p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
         p.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -17,9 +17,10 @@ from solvers.core.sequence import tighten_frees
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
+from memplan.optimizer import UpdateRunner, learn_updates
 from memplan.output_use import OutputUse
 from memplan.planformat import plan_record, record_to_json
-from memplan.problem import BACKWARD, is_reference
+from memplan.problem import BACKWARD, is_reference, updated_after_reads
 from memplan.runtime import Program, build_program
 from memplan.units import format_bytes
 
@@ -130,6 +131,12 @@ class Plan:
             f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
             f"({format_bytes(offloaded)})",
         ]
+        if a.lowered.updates:
+            when = ("once every gradient is final" if a.lowered.updates_after_backward
+                    else "as soon as its gradient is final and its last read done")
+            lines.append(f"  optimizer        {len(a.lowered.updates)} parameters updated in backward, each {when}, "
+                         f"its gradient freed; {format_bytes(a.optimizer_state_bytes)} of optimizer state on the "
+                         "device, in the budget")
         if a.capture.output_use:
             lines.append(f"  outputs          {a.capture.output_use.describe()} (seen at an earlier backward, "
                          "or assumed where only such a plan fits)")
@@ -199,17 +206,48 @@ def make_plan(
     measure_on: torch.device | None = None,
     offload: bool = False,
     output_use: OutputUse = OutputUse(),
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: bool = False,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
     ``measure_on``: time every op on that device instead of using the roofline.
     ``offload``: let the plan page values to host memory over the profile's host link.
     ``output_use``: what the step is known to do with the outputs (:mod:`memplan.output_use`).
+    ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
+    in the budget (:mod:`memplan.optimizer`); ``grad_norm``: keep the norm of the gradients it applies.
     """
     cap = capture(model, args, kwargs, output_use=output_use)
-    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on)
-    plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
-    return plan, build_program(cap, analysis.lowered, plan.schedule)
+    primal_names = [p.name for p in cap.primals]
+    updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
+    eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
+    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates)
+    try:
+        plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
+    except (solvers.ScheduleError, InfeasibleBudgetError) as first:
+        if not updates:
+            raise
+        # Updates as soon as each gradient is final (moved after their parameters' last reads) did
+        # not fit: their temporaries come while activations are alive. Every update after
+        # backward instead, the gradients held to its end, as optimizer.step() after backward().
+        analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward=True)
+        try:
+            plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
+        except InfeasibleBudgetError as second:
+            if isinstance(first, InfeasibleBudgetError) and first.min_budget < second.min_budget:
+                raise first from None
+            raise
+    return plan, build_program(cap, analysis.lowered, plan.schedule,
+                                     update_runner(analysis, model, optimizer, grad_norm))
+
+
+def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  grad_norm: bool = False) -> UpdateRunner | None:
+    """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
+    if optimizer is None or not analysis.lowered.updates:
+        return None
+    params = dict(model.named_parameters())
+    return UpdateRunner(optimizer, [params[name] for _, _, name in analysis.lowered.updates], grad_norm)
 
 
 def host_bandwidth(analysis: Analysis) -> float:
@@ -237,8 +275,10 @@ def solve_plan(
     except solvers.Infeasible as exc:
         raise InfeasibleBudgetError(budget, int(exc.min_budget),
                                     addend_only_outputs=analysis.capture.addend_only_outputs) from None
+    # An optimizer update overwrites its parameter: none may run before the parameter's last read.
+    schedule = updated_after_reads(analysis.lowered, problem, sol.schedule)
     return plan_from_schedule(
-        analysis, budget, sol.schedule, method=sol.method, status=sol.status,
+        analysis, budget, schedule, method=sol.method, status=sol.status,
         lower_bound=sol.lower_bound, solve_time=time.perf_counter() - start,
     )
 

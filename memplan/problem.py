@@ -33,13 +33,16 @@ Views and getitems alias their input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import networkx as nx
 import torch.fx as fx
 
 import solvers
+from solvers.transforms.ordering import after_last_reads
 from memplan.capture import Capture
 from memplan.costs import GraphCosts, value_device
+from memplan.optimizer import GRADS_FINAL, STATE_PREFIX, UPDATE_PREFIX, UPDATED_SUFFIX, ParamUpdate
 
 BACKWARD = "__backward__"
 START = "__start__"
@@ -66,6 +69,10 @@ class Lowered:
     tangents: list[str]  # tangent placeholder names, in order
     sources: list[str]  # primal placeholder names, in order
     rng_of: dict[str, str]  # random op -> the Problem node of its generator state
+    # Per parameter the optimizer updates (`memplan.optimizer`): (its update node, the gradient that
+    # update applies, the parameter's name in the model); an update's slot is its position here.
+    updates: list[tuple[str, str, str]] = field(default_factory=list)
+    updates_after_backward: bool = False  # every update waits for all gradients (else each for its own)
 
     host_variants: dict[float, "solvers.Problem"] = field(default_factory=dict, repr=False)
 
@@ -128,8 +135,11 @@ def _reads_overwritten(node: fx.Node, costs: GraphCosts, overwritten: set[int]) 
     return any(overwritten.intersection(costs.values[i.name].storages) for i in node.all_input_nodes)
 
 
-def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered:
-    """Build the Problem for ``cap`` with the per-value costs in ``costs``."""
+def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
+          updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False) -> Lowered:
+    """Build the Problem for ``cap`` with the per-value costs in ``costs``; ``updates``: the
+    optimizer updates the step applies (`memplan.optimizer`), with the state they keep, each
+    as soon as its gradient is final or, with ``updates_after_backward``, once all are."""
     gm = cap.graph_module
     out_nodes = cap.output_nodes()
     placeholders = cap.placeholders()
@@ -246,6 +256,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
             G.add_edge(name + RETURNED_SUFFIX, BACKWARD)
     for t in tangent_nodes:
         fx_map[t.name] = t
+    G, update_nodes = _add_updates(G, cap, primal_nodes, updates, updates_after_backward)
     # Bookkeeping values (the backward barrier, generator states) have no tensor the runtime could copy.
     for name in G.nodes:
         if name not in fx_map:
@@ -258,7 +269,69 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None) -> Lowered
         tangents=[t.name for t in tangent_nodes],
         sources=[n.name for n in primal_nodes],
         rng_of=rng_of,
+        updates=update_nodes,
+        updates_after_backward=updates_after_backward,
     )
+
+
+def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updates: Sequence[ParamUpdate],
+                 after_backward: bool) -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
+    """``G`` with the optimizer's state and updates; and (update node, gradient, parameter name)
+    per update.
+
+    The state is a source (resident all step, as across steps). An update reads its gradient,
+    the parameter and the state; its value is the temporaries it allocates, read at once by a
+    zero-byte sink so that every update runs. An update overwrites its parameter, which no
+    computation may read after it. With ``after_backward`` every update waits for
+    ``GRADS_FINAL``, which reads every sink of the step, so nothing can. Otherwise each update
+    comes right after its gradient in the Problem's order, and `updated_after_reads` moves the
+    ones a schedule places too early.
+    """
+    if not updates:
+        return G, []
+    grad_of = {info.index: node.name for info, node in zip(cap.outputs, cap.output_nodes())
+               if info.kind == "grad" and isinstance(node, fx.Node)}
+    if after_backward:
+        sinks = [v for v in G.nodes if G.out_degree(v) == 0 and G.in_degree(v) > 0]
+        G.add_node(GRADS_FINAL, mem=0, cost=0.0, recomputable=False)
+        G.add_edges_from((v, GRADS_FINAL) for v in sinks)
+    out: list[tuple[str, str, str]] = []
+    follows: dict[str, list[str]] = {}  # gradient -> the update and sink that follow it in the order
+    for u in updates:
+        grad = grad_of.get(u.primal)
+        if grad is None:
+            continue  # no gradient reaches this parameter: eager's optimizer skips it too
+        param = primal_nodes[u.primal].name
+        state, update = STATE_PREFIX + param, UPDATE_PREFIX + param
+        G.add_node(state, mem=u.state_bytes, cost=0.0, recomputable=False)
+        G.add_node(update, mem=u.temp_bytes, cost=u.time, recomputable=False)
+        G.add_edges_from([(grad, update), (param, update), (state, update)])
+        if after_backward:
+            G.add_edge(GRADS_FINAL, update)
+        G.add_node(update + UPDATED_SUFFIX, mem=0, cost=0.0, recomputable=False)
+        G.add_edge(update, update + UPDATED_SUFFIX)
+        follows.setdefault(grad, []).extend([update, update + UPDATED_SUFFIX])
+        out.append((update, grad, u.name))
+    if after_backward:
+        return G, out
+    # The Problem's order is G's insertion order: the states first, with the other sources (the
+    # coarsening takes every source to come before what reads it), each update right after its gradient.
+    states = [v for v in G.nodes if v.startswith(STATE_PREFIX)]
+    moved = set(states).union(*follows.values())
+    order = states + [w for v in G.nodes if v not in moved for w in (v, *follows.get(v, ()))]
+    H = nx.DiGraph()
+    H.add_nodes_from((v, G.nodes[v]) for v in order)
+    H.add_edges_from(G.edges)
+    return H, out
+
+
+def updated_after_reads(low: Lowered, problem: "solvers.Problem", schedule: "solvers.Schedule") -> "solvers.Schedule":
+    """``schedule`` with each optimizer update moved after the last computation that reads its
+    parameter (`solvers.transforms.ordering`): the update overwrites the parameter in place."""
+    if not low.updates:
+        return schedule
+    writes = {update: update[len(UPDATE_PREFIX):] for update, _, _ in low.updates}
+    return after_last_reads(problem, schedule, writes)
 
 
 def _unbounded(G: nx.DiGraph) -> int:

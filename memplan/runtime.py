@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 import solvers
 from memplan.capture import Capture
 from memplan.costs import value_device
+from memplan.optimizer import UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
 
 
@@ -72,6 +73,10 @@ class Program:
     # Called at each backward with the user outputs (indices) that got no gradient and those
     # the caller no longer held: how memplan.api learns how the step uses the outputs.
     observer: Callable[[frozenset[int], frozenset[int]], None] | None = None
+    # The optimizer updates backward applies (memplan.optimizer): the runner the backward segment
+    # calls, and per update slot the tangent indices its gradient depends on (as grad_tangents).
+    updater: UpdateRunner | None = None
+    update_tangents: list[frozenset[int]] = field(default_factory=list)
 
 
 HOST_PREFIX = "host:"
@@ -215,6 +220,7 @@ def _build_segment(
     outputs: list[str],
     constants: torch.nn.Module,
     computed: set[str],
+    updater: UpdateRunner | None = None,
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
@@ -236,6 +242,9 @@ def _build_segment(
     graph.call_function(_clear_box, (box,))
 
     arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
+    update_slot = {update: (slot, grad) for slot, (update, grad, _) in enumerate(low.updates)}
+    if update_slot and updater is not None:
+        root.updater = updater
 
     def value(name: str) -> fx.Node:
         if name in arriving:  # the first read waits for the copy
@@ -259,6 +268,10 @@ def _build_segment(
                 env.pop(name, None)
                 arriving[name] = graph.call_function(prefetch, (env[host_name(name)],),
                                                      name=_identifier(f"arriving_{name}"))
+            continue
+        if op == "compute" and name in update_slot:
+            slot, grad = update_slot[name]
+            graph.call_module("updater", (slot, value(grad)))
             continue
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
@@ -287,7 +300,10 @@ def _identifier(name: str) -> str:
 
 def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
+    grad_of_update = {update: grad for update, grad, _ in low.updates}
     for op, name in steps:
+        if op == "compute" and name in grad_of_update:
+            reads.add(grad_of_update[name])
         if op == "prefetch":
             reads.add(host_name(name))
         elif op == "offload":
@@ -299,9 +315,14 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     return reads
 
 
-def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Program:
-    """Turn a validated schedule into a :class:`Program`."""
+def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
+                  updater: UpdateRunner | None = None) -> Program:
+    """Turn a validated schedule into a :class:`Program`; ``updater`` applies the optimizer
+    updates of ``low`` (`memplan.optimizer`) where the schedule computes them."""
     fw_steps, bw_steps = _split(schedule)
+    if low.updates and updater is None:
+        raise ValueError("memplan runtime: the plan updates parameters, but no UpdateRunner was given")
+    _check_no_read_after_update(low, bw_steps)
     out_nodes = cap.output_nodes()
     user_outputs: list[str] = []
     buffer_updates: list[tuple[int, str]] = []
@@ -314,6 +335,8 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
             buffer_updates.append((info.index, name))
         elif info.kind == "grad":
             grad_outputs[info.index] = name
+    applied = {grad for _, grad, _ in low.updates}  # gradients backward applies instead of returning
+    grad_outputs = [None if g in applied else g for g in grad_outputs]
 
     # Resident at the cut: computed in forward and not freed there.
     resident: dict[str, None] = dict.fromkeys(low.sources)
@@ -324,7 +347,7 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
             resident.pop(name, None)
         elif op == "offload":
             resident[host_name(name)] = None  # host copies are never freed within the step
-    bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None}
+    bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None} | applied
     computed: set[str] = set()
     # A generator state exists once its op has run; one whose op first runs in backward is made there.
     rng_made_in_forward = {low.rng_of[name] for op, name in fw_steps if op == "compute" and name in low.rng_of}
@@ -340,15 +363,32 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule) -> Pro
     constants = cap.graph_module
     forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed)
     bw_outputs = [g for g in grad_outputs if g is not None]
-    backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed)
+    backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
     tangents_for_user = [tangent_of_output.get(j) for j in user_joint_index]
     grad_tangents = tangents_reaching(cap.graph_module, low.tangents, bw_outputs)
     optional = frozenset(tangents_for_user[i] for i in cap.output_use.no_grad)
+    update_tangents = tangents_reaching(cap.graph_module, low.tangents, [grad for _, grad, _ in low.updates])
     return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
-                   grad_tangents, optional)
+                   grad_tangents, optional, updater=updater if low.updates else None, update_tangents=update_tangents)
+
+
+def _check_no_read_after_update(low: Lowered, bw_steps: list[tuple[str, str]]) -> None:
+    """An update overwrites its parameter in place: a compute that reads the parameter after it
+    would see the new values. The Problem orders updates after every sink; this checks the schedule."""
+    param_of = {update: update.split(":", 1)[1] for update, _, _ in low.updates}
+    updated: set[str] = set()
+    for op, name in bw_steps:
+        if op != "compute":
+            continue
+        if name in param_of:
+            updated.add(param_of[name])
+        elif name in low.fx_nodes and updated:
+            read = updated.intersection(i.name for i in low.fx_nodes[name].all_input_nodes)
+            if read:
+                raise ValueError(f"memplan runtime: {name!r} reads parameter {sorted(read)[0]!r} after its update")
 
 
 def tangents_reaching(gm: fx.GraphModule, tangents: list[str], outputs: list[str]) -> list[frozenset[int]]:
@@ -430,8 +470,15 @@ class PlannedStep(torch.autograd.Function):
                                        if t is not None and t not in given), dropped)
         box.extend(tangent_slots)
         del tangent_slots
+        if program.updater is not None:
+            program.updater.begin(frozenset(slot for slot, needs in enumerate(program.update_tangents)
+                                            if needs and not needs & given))
+        results = program.backward(box)
+        if program.updater is not None:
+            program.updater.finish()
         grads = [None if needs and not needs & given else g
-                 for g, needs in zip(program.backward(box), program.grad_tangents, strict=True)]
+                 for g, needs in zip(results, program.grad_tangents, strict=True)]
+        del results
         per_primal = []
         it = iter(grads)
         for g in program.grad_outputs:

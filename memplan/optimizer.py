@@ -1,0 +1,218 @@
+"""The optimizer's update inside the plan: what it holds, what it allocates, and how it runs.
+
+With ``memplan.optimize(model, budget, optimizer=opt)`` the budget covers the
+whole training step, forward through the last parameter update, and memplan
+applies the update itself, inside backward. That takes three things, each
+here:
+
+* **What the update costs** (`learn_updates`): per parameter, the bytes of
+  optimizer state the optimizer keeps for it, the bytes its update
+  allocates while it runs, and a roofline time. They are learned, not
+  looked up: a fresh instance of the optimizer's own class with the
+  parameter group's hyperparameters steps two small parameters of the same
+  dtype and device under `memplan.measure.MemoryTracker`, and the bytes
+  are fitted as ``fixed + per_element * numel`` (so a 1.3B-parameter model
+  is costed without allocating it). Any ``torch.optim`` optimizer, and any
+  other with the same interface, is learned the same way; one that cannot be
+  stepped so raises `UnsupportedOptimizer` naming it.
+* **Where the update sits in the plan** (`memplan.problem.lower`): each
+  parameter's state is a source (resident for the whole step, as it is
+  across steps), and its update is a value that reads the parameter's
+  gradient, so the gradient is freed once it has been applied: as soon as
+  it is final, in the Problem's order. The update writes the parameter in
+  place, so no computation may read the parameter after it; a schedule that
+  places one too early (a backward op or a recomputation still reads the
+  weight) gets it moved after that read (`solvers.transforms.ordering`).
+  Where that puts the plan over the budget, every update waits instead for
+  all gradients of the step (``GRADS_FINAL``), as ``optimizer.step()``
+  after ``backward()`` would.
+* **How it runs** (`UpdateRunner`): the backward segment calls it at the
+  update's place in the schedule with the gradient; it runs the user's own
+  optimizer on that one parameter (its ``param_groups`` read at that moment,
+  so an LR scheduler or ``add_param_group`` takes effect) and drops the
+  gradient.
+
+The training-loop contract: ``loss.backward()`` updates the parameters the
+optimizer holds and leaves their ``.grad`` at ``None``; ``optimizer.step()``
+and ``optimizer.zero_grad()`` then find no gradients and change nothing, so
+the usual loop gives the parameters eager PyTorch gives. With
+``grad_norm=True`` the L2 norm of the gradients applied in the last step is
+kept (`UpdateRunner.grad_norm`, ``OptimizedModule.grad_norm``) for logging;
+it costs one device scalar that the plan does not count. Step hooks
+registered on the optimizer run once per parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from memplan.costs import DeviceProfile
+from memplan.measure import MemoryTracker, unmeasured
+
+STATE_PREFIX = "optstate:"  # a parameter's optimizer state: a source of the Problem
+UPDATE_PREFIX = "update:"  # applying the optimizer to one parameter (its temporaries are the value)
+UPDATED_SUFFIX = "@updated"  # the update's result: a zero-byte sink, so every update runs
+GRADS_FINAL = "__grads_final__"  # every gradient of the step is final: updates may start
+
+# Numels of the two probe parameters each (group, dtype, device) is stepped with.
+PROBE_NUMELS = (1024, 4096)
+
+
+class UnsupportedOptimizer(TypeError):
+    """The optimizer cannot be learned by stepping a fresh instance of its class."""
+
+
+@dataclass(frozen=True)
+class ParamUpdate:
+    """What updating one parameter holds and costs."""
+
+    primal: int  # index among the capture's primals
+    name: str  # the parameter's name in the model
+    state_bytes: int  # optimizer state kept for it, on its device
+    temp_bytes: int  # allocated while its update runs, freed when it ends
+    time: float  # seconds, roofline of the update's memory traffic
+
+
+@dataclass(frozen=True)
+class _Linear:
+    fixed: float
+    per_element: float
+
+    def at(self, numel: int) -> int:
+        return max(0, int(round(self.fixed + self.per_element * numel)))
+
+
+def _fit(points: list[tuple[int, int]]) -> _Linear:
+    (n1, y1), (n2, y2) = points
+    slope = (y2 - y1) / (n2 - n1)
+    return _Linear(y1 - slope * n1, slope)
+
+
+def _make_like(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], group: dict) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class over ``params``, with ``group``'s hyperparameters."""
+    cls = type(optimizer)
+    try:
+        fresh = cls(params, **getattr(optimizer, "defaults", {}))
+    except TypeError:
+        fresh = cls(params)
+    fresh.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
+    return fresh
+
+
+def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,
+           numel: int) -> tuple[int, int]:
+    """(state bytes, temporary bytes) of one update of a fresh optimizer on a parameter of ``numel``
+    elements, run as the planned backward runs it (`UpdateRunner`)."""
+    p = nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
+    p.grad = torch.full_like(p, 1e-3)
+    fresh = _make_like(optimizer, [p], group)
+    runner = UpdateRunner(fresh, [p])
+    grad = p.grad
+    with MemoryTracker(device, record_timeline=False, resident=[p, grad]) as tracker:
+        runner(0, grad)
+    state = sum(t.untyped_storage().nbytes() for t in fresh.state[p].values()
+                if isinstance(t, torch.Tensor) and t.device == p.device)
+    held = p.untyped_storage().nbytes() + grad.untyped_storage().nbytes() + state
+    return state, max(0, tracker.peak - held)
+
+
+def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_names: list[str],
+                  profile: DeviceProfile) -> list[ParamUpdate]:
+    """Per parameter the optimizer updates: its state and temporary bytes, and its update time.
+
+    ``primal_names``: the capture's primal names (parameters first, by name)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    primal_of = {n: i for i, n in enumerate(primal_names)}
+    learned: dict[tuple, tuple[_Linear, _Linear]] = {}
+    out: list[ParamUpdate] = []
+    with unmeasured():
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad or names.get(id(p)) not in primal_of:
+                    continue
+                # A model built on the meta device is costed by probes on the CPU.
+                device = torch.device("cpu") if p.device.type == "meta" else p.device
+                key = (gi, p.dtype, device)
+                if key not in learned:
+                    try:
+                        points = [_probe(optimizer, group, p.dtype, device, n) for n in PROBE_NUMELS]
+                    except Exception as exc:  # the optimizer's own error says what it needs
+                        raise UnsupportedOptimizer(
+                            f"memplan cannot learn what {type(optimizer).__name__} holds and allocates: stepping a "
+                            f"fresh instance on a small parameter failed ({type(exc).__name__}: {exc}). "
+                            "memplan.optimize(..., optimizer=) needs an optimizer whose class can be built over "
+                            "new parameters with its param group's hyperparameters and stepped."
+                        ) from exc
+                    learned[key] = (_fit([(n, s) for n, (s, _) in zip(PROBE_NUMELS, points)]),
+                                    _fit([(n, t) for n, (_, t) in zip(PROBE_NUMELS, points)]))
+                state_fit, temp_fit = learned[key]
+                numel = p.numel()
+                state, temp = state_fit.at(numel), temp_fit.at(numel)
+                param_bytes = numel * p.element_size()
+                # Read parameter, gradient and state; write parameter and state.
+                moved = 3 * param_bytes + 2 * state
+                out.append(ParamUpdate(primal_of[names[id(p)]], names[id(p)], state, temp,
+                                       profile.op_time(10.0 * numel, moved)))
+    return out
+
+
+def check_optimizer(optimizer: Any, model: nn.Module) -> None:
+    """Raise a clear error when ``optimizer`` is not an optimizer over ``model``'s parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"memplan.optimize(optimizer=...) takes a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    own = {id(p) for p in model.parameters()}
+    foreign = [i for g in optimizer.param_groups for i, p in enumerate(g["params"]) if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"memplan.optimize(optimizer=...): {len(foreign)} of the optimizer's parameters are not parameters of "
+            "the model being optimized; build the optimizer over model.parameters() (the same tensors memplan "
+            "wraps)"
+        )
+
+
+class UpdateRunner(nn.Module):
+    """Applies the user's optimizer to one parameter at a time, from inside the planned backward."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], track_norm: bool = False) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        object.__setattr__(self, "params", params)  # not registered: the model owns them
+        self.track_norm = track_norm
+        self.skipped: frozenset[int] = frozenset()
+        self._square_sum: torch.Tensor | None = None
+        self.grad_norm: torch.Tensor | None = None
+
+    def begin(self, skipped: frozenset[int]) -> None:
+        """A step starts; the slots in ``skipped`` get no gradient in it (eager autograd leaves
+        their ``.grad`` at None, and the optimizer skips them)."""
+        self.skipped = skipped
+        self._square_sum = None
+
+    def finish(self) -> None:
+        """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients applied."""
+        if self.track_norm:
+            self.grad_norm = None if self._square_sum is None else self._square_sum.sqrt()
+        self._square_sum = None
+
+    def forward(self, slot: int, grad: torch.Tensor) -> None:
+        if slot in self.skipped:
+            return
+        p = self.params[slot]
+        if self.track_norm:
+            square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+            self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
+        groups = self.optimizer.param_groups
+        held = [g["params"] for g in groups]
+        p.grad = grad
+        try:
+            # Only this parameter's group sees it: the others step over nothing.
+            for g, ps in zip(groups, held):
+                g["params"] = [p] if any(q is p for q in ps) else []
+            self.optimizer.step()
+        finally:
+            for g, ps in zip(groups, held):
+                g["params"] = ps
+            p.grad = None
