@@ -219,3 +219,20 @@ def test_updates_in_backward_lower_the_whole_step_minimum_by_about_the_gradients
           f"in backward {in_backward}; gradients {gradients}")
     assert after_backward >= alone + state  # the state on top, every gradient still held at the end
     assert in_backward <= after_backward - 0.5 * gradients
+
+
+def test_resuming_from_a_state_dict_continues_as_eager():
+    """``load_state_dict`` replaces the optimizer's state in place: the planned updates read it."""
+    module, args, kwargs = build_step("mlp", batch_size=64)
+    reference = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    planned = memplan.optimize(module, "1GB", optimizer=optimizer)
+    _train(reference, reference, ref_optimizer, args, kwargs, steps=2)
+    checkpoint = copy.deepcopy((reference.state_dict(), ref_optimizer.state_dict()))
+    _train(module, planned, optimizer, args, kwargs, steps=1)  # a different history, then the resume
+    module.load_state_dict(checkpoint[0])
+    optimizer.load_state_dict(checkpoint[1])
+    _train(module, planned, optimizer, args, kwargs, steps=2)
+    _train(reference, reference, ref_optimizer, args, kwargs, steps=2)
+    _assert_same_training(module, reference, optimizer, ref_optimizer)
