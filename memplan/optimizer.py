@@ -110,6 +110,7 @@ def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, de
     p.grad = torch.full_like(p, 1e-3)
     fresh = _make_like(optimizer, [p], group)
     runner = UpdateRunner(fresh, [p])
+    runner.begin(frozenset())
     grad = p.grad
     with MemoryTracker(device, record_timeline=False, resident=[p, grad]) as tracker:
         runner(0, grad)
@@ -183,13 +184,16 @@ class UpdateRunner(nn.Module):
         self.track_norm = track_norm
         self.skipped: frozenset[int] = frozenset()
         self._square_sum: torch.Tensor | None = None
+        self._group_of: dict[int, int] = {}
         self.grad_norm: torch.Tensor | None = None
 
     def begin(self, skipped: frozenset[int]) -> None:
         """A step starts; the slots in ``skipped`` get no gradient in it (eager autograd leaves
-        their ``.grad`` at None, and the optimizer skips them)."""
+        their ``.grad`` at None, and the optimizer skips them). The groups are read now: an
+        ``add_param_group`` since the last step takes effect."""
         self.skipped = skipped
         self._square_sum = None
+        self._group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
 
     def finish(self) -> None:
         """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients applied."""
@@ -206,11 +210,12 @@ class UpdateRunner(nn.Module):
             self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
         groups = self.optimizer.param_groups
         held = [g["params"] for g in groups]
+        own = self._group_of.get(id(p))
         p.grad = grad
         try:
             # Only this parameter's group sees it: the others step over nothing.
-            for g, ps in zip(groups, held):
-                g["params"] = [p] if any(q is p for q in ps) else []
+            for gi, g in enumerate(groups):
+                g["params"] = [p] if gi == own else []
             self.optimizer.step()
         finally:
             for g, ps in zip(groups, held):

@@ -74,6 +74,11 @@ class Lowered:
     updates: list[tuple[str, str, str]] = field(default_factory=list)
     updates_after_backward: bool = False  # every update waits for all gradients (else each for its own)
 
+    @property
+    def parameter_writes(self) -> dict[str, str]:
+        """Update node -> the parameter placeholder it overwrites in place."""
+        return {update: update[len(UPDATE_PREFIX):] for update, _, _ in self.updates}
+
     host_variants: dict[float, "solvers.Problem"] = field(default_factory=dict, repr=False)
 
     def with_budget(self, budget: int, host_bandwidth: float = 0.0) -> "solvers.Problem":
@@ -330,8 +335,7 @@ def updated_after_reads(low: Lowered, problem: "solvers.Problem", schedule: "sol
     parameter (`solvers.transforms.ordering`): the update overwrites the parameter in place."""
     if not low.updates:
         return schedule
-    writes = {update: update[len(UPDATE_PREFIX):] for update, _, _ in low.updates}
-    return after_last_reads(problem, schedule, writes)
+    return after_last_reads(problem, schedule, low.parameter_writes)
 
 
 def _unbounded(G: nx.DiGraph) -> int:

@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 import solvers
+from solvers.transforms.ordering import storage_readers
 from memplan.capture import Capture
 from memplan.costs import value_device
 from memplan.optimizer import UpdateRunner
@@ -377,18 +378,23 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
 
 def _check_no_read_after_update(low: Lowered, bw_steps: list[tuple[str, str]]) -> None:
     """An update overwrites its parameter in place: a compute that reads the parameter after it
-    would see the new values. The Problem orders updates after every sink; this checks the schedule."""
-    param_of = {update: update.split(":", 1)[1] for update, _, _ in low.updates}
-    updated: set[str] = set()
+    would see the new values. Planning moves updates after their parameters' last reads
+    (`memplan.problem.updated_after_reads`); this refuses a schedule where that does not hold."""
+    problem, names = low.problem, low.problem.names
+    # A view of a parameter (its transpose) shares the parameter's storage: reading it reads the parameter.
+    readers = {update: {str(names[v]) for v in storage_readers(problem, problem.index[param])}
+               for update, param in low.parameter_writes.items()}
+    overwritten: set[str] = set()
     for op, name in bw_steps:
         if op != "compute":
             continue
-        if name in param_of:
-            updated.add(param_of[name])
-        elif name in low.fx_nodes and updated:
-            read = updated.intersection(i.name for i in low.fx_nodes[name].all_input_nodes)
+        if name in readers:
+            overwritten |= readers[name]
+        elif name in low.fx_nodes and overwritten:
+            read = overwritten.intersection(i.name for i in low.fx_nodes[name].all_input_nodes)
             if read:
-                raise ValueError(f"memplan runtime: {name!r} reads parameter {sorted(read)[0]!r} after its update")
+                raise ValueError(f"memplan runtime: {name!r} reads {sorted(read)[0]!r} after the update that "
+                                 "overwrites it")
 
 
 def tangents_reaching(gm: fx.GraphModule, tangents: list[str], outputs: list[str]) -> list[frozenset[int]]:

@@ -3,8 +3,8 @@
 A `Problem` is a DAG of values; it cannot say that computing one value
 overwrites another in place (an optimizer update writes its parameter). A
 solver may then place such a *writer* before a computation that still reads
-the old contents: a backward op that reads the weight, or a recomputation of
-a forward op. `after_last_reads` repairs a schedule: each writer whose source
+the old contents: a backward op that reads the weight or a view of it (a
+transposed weight shares its storage), or a recomputation of a forward op. `after_last_reads` repairs a schedule: each writer whose source
 is read later is moved to right after that last read, together with the
 steps that belong to it (the computes of its successors that read nothing
 else, its own free, and the frees of inputs it was the last to read). The
@@ -16,18 +16,24 @@ from __future__ import annotations
 
 from typing import Hashable, Mapping
 
+from ..core.memory import alias_trees
 from ..core.problem import Problem
 from ..core.schedule import Op, Schedule, Step
 
 
-def _last_read(problem: Problem, steps: list[Step], target: int, writer: int) -> int:
-    """Position of the last compute (other than ``writer``) that reads ``target``; -1 if none."""
+def storage_readers(problem: Problem, target: int) -> frozenset[int]:
+    """``target`` and every view of its storage: reading any of them reads what a writer overwrites."""
+    return frozenset((target, *alias_trees(problem).descendants.get(target, ())))
+
+
+def _last_read(problem: Problem, steps: list[Step], targets: frozenset[int], writer: int) -> int:
+    """Position of the last compute (other than ``writer``) that reads one of ``targets``; -1 if none."""
     index, preds = problem.index, problem.preds
     last = -1
     for k, (op, node) in enumerate(steps):
         if op is Op.COMPUTE:
             v = index[node]
-            if v != writer and target in preds[v]:
+            if v != writer and targets.intersection(preds[v]):
                 last = k
     return last
 
@@ -57,7 +63,7 @@ def _belonging(problem: Problem, steps: list[Step], at: int) -> list[int]:
 
 def after_last_reads(problem: Problem, schedule: Schedule, writes: Mapping[Hashable, Hashable]) -> Schedule:
     """``schedule`` with each writer (a key of ``writes``, naming the source it overwrites) moved
-    after the last compute that reads that source, with the steps that belong to it."""
+    after the last compute that reads that source or a view of it, with the steps that belong to it."""
     index = problem.index
     steps = list(schedule.steps)
     for writer_name, target_name in writes.items():
@@ -65,7 +71,7 @@ def after_last_reads(problem: Problem, schedule: Schedule, writes: Mapping[Hasha
         at = next((k for k, (op, node) in enumerate(steps) if op is Op.COMPUTE and index[node] == writer), None)
         if at is None:
             continue
-        last = _last_read(problem, steps, target, writer)
+        last = _last_read(problem, steps, storage_readers(problem, target), writer)
         if last < at:
             continue
         owned = _belonging(problem, steps, at)

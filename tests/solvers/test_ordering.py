@@ -85,3 +85,29 @@ def test_writers_follow_every_read_and_the_schedule_stays_valid(seed, base):
             simulate(q, fixed)  # raises on a read of a value that is not resident
     if base == "chain":
         assert hazards, "no schedule read a parameter after its writer: the test tests nothing"
+
+
+def test_a_read_of_a_view_of_the_source_counts_as_a_read():
+    """A transposed weight shares the weight's storage: a writer must follow its readers too."""
+    G = nx.DiGraph()
+    G.add_node("w", mem=4, cost=0.0)
+    G.add_node("x", mem=4, cost=0.0)
+    G.add_node("wt", mem=4, cost=0.01, alias_of="w")  # the transpose: a view
+    G.add_node("y", mem=4, cost=1.0)
+    G.add_edges_from([("x", "y"), ("wt", "y"), ("w", "wt")])
+    G.add_node("gw", mem=4, cost=1.0)
+    G.add_edges_from([("y", "gw"), ("x", "gw")])
+    G.add_node("update", mem=1, cost=0.0, recomputable=False)
+    G.add_edges_from([("gw", "update"), ("w", "update")])
+    G.add_node("done", mem=0, cost=0.0, recomputable=False)
+    G.add_edge("update", "done")
+    G.add_node("gx", mem=4, cost=1.0)  # reads the view after the weight's gradient is final
+    G.add_edges_from([("y", "gx"), ("wt", "gx")])
+    p = Problem.from_networkx(G, 10**6)
+    schedule = METHODS["store_all"](p, None).schedule
+    order = [str(n) for o, n in schedule if o is Op.COMPUTE]
+    assert order.index("update") < order.index("gx")  # the problem's order puts the writer too early
+    fixed = after_last_reads(p, schedule, {"update": "w"})
+    order = [str(n) for o, n in fixed if o is Op.COMPUTE]
+    assert order.index("update") > order.index("gx")
+    simulate(p, fixed)
