@@ -23,8 +23,8 @@ import time
 from typing import Optional
 
 from benchmarks.scale_bench import load, with_fraction
-from solvers import lower_bounds
 from solvers.core.schedule import simulate
+from solvers.methods import lower_bounds
 from solvers.strategies.auto import solve_auto
 from solvers.transforms.pin_search import pin_search
 

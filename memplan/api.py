@@ -104,7 +104,7 @@ class OptimizedModule(nn.Module):
         **options: Any,
     ):
         super().__init__()
-        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm"}
+        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
@@ -113,6 +113,7 @@ class OptimizedModule(nn.Module):
         # optimizer=opt: the step applies opt's updates in backward, its state in the budget.
         self.optimizer = options.pop("optimizer", None)
         self.track_grad_norm = bool(options.pop("grad_norm", False))
+        self.updates_after_backward = bool(options.pop("updates_after_backward", False))
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
             if self.saved_plan is not None:
@@ -323,6 +324,7 @@ class OptimizedModule(nn.Module):
             output_use=use,
             optimizer=self.optimizer,
             grad_norm=self.track_grad_norm,
+            updates_after_backward=self.updates_after_backward,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

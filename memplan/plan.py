@@ -208,6 +208,7 @@ def make_plan(
     output_use: OutputUse = OutputUse(),
     optimizer: torch.optim.Optimizer | None = None,
     grad_norm: bool = False,
+    updates_after_backward: bool = False,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -215,17 +216,19 @@ def make_plan(
     ``offload``: let the plan page values to host memory over the profile's host link.
     ``output_use``: what the step is known to do with the outputs (:mod:`memplan.output_use`).
     ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
-    in the budget (:mod:`memplan.optimizer`); ``grad_norm``: keep the norm of the gradients it applies.
+    in the budget (:mod:`memplan.optimizer`); ``grad_norm``: keep the norm of the gradients it applies;
+    ``updates_after_backward``: every update after backward, not as soon as its gradient is final
+    (which is tried first otherwise, and left for this where it does not fit).
     """
     cap = capture(model, args, kwargs, output_use=output_use)
     primal_names = [p.name for p in cap.primals]
     updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
     eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
-    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates)
+    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward)
     try:
         plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
     except (solvers.ScheduleError, InfeasibleBudgetError) as first:
-        if not updates:
+        if not updates or updates_after_backward:
             raise
         # Updates as soon as each gradient is final (moved after their parameters' last reads) did
         # not fit: their temporaries come while activations are alive. Every update after

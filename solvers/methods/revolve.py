@@ -1,5 +1,5 @@
 """Method "revolve": Griewank's binomial checkpointing (Griewank 1992; Griewank
-and Walther, "Algorithm 799: revolve") over the chain of `solvers.chain`.
+and Walther, "Algorithm 799: revolve") over the chain of `solvers.methods.chain`.
 
 Revolve treats the chain as homogeneous: every stage costs one step and every
 stage input one snapshot. With ``c`` snapshots (the one holding the start of

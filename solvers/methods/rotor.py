@@ -2,7 +2,7 @@
 Eyraud-Dubois, Herrmann, Joly, Shilova, "Optimal checkpointing for
 heterogeneous chains: how to train deep neural networks with limited memory").
 
-The joint graph is read as a chain of stages (`solvers.chain`). A dynamic
+The joint graph is read as a chain of stages (`solvers.methods.chain`). A dynamic
 program over sub-chains ``s..t`` and free memory ``m`` (discretised into
 slots) chooses, for the first stage of every sub-chain, between
 

@@ -1,4 +1,4 @@
-"""`solvers.milp_backends`: the HiGHS build bundled with OR-Tools prints a debugging line to the
+"""`solvers.methods.milp_backends`: the HiGHS build bundled with OR-Tools prints a debugging line to the
 process's standard output whatever its settings; solves drop it and keep every other byte, from
 Python or native code, in order."""
 from __future__ import annotations

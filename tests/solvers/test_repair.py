@@ -160,7 +160,7 @@ def test_inputs_gone_by_the_next_read_are_recomputed_as_a_chain():
 
 @functools.lru_cache(maxsize=None)
 def _real(name: str) -> Problem:
-    pytest.importorskip("solvers.rotor")  # an optional method
+    pytest.importorskip("solvers.methods.rotor")  # an optional method
     from benchmarks.scale_bench import load, with_fraction
 
     return with_fraction(load(name), 0.3)

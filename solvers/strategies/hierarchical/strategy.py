@@ -1,7 +1,7 @@
 """`solve_hierarchical`: a short driver over the strategy's phases, which share one `SolveState`.
 
-The result is always a simulated schedule. The fast baselines (store_all, greedy, select, and
-rotor's chain DP when `solvers.rotor` is present; sqrt_n when time is left) are raced first and
+The result is always a simulated schedule. The fast methods tagged `RACE` in the registry
+(store_all, greedy, select, rotor's chain DP; sqrt_n when time is left) are raced first and
 are the fallback; store-all is recomputed down to the budget in steps (`repair.recompute_down`).
 The coarse graph's drop plans (`search.drop_search`) come from a small portfolio of cluster gaps
 and chain models sharing the time; the best are polished by `search.keep_again`. Graphs small

@@ -1,0 +1,148 @@
+"""The whole training step with AdamW: the lowest budget each way of training meets, and its time.
+
+A step here is forward, backward and the optimizer's update; its peak is
+measured from the start of forward to the end of the last update
+(`memplan.measure_peak`), the optimizer's state included. Side by side, in
+one process, on one zoo model:
+
+* eager: ``loss.backward(); opt.step()``;
+* checkpoint per block, then ``opt.step()``;
+* memplan planning the activations only (``optimize(model, budget)``), then
+  ``opt.step()`` outside the plan;
+* memplan with ``optimizer=``, every update after backward;
+* memplan with ``optimizer=``, each update in backward as soon as its
+  gradient is final (the default).
+
+For the memplan rows the budget is the smallest the planner finds
+(`memplan.viz.min_budget`); every row reports the measured whole-step peak
+at it, and the step time over eager's (median of interleaved repetitions,
+with the spread). Writes ``benchmarks/results/whole_step.md``.
+
+    python -m benchmarks.whole_step [--model gpt] [--size tiny] [--repeats 7]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import memplan
+from benchmarks.checkpointing import checkpoint_blocks
+from benchmarks.models.layouts import layout_for
+from memplan.measure import measure_peak
+from memplan.models import zoo
+from memplan.units import format_bytes
+from memplan.viz import min_budget
+
+RESULTS = Path(__file__).resolve().parent / "results" / "whole_step.md"
+
+
+def _adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
+
+
+class _Row:
+    """One way of training: a step function, its optimizer, the budget it was given."""
+
+    def __init__(self, name: str, step: Callable[[], None], budget: int | None, detail: str) -> None:
+        self.name, self.step, self.budget, self.detail = name, step, budget, detail
+        self.peak = 0
+        self.times: list[float] = []
+
+
+def _eager_step(module, optimizer, args, kwargs) -> Callable[[], None]:
+    def step() -> None:
+        module(*args, **kwargs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _smallest_budget(module, args, kwargs, **options) -> int:
+    """The smallest budget memplan finds for this step (`memplan.viz.min_budget`)."""
+    probe = memplan.optimize(module, 10**15, solver="store_all", example_inputs=args, example_kwargs=kwargs, **options)
+    return min_budget(probe.plan.analysis)
+
+
+def run(model_name: str, size: str, repeats: int) -> str:
+    built = zoo.build(model_name, size=size, batch_size=16)
+    base = memplan.WithLoss(built.model, built.loss_fn)
+    args, kwargs = tuple(built.example_inputs), dict(built.example_kwargs)
+    rows: list[_Row] = []
+
+    eager = copy.deepcopy(base)
+    rows.append(_Row("eager", _eager_step(eager, _adamw(eager), args, kwargs), None, "torch autograd + AdamW"))
+
+    ckpt = copy.deepcopy(base)
+    blocks = checkpoint_blocks(ckpt.model, layout_for(model_name, ckpt.model))
+    rows.append(_Row("checkpoint per block", _eager_step(ckpt, _adamw(ckpt), args, kwargs), None,
+                     f"{blocks} blocks + AdamW"))
+
+    alone = copy.deepcopy(base)
+    budget = _smallest_budget(alone, args, kwargs)
+    planned = memplan.optimize(alone, budget, time_limit=20)
+    rows.append(_Row("memplan, activations only", _eager_step(planned, _adamw(alone), args, kwargs), budget,
+                     "optimizer.step() outside the plan"))
+
+    for after in (True, False):
+        module = copy.deepcopy(base)
+        optimizer = _adamw(module)
+        budget = _smallest_budget(module, args, kwargs, optimizer=optimizer, updates_after_backward=after)
+        planned = memplan.optimize(module, budget, optimizer=optimizer, updates_after_backward=after, time_limit=20)
+        planned.prepare(*args, **kwargs)
+        plan = planned.plan
+        mode = "after backward" if plan.analysis.lowered.updates_after_backward else "in backward"
+        rows.append(_Row(f"memplan optimizer=, {'after' if after else 'in'} backward",
+                         _eager_step(planned, optimizer, args, kwargs), budget,
+                         f"{mode}, predicted {format_bytes(plan.predicted_peak)}"))
+
+    for row in rows:  # the state exists from the second step on: warm up, then measure
+        torch.manual_seed(0)
+        row.step()
+        row.peak = measure_peak(row.step)
+    for _ in range(repeats):  # interleaved, so drifts of the machine hit every row alike
+        for row in rows:
+            torch.manual_seed(0)
+            started = time.perf_counter()
+            row.step()
+            row.times.append(time.perf_counter() - started)
+    eager_time = statistics.median(rows[0].times)
+    eager_peak = rows[0].peak
+    lines = [
+        f"# The whole step with AdamW: {model_name} ({size}), batch 16",
+        "",
+        "Peak: measured from the start of forward to the end of the last update, optimizer state included.",
+        f"Time: median of {repeats} interleaved steps over eager's median (spread: min-max over eager's median);",
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU.",
+        "",
+        "| method | budget given | measured peak | of eager's | step time | spread | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        ratio = statistics.median(row.times) / eager_time
+        spread = f"{min(row.times) / eager_time:.2f}-{max(row.times) / eager_time:.2f}"
+        budget = format_bytes(row.budget) if row.budget is not None else "-"
+        lines.append(f"| {row.name} | {budget} | {format_bytes(row.peak)} | {row.peak / eager_peak:.0%} | "
+                     f"{ratio:.2f}x | {spread} | {row.detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    table = run(args.model, args.size, args.repeats)
+    RESULTS.write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
