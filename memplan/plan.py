@@ -19,7 +19,7 @@ from memplan.capture import capture
 from memplan.costs import DeviceProfile
 from memplan.optimizer import UpdateRunner, learn_updates
 from memplan.output_use import OutputUse
-from memplan.planformat import plan_record, record_to_json
+from memplan.planformat import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.problem import BACKWARD, is_reference, updated_after_reads
 from memplan.runtime import Program, build_program
 from memplan.units import format_bytes
@@ -106,9 +106,30 @@ class Plan:
             return None
         return max(0.0, 1.0 - self.lower_bound / self.predicted_time)
 
+    def record(self) -> dict:
+        """What a saved plan records about this plan (`memplan.planformat`): the fields of
+        `memplan.planio.SavedPlan` but ``path``."""
+        cap = self.analysis.capture
+        return dict(
+            budget=self.budget,
+            predicted_peak=self.predicted_peak,
+            predicted_time=self.predicted_time,
+            method=self.method,
+            status=self.status,
+            lower_bound=self.lower_bound,
+            solve_time=self.solve_time,
+            graph_signature=graph_signature(cap),
+            input_signature=input_signature(cap),
+            inputs=describe_inputs(cap),
+            num_nodes=cap.num_ops(),
+            num_params=count_params(cap),
+            schedule=self.schedule,
+            output_use=cap.output_use,
+        )
+
     def save(self, path: str | Path) -> None:
         """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
-        Path(path).write_text(record_to_json(plan_record(self)))
+        Path(path).write_text(record_to_json(self.record()))
 
     def report(self) -> str:
         a = self.analysis

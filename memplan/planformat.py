@@ -28,7 +28,6 @@ from memplan.output_use import OutputUse
 
 if TYPE_CHECKING:
     from memplan.capture import Capture
-    from memplan.plan import Plan
 
 FORMAT = "memplan.Plan"
 VERSION = 1
@@ -96,29 +95,8 @@ def count_params(cap: Capture) -> int:
 # --------------------------------------------------------------------------- #
 
 
-def plan_record(plan: Plan) -> dict[str, Any]:
-    """What a saved plan records about ``plan``: the fields of `memplan.planio.SavedPlan` but ``path``."""
-    cap = plan.analysis.capture
-    return dict(
-        budget=plan.budget,
-        predicted_peak=plan.predicted_peak,
-        predicted_time=plan.predicted_time,
-        method=plan.method,
-        status=plan.status,
-        lower_bound=plan.lower_bound,
-        solve_time=plan.solve_time,
-        graph_signature=graph_signature(cap),
-        input_signature=input_signature(cap),
-        inputs=describe_inputs(cap),
-        num_nodes=cap.num_ops(),
-        num_params=count_params(cap),
-        schedule=plan.schedule,
-        output_use=cap.output_use,
-    )
-
-
 def record_to_json(record: dict[str, Any]) -> str:
-    """The JSON document of a record (as :func:`plan_record` makes it)."""
+    """The JSON document of a record (as ``Plan.record`` makes it)."""
     data = {
         "format": FORMAT,
         "version": VERSION,

@@ -25,7 +25,6 @@ from memplan.planformat import (
     describe_inputs,
     graph_signature,
     input_signature,
-    plan_record,
     record_from_json,
     record_to_json,
 )
@@ -103,7 +102,7 @@ class SavedPlan:
 
 def saved_from_plan(plan: Plan) -> SavedPlan:
     """What saving ``plan`` records, as a :class:`SavedPlan` (without writing anything)."""
-    return SavedPlan(**plan_record(plan))
+    return SavedPlan(**plan.record())
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:

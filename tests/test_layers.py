@@ -1,8 +1,8 @@
 """The import layering of the project's packages, read off the source with ``ast``.
 
 * no import cycles among a package's modules, imports inside functions
-  included (a lazy import is still an edge); imports under
-  ``if TYPE_CHECKING:`` are left out, they never run;
+  and under ``if TYPE_CHECKING:`` included (a lazy import or a type-only
+  import is still an arrow between the layers a reader sees);
 * no module imports another module's private (``_underscore``) names;
 * ``solvers`` imports only downward through its layers (`SOLVERS_LAYERS`),
   and never imports torch.
@@ -48,24 +48,13 @@ def package_modules(package: str) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: anywhere in the file (functions included),
-    except the body of an ``if TYPE_CHECKING:`` (its ``else`` does run)."""
+    """Every import statement in the file: at the top, inside functions, under ``if TYPE_CHECKING:``."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         for child in ast.iter_child_nodes(node):
             visit(child)
 
