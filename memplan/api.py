@@ -104,7 +104,8 @@ class OptimizedModule(nn.Module):
         **options: Any,
     ):
         super().__init__()
-        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward"}
+        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
+                                  "max_grad_norm"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
@@ -114,6 +115,11 @@ class OptimizedModule(nn.Module):
         self.optimizer = options.pop("optimizer", None)
         self.track_grad_norm = bool(options.pop("grad_norm", False))
         self.updates_after_backward = bool(options.pop("updates_after_backward", False))
+        # max_grad_norm=x: clip the global gradient norm to x before the updates, exactly as
+        # torch.nn.utils.clip_grad_norm_ (the updates then wait for every gradient).
+        self.max_grad_norm = options.pop("max_grad_norm", None)
+        if self.max_grad_norm is not None and self.optimizer is None:
+            raise ValueError("memplan.optimize: max_grad_norm= clips before memplan's updates; it needs optimizer=")
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
             if self.saved_plan is not None:
@@ -325,6 +331,7 @@ class OptimizedModule(nn.Module):
             optimizer=self.optimizer,
             grad_norm=self.track_grad_norm,
             updates_after_backward=self.updates_after_backward,
+            max_grad_norm=self.max_grad_norm,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

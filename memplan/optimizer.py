@@ -39,7 +39,10 @@ the usual loop gives the parameters eager PyTorch gives. With
 ``grad_norm=True`` the L2 norm of the gradients applied in the last step is
 kept (`UpdateRunner.grad_norm`, ``OptimizedModule.grad_norm``) for logging;
 it costs one device scalar that the plan does not count. Step hooks
-registered on the optimizer run once per parameter.
+registered on the optimizer run once per parameter. ``max_grad_norm=`` clips
+exactly as ``torch.nn.utils.clip_grad_norm_`` over the gradients the optimizer
+applies: the global norm needs every gradient, so the updates then wait for
+the end of backward (`UpdateRunner.clip` runs at ``GRADS_FINAL``).
 """
 from __future__ import annotations
 
@@ -175,13 +178,18 @@ def check_optimizer(optimizer: Any, model: nn.Module) -> None:
 
 
 class UpdateRunner(nn.Module):
-    """Applies the user's optimizer to one parameter at a time, from inside the planned backward."""
+    """Applies the user's optimizer to one parameter at a time, from inside the planned backward.
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], track_norm: bool = False) -> None:
+    With ``max_norm`` the backward calls `clip` first, at ``GRADS_FINAL``, with every gradient."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], track_norm: bool = False,
+                 max_norm: float | None = None) -> None:
         super().__init__()
         self.optimizer = optimizer
         object.__setattr__(self, "params", params)  # not registered: the model owns them
-        self.track_norm = track_norm
+        self.track_norm = track_norm or max_norm is not None
+        self.max_norm = max_norm
+        self._clip_coef: torch.Tensor | None = None
         self.skipped: frozenset[int] = frozenset()
         self._square_sum: torch.Tensor | None = None
         self._group_of: dict[int, int] = {}
@@ -193,19 +201,40 @@ class UpdateRunner(nn.Module):
         ``add_param_group`` since the last step takes effect."""
         self.skipped = skipped
         self._square_sum = None
+        self._clip_coef = None
         self._group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
 
     def finish(self) -> None:
-        """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients applied."""
-        if self.track_norm:
+        """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients
+        (before clipping, as ``clip_grad_norm_`` returns it)."""
+        if self.track_norm and self.max_norm is None:
             self.grad_norm = None if self._square_sum is None else self._square_sum.sqrt()
         self._square_sum = None
+        self._clip_coef = None
+
+    def clip(self, grads: list[torch.Tensor | None]) -> None:
+        """With ``max_norm``: every gradient of the step is final; scale them all, in place, as
+        ``torch.nn.utils.clip_grad_norm_`` does, before the first update (an exact clip needs
+        the norm of all of them). ``grads`` are per slot; skipped slots are left out."""
+        square_sum = None
+        for slot, grad in enumerate(grads):
+            if slot in self.skipped or grad is None:
+                continue
+            square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+            square_sum = square if square_sum is None else square_sum.add_(square)
+        if square_sum is None:
+            return
+        total = square_sum.sqrt_()
+        self.grad_norm = total
+        self._clip_coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
 
     def forward(self, slot: int, grad: torch.Tensor) -> None:
         if slot in self.skipped:
             return
         p = self.params[slot]
-        if self.track_norm:
+        if self._clip_coef is not None:
+            grad = grad.mul_(self._clip_coef.to(grad.dtype))
+        elif self.track_norm:
             square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
             self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
         groups = self.optimizer.param_groups
@@ -221,3 +250,14 @@ class UpdateRunner(nn.Module):
             for g, ps in zip(groups, held):
                 g["params"] = ps
             p.grad = None
+
+
+class GradClip(nn.Module):
+    """The call the backward segment makes at ``GRADS_FINAL`` when the step clips: `UpdateRunner.clip`."""
+
+    def __init__(self, runner: UpdateRunner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, grads: list[torch.Tensor]) -> None:
+        self.runner.clip(grads)

@@ -230,6 +230,7 @@ def make_plan(
     optimizer: torch.optim.Optimizer | None = None,
     grad_norm: bool = False,
     updates_after_backward: bool = False,
+    max_grad_norm: float | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -239,8 +240,10 @@ def make_plan(
     ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
     in the budget (:mod:`memplan.optimizer`); ``grad_norm``: keep the norm of the gradients it applies;
     ``updates_after_backward``: every update after backward, not as soon as its gradient is final
-    (which is tried first otherwise, and left for this where it does not fit).
+    (which is tried first otherwise, and left for this where it does not fit); ``max_grad_norm``:
+    clip the gradients' global norm to it before the updates (which then come after backward).
     """
+    updates_after_backward = updates_after_backward or max_grad_norm is not None
     cap = capture(model, args, kwargs, output_use=output_use)
     primal_names = [p.name for p in cap.primals]
     updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
@@ -262,16 +265,17 @@ def make_plan(
                 raise first from None
             raise
     return plan, build_program(cap, analysis.lowered, plan.schedule,
-                                     update_runner(analysis, model, optimizer, grad_norm))
+                                     update_runner(analysis, model, optimizer, grad_norm, max_grad_norm))
 
 
 def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  grad_norm: bool = False) -> UpdateRunner | None:
+                  grad_norm: bool = False, max_grad_norm: float | None = None) -> UpdateRunner | None:
     """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
     if optimizer is None or not analysis.lowered.updates:
         return None
     params = dict(model.named_parameters())
-    return UpdateRunner(optimizer, [params[name] for _, _, name in analysis.lowered.updates], grad_norm)
+    return UpdateRunner(optimizer, [params[name] for _, _, name in analysis.lowered.updates], grad_norm,
+                        max_grad_norm)
 
 
 def host_bandwidth(analysis: Analysis) -> float:

@@ -37,7 +37,7 @@ import solvers
 from solvers.transforms.ordering import storage_readers
 from memplan.capture import Capture
 from memplan.costs import value_device
-from memplan.optimizer import UpdateRunner
+from memplan.optimizer import GRADS_FINAL, GradClip, UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
 
 
@@ -246,6 +246,8 @@ def _build_segment(
     update_slot = {update: (slot, grad) for slot, (update, grad, _) in enumerate(low.updates)}
     if update_slot and updater is not None:
         root.updater = updater
+        if updater.max_norm is not None:
+            root.clip = GradClip(updater)
 
     def value(name: str) -> fx.Node:
         if name in arriving:  # the first read waits for the copy
@@ -273,6 +275,10 @@ def _build_segment(
         if op == "compute" and name in update_slot:
             slot, grad = update_slot[name]
             graph.call_module("updater", (slot, value(grad)))
+            continue
+        if op == "compute" and name == GRADS_FINAL and hasattr(root, "clip"):
+            # every gradient is final: the global norm, and the clip, before the first update
+            graph.call_module("clip", ([value(grad) for _, grad, _ in low.updates],))
             continue
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
@@ -305,6 +311,8 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     for op, name in steps:
         if op == "compute" and name in grad_of_update:
             reads.add(grad_of_update[name])
+        elif op == "compute" and name == GRADS_FINAL:  # a clipping step reads every applied gradient
+            reads.update(grad_of_update.values())
         if op == "prefetch":
             reads.add(host_name(name))
         elif op == "offload":

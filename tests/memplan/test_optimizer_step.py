@@ -45,10 +45,10 @@ def _optimizer(kind: str, module: nn.Module) -> torch.optim.Optimizer:
     return OPTIMIZERS[kind](module.parameters())
 
 
-def _whole_step_budget(module: nn.Module, args: tuple, kwargs: dict, kind: str) -> int:
+def _whole_step_budget(module: nn.Module, args: tuple, kwargs: dict, kind: str, **options) -> int:
     """Half the activations below store-all's whole-step peak, but not below the least budget found."""
     probe = memplan.optimize(module, 10**12, solver="store_all", optimizer=_optimizer(kind, module),
-                             example_inputs=args, example_kwargs=kwargs)
+                             example_inputs=args, example_kwargs=kwargs, **options)
     analysis = probe.plan.analysis
     assert analysis.optimizer_state_bytes > 0
     return max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))
@@ -59,12 +59,15 @@ def _state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, dic
     return {names[id(p)]: s for p, s in optimizer.state.items()}
 
 
-def _train(module, step_fn, optimizer, args, kwargs, steps=3, scheduler=None) -> list[int]:
-    """The usual loop, ``steps`` times; returns each step's measured peak (forward to the last update)."""
+def _train(module, step_fn, optimizer, args, kwargs, steps=3, scheduler=None, clip=None) -> list[int]:
+    """The usual loop, ``steps`` times; returns each step's measured peak (forward to the last update).
+    ``clip``: ``clip_grad_norm_`` to it between backward and step (the eager loop)."""
     peaks = []
     for step in range(steps):
         torch.manual_seed(step)  # dropout masks: the same in both runs
         peaks.append(measure_peak(lambda: step_fn(*args, **kwargs).backward()))
+        if clip is not None:
+            module.last_norm = torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
@@ -236,3 +239,25 @@ def test_resuming_from_a_state_dict_continues_as_eager():
     _train(module, planned, optimizer, args, kwargs, steps=2)
     _train(reference, reference, ref_optimizer, args, kwargs, steps=2)
     _assert_same_training(module, reference, optimizer, ref_optimizer)
+
+
+@pytest.mark.parametrize("model", ["cnn", "gpt"])
+def test_max_grad_norm_clips_as_clip_grad_norm_does(model):
+    module, args, kwargs = build_step(model)
+    reference = copy.deepcopy(module)
+    max_norm = 0.05
+    budget = _whole_step_budget(module, args, kwargs, "adamw_foreach", max_grad_norm=max_norm)
+    optimizer = _optimizer("adamw_foreach", module)
+    planned = memplan.optimize(module, budget, optimizer=optimizer, max_grad_norm=max_norm, time_limit=5)
+    ref_optimizer = _optimizer("adamw_foreach", reference)
+    peaks = _train(module, planned, optimizer, args, kwargs)
+    _train(reference, reference, ref_optimizer, args, kwargs, clip=max_norm)
+    print(f"{model} clipped: budget {budget} predicted {planned.plan.predicted_peak} measured {peaks} "
+          f"norm {float(planned.grad_norm):.4f} (eager {float(reference.last_norm):.4f})")
+    assert planned.plan.analysis.lowered.updates_after_backward  # the norm needs every gradient first
+    assert reference.last_norm > max_norm  # the clip did something
+    torch.testing.assert_close(planned.grad_norm, reference.last_norm)
+    assert all(p <= budget for p in peaks), (peaks, budget)
+    _assert_same_training(module, reference, optimizer, ref_optimizer)
+    with pytest.raises(ValueError, match="needs optimizer="):
+        memplan.optimize(module, budget, max_grad_norm=1.0)
