@@ -34,7 +34,7 @@ from memplan.capture import (
     swapped_state,
 )
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
-from memplan.optimizer import ParamUpdate
+from memplan.optimizer import STATE_PREFIX, ParamUpdate
 from memplan.output_use import OutputUse
 from memplan.problem import BACKWARD, Lowered, lower, updated_after_reads
 
@@ -167,19 +167,14 @@ def replay_eager_peak_of(cap: Capture, model: torch.nn.Module, args: tuple, kwar
 
 def analyze_capture(
     cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None,
-    updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False,
+    updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False, costs: GraphCosts | None = None,
 ) -> Analysis:
     """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
     ``updates``: the optimizer updates the step applies (`memplan.optimizer`), as soon as each
-    gradient is final or, with ``updates_after_backward``, once all are."""
-    measured = None
-    if measure_on is not None:
-        from memplan.profiling import measure_op_times
-
-        estimate = annotate(cap.graph_module, profile)
-        aliases = {name for name, v in estimate.values.items() if v.alias_of is not None}
-        measured = measure_op_times(cap.graph_module, measure_on, skip=aliases)
-    costs = annotate(cap.graph_module, profile, measured)
+    gradient is final or, with ``updates_after_backward``, once all are. ``costs``: the capture's
+    costs when they are already known (another lowering of the same step)."""
+    if costs is None:
+        costs = _costs(cap, profile, measure_on)
     low = lower(cap, costs, updates=updates, updates_after_backward=updates_after_backward)
     store_all = solvers.solve(low.problem, method="store_all")
     if low.updates:  # the Problem's order may update a parameter before its last read
@@ -204,8 +199,20 @@ def analyze_capture(
         costs=costs,
         lowered=low,
         store_all=store_all,
-        optimizer_state_bytes=sum(u.state_bytes for u in updates),
+        optimizer_state_bytes=sum(d["mem"] for v, d in low.graph.nodes(data=True) if v.startswith(STATE_PREFIX)),
     )
+
+
+def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None) -> GraphCosts:
+    """The capture's costs: the profile's roofline, or each op timed on ``measure_on``."""
+    measured = None
+    if measure_on is not None:
+        from memplan.profiling import measure_op_times
+
+        estimate = annotate(cap.graph_module, profile)
+        aliases = {name for name, v in estimate.values.items() if v.alias_of is not None}
+        measured = measure_op_times(cap.graph_module, measure_on, skip=aliases)
+    return annotate(cap.graph_module, profile, measured)
 
 
 def analyze(

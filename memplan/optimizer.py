@@ -212,19 +212,22 @@ class UpdateRunner(nn.Module):
         self._square_sum = None
         self._clip_coef = None
 
+    def _add_square(self, grad: torch.Tensor) -> None:
+        """Add the squared L2 norm of ``grad`` to the step's running sum (one device scalar)."""
+        square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+        self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
+
     def clip(self, grads: list[torch.Tensor | None]) -> None:
         """With ``max_norm``: every gradient of the step is final; scale them all, in place, as
         ``torch.nn.utils.clip_grad_norm_`` does, before the first update (an exact clip needs
         the norm of all of them). ``grads`` are per slot; skipped slots are left out."""
-        square_sum = None
         for slot, grad in enumerate(grads):
-            if slot in self.skipped or grad is None:
-                continue
-            square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
-            square_sum = square if square_sum is None else square_sum.add_(square)
-        if square_sum is None:
+            if slot not in self.skipped and grad is not None:
+                self._add_square(grad)
+        if self._square_sum is None:
             return
-        total = square_sum.sqrt_()
+        total = self._square_sum.sqrt()
+        self._square_sum = None
         self.grad_norm = total
         self._clip_coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
 
@@ -235,8 +238,7 @@ class UpdateRunner(nn.Module):
         if self._clip_coef is not None:
             grad = grad.mul_(self._clip_coef.to(grad.dtype))
         elif self.track_norm:
-            square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
-            self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
+            self._add_square(grad)
         groups = self.optimizer.param_groups
         held = [g["params"] for g in groups]
         own = self._group_of.get(id(p))

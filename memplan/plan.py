@@ -257,7 +257,8 @@ def make_plan(
         # Updates as soon as each gradient is final (moved after their parameters' last reads) did
         # not fit: their temporaries come while activations are alive. Every update after
         # backward instead, the gradients held to its end, as optimizer.step() after backward().
-        analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward=True)
+        analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward=True,
+                                   costs=analysis.costs)  # the same step: its ops are not timed again
         try:
             plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
         except InfeasibleBudgetError as second:
