@@ -20,7 +20,7 @@ The modules, in pipeline order (a stage imports only from the stages above it;
 pipeline: nothing above imports it but the CLI.
 """
 from memplan.analysis import Analysis, analyze
-from memplan.api import OptimizedModule, WithLoss, optimize, parse_budget
+from memplan.api import LossOutsideWarning, OptimizedModule, WithLoss, optimize, parse_budget
 from memplan.capture import CaptureError
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.measure import measure_peak
@@ -32,6 +32,7 @@ __all__ = [
     "CaptureError",
     "DeviceProfile",
     "InfeasibleBudgetError",
+    "LossOutsideWarning",
     "OptimizedModule",
     "PROFILES",
     "Plan",

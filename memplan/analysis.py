@@ -34,7 +34,7 @@ from memplan.capture import (
     swapped_state,
 )
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
-from memplan.optimizer import STATE_PREFIX, ParamUpdate
+from memplan.optimizer import ACCUM_PREFIX, STATE_PREFIX, ParamUpdate, UpdatePlacement
 from memplan.output_use import OutputUse
 from memplan.problem import BACKWARD, Lowered, lower, updated_after_reads
 
@@ -56,7 +56,15 @@ class Analysis:
     costs: GraphCosts = field(repr=False)
     lowered: Lowered = field(repr=False)
     store_all: "solvers.Solution" = field(repr=False)
-    optimizer_state_bytes: int = 0  # state the optimizer keeps for the parameters it updates in the step
+    optimizer_state_bytes: int = 0  # state the optimizer keeps on the device for the parameters it updates
+    host_optimizer_state_bytes: int = 0  # the state it keeps in host memory (updates there)
+    accumulated_gradient_bytes: int = 0  # gradients held between micro-steps (accumulate_steps > 1)
+    updates: tuple[ParamUpdate, ...] = ()  # what the optimizer's update costs per parameter (learned)
+
+    @property
+    def all_optimizer_state_bytes(self) -> int:
+        """The optimizer's state for the parameters it updates, on the device and in host memory."""
+        return self.optimizer_state_bytes + self.host_optimizer_state_bytes
 
     @property
     def graph_peak(self) -> int:
@@ -167,15 +175,16 @@ def replay_eager_peak_of(cap: Capture, model: torch.nn.Module, args: tuple, kwar
 
 def analyze_capture(
     cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None,
-    updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False, costs: GraphCosts | None = None,
+    updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement(),
+    costs: GraphCosts | None = None,
 ) -> Analysis:
     """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
-    ``updates``: the optimizer updates the step applies (`memplan.optimizer`), as soon as each
-    gradient is final or, with ``updates_after_backward``, once all are. ``costs``: the capture's
-    costs when they are already known (another lowering of the same step)."""
+    ``updates``: the optimizer updates the step applies (`memplan.optimizer`), placed as
+    ``placement`` says. ``costs``: the capture's costs when they are already known (another
+    lowering of the same step)."""
     if costs is None:
         costs = _costs(cap, profile, measure_on)
-    low = lower(cap, costs, updates=updates, updates_after_backward=updates_after_backward)
+    low = lower(cap, costs, updates=updates, placement=placement)
     store_all = solvers.solve(low.problem, method="store_all")
     if low.updates:  # the Problem's order may update a parameter before its last read
         store_all = finish(low.problem, updated_after_reads(low, low.problem, store_all.schedule), "store_all",
@@ -199,8 +208,17 @@ def analyze_capture(
         costs=costs,
         lowered=low,
         store_all=store_all,
-        optimizer_state_bytes=sum(d["mem"] for v, d in low.graph.nodes(data=True) if v.startswith(STATE_PREFIX)),
+        optimizer_state_bytes=_node_bytes(low, STATE_PREFIX),
+        host_optimizer_state_bytes=sum(u.state_bytes for u in updates if u.name in low.host_states
+                                       and u.name in {name for _, _, name in low.updates}),
+        accumulated_gradient_bytes=_node_bytes(low, ACCUM_PREFIX),
+        updates=tuple(updates),
     )
+
+
+def _node_bytes(low: Lowered, prefix: str) -> int:
+    """Bytes of the Problem's nodes named with ``prefix`` (the optimizer's sources)."""
+    return sum(d["mem"] for v, d in low.graph.nodes(data=True) if v.startswith(prefix))
 
 
 def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None) -> GraphCosts:

@@ -18,9 +18,9 @@ import torch.utils._pytree as pytree
 from memplan.capture import InputSignature
 from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
-from memplan.optimizer import check_optimizer
+from memplan.optimizer import Accumulation, check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
-from memplan.plan import InfeasibleBudgetError, Plan, make_plan
+from memplan.plan import OPTIMIZER_STATES, InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
@@ -83,6 +83,15 @@ def held_gradient_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
+# A loss computed outside the module from outputs this large a share of the budget is worth a warning.
+LOSS_OUTSIDE_FRACTION = 0.05
+
+
+class LossOutsideWarning(UserWarning):
+    """The loss is computed outside the optimized module, from outputs large enough that its
+    memory (not in the plan) can take the step over the budget."""
+
+
 class OptimizedModule(nn.Module):
     """An ``nn.Module`` that trains like ``model`` under a device-memory budget.
 
@@ -105,7 +114,7 @@ class OptimizedModule(nn.Module):
     ):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
-                                  "max_grad_norm"}
+                                  "max_grad_norm", "optimizer_state", "accumulate_steps"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
@@ -120,11 +129,22 @@ class OptimizedModule(nn.Module):
         self.max_grad_norm = options.pop("max_grad_norm", None)
         if self.max_grad_norm is not None and self.optimizer is None:
             raise ValueError("memplan.optimize: max_grad_norm= clips before memplan's updates; it needs optimizer=")
+        # optimizer_state="auto" | "device" | "host": where the optimizer's state lives (auto: on the
+        # device, in host memory for as many parameters as the budget needs).
+        self.optimizer_state = options.pop("optimizer_state", "auto")
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            raise ValueError(f"memplan.optimize: optimizer_state={self.optimizer_state!r}; give one of "
+                             f"{', '.join(map(repr, OPTIMIZER_STATES))}")
+        # accumulate_steps=k: update once every k backward passes, the gradients added up in .grad between.
+        steps = options.pop("accumulate_steps", 1)
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"memplan.optimize: accumulate_steps={steps!r}; give a positive int")
+        if steps > 1 and self.optimizer is None:
+            raise ValueError("memplan.optimize: accumulate_steps= counts steps between memplan's updates; it needs "
+                             "optimizer= (without one, accumulate as usual: gradients held in .grad are planned for)")
+        self.accumulation = Accumulation(steps)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
-            if self.saved_plan is not None:
-                raise ValueError("memplan.optimize: a saved plan (plan=) cannot be combined with optimizer= yet; "
-                                 "plan the step with the optimizer instead")
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -144,6 +164,7 @@ class OptimizedModule(nn.Module):
         # assumes; or None once a step broke such an assumption: the use varies, and these
         # inputs keep the plan that assumes nothing.
         self._output_use: dict[InputSignature, OutputUse | None] = {}
+        self._warned_loss_outside = False
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -247,6 +268,7 @@ class OptimizedModule(nn.Module):
 
         A new assumption is taken up only where it concerns outputs worth re-planning for: at
         least ``REPLAN_FRACTION`` of the plan's peak (a logits tensor, not a scalar loss)."""
+        self._check_loss_inside(plan, missing)
         arrived = planned.no_grad - missing
         kept = planned.dropped - dropped
         if arrived or kept:
@@ -276,6 +298,30 @@ class OptimizedModule(nn.Module):
         sizes = output_bytes(plan.analysis.capture, plan.analysis.costs)
         if sum(sizes[i] for i in changed) >= REPLAN_FRACTION * plan.predicted_peak:
             self._output_use[sig] = learned
+
+    def _check_loss_inside(self, plan: Plan, missing: frozenset[int]) -> None:
+        """Warn once when the loss is computed outside the module from outputs that hold a
+        significant share of the budget (``LOSS_OUTSIDE_FRACTION``): the caller's graph between
+        them and the loss is not in the plan. A cross-entropy over logits saves a log-softmax
+        as large as the logits, so the step can exceed the budget by about the outputs' bytes."""
+        if self._warned_loss_outside:
+            return
+        cap = plan.analysis.capture
+        sizes = output_bytes(cap, plan.analysis.costs)
+        given = [i for i, needs in enumerate(cap.user_requires_grad) if needs and i not in missing]
+        outside = sum(sizes[i] for i in given)
+        if outside < LOSS_OUTSIDE_FRACTION * self.budget:
+            return
+        self._warned_loss_outside = True
+        warnings.warn(
+            f"memplan: backward came from outside the optimized module, through {format_bytes(outside)} of its "
+            f"outputs ({outside / self.budget:.0%} of the {format_bytes(self.budget)} budget). What the caller "
+            "computes from them (a loss over logits saves tensors as large as the logits) is not in the plan, "
+            "and the step can go over the budget by about that much. Put the loss inside the plan: "
+            "memplan.optimize(memplan.WithLoss(model, loss_fn), budget).",
+            LossOutsideWarning,
+            stacklevel=3,
+        )
 
     def _make_entry(self, args: tuple, kwargs: dict, held: int,
                     use: OutputUse) -> tuple[Plan, Program, list[str], list[str]]:
@@ -316,7 +362,9 @@ class OptimizedModule(nn.Module):
         offload = device.type == "cuda" if offload is None else bool(offload)
         if self.saved_plan is not None:
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
-                                        measure_on=measure_on)
+                                        measure_on=measure_on, optimizer=self.optimizer,
+                                        grad_norm=self.track_grad_norm, max_grad_norm=self.max_grad_norm,
+                                        accumulation=self.accumulation)
         return make_plan(
             model,
             args,
@@ -332,6 +380,8 @@ class OptimizedModule(nn.Module):
             grad_norm=self.track_grad_norm,
             updates_after_backward=self.updates_after_backward,
             max_grad_norm=self.max_grad_norm,
+            optimizer_state=self.optimizer_state,
+            accumulation=self.accumulation,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -339,12 +389,19 @@ class OptimizedModule(nn.Module):
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
             # Inference: nothing is saved for backward, there is nothing to plan.
             return model(*args, **kwargs)
-        plan, program, param_names, buffer_names = self._entry(args, kwargs, held_gradient_bytes(model))
+        # With accumulation, the gradients .grad holds between micro-steps are the plan's own (its
+        # accumulation buffers), not an earlier step's to plan around.
+        own = self.optimizer is not None and self.accumulation.steps > 1
+        held = 0 if own else held_gradient_bytes(model)
+        plan, program, param_names, buffer_names = self._entry(args, kwargs, held)
         params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())
         buffers = [buffers_by_name[n] for n in buffer_names]
         inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         primals = [params[n] for n in param_names] + buffers + inputs
+        if program.updater is not None:
+            # before forward allocates: a resume (load_state_dict) may have put host state on the device
+            program.updater.place_state()
         outputs = run_program(program, buffers, primals)
         return plan.analysis.capture.output_tree.rebuild(list(outputs), primals)
 

@@ -52,10 +52,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memplan.costs import DeviceProfile
-from memplan.measure import MemoryTracker, unmeasured
+from memplan.costs import PROFILES, DeviceProfile
+from memplan.measure import MemoryTracker, host_storage, is_host, unmeasured
 
-STATE_PREFIX = "optstate:"  # a parameter's optimizer state: a source of the Problem
+STATE_PREFIX = "optstate:"  # a parameter's optimizer state on the device: a source of the Problem
+ACCUM_PREFIX = "accum:"  # a parameter's accumulated gradient (accumulate_steps > 1): a source too
 UPDATE_PREFIX = "update:"  # applying the optimizer to one parameter (its temporaries are the value)
 UPDATED_SUFFIX = "@updated"  # the update's result: a zero-byte sink, so every update runs
 GRADS_FINAL = "__grads_final__"  # every gradient of the step is final: updates may start
@@ -77,6 +78,20 @@ class ParamUpdate:
     state_bytes: int  # optimizer state kept for it, on its device
     temp_bytes: int  # allocated while its update runs, freed when it ends
     time: float  # seconds, roofline of the update's memory traffic
+    grad_bytes: int = 0  # its gradient (parameter-shaped): what accumulating it holds between micro-steps
+    # seconds to update it on the host instead: gradient and parameter copied out, the host
+    # optimizer's traffic, the parameter copied back (not overlapped with device work)
+    host_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class UpdatePlacement:
+    """Where a step's optimizer updates run and where their state lives: one point of what
+    `memplan.plan.make_plan` chooses among (and the user may fix)."""
+
+    after_backward: bool = False  # every update waits for all gradients (else each for its own)
+    host: frozenset[str] = frozenset()  # parameters whose state is in host memory, updated there
+    accumulate_steps: int = 1  # micro-steps per update; > 1 holds an accumulated gradient each
 
 
 @dataclass(frozen=True)
@@ -158,9 +173,34 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 param_bytes = numel * p.element_size()
                 # Read parameter, gradient and state; write parameter and state.
                 moved = 3 * param_bytes + 2 * state
+                on_host = (profile.transfer_time(3 * param_bytes)
+                           + HOST_PROFILE.op_time(10.0 * numel, moved))
                 out.append(ParamUpdate(primal_of[names[id(p)]], names[id(p)], state, temp,
-                                       profile.op_time(10.0 * numel, moved)))
+                                       profile.op_time(10.0 * numel, moved), param_bytes, on_host))
     return out
+
+
+# The host's throughput for updates computed there (optimizer_state="host"); `profile=True`
+# does not time it yet: a GPU session measures ZeRO-Offload-style updates.
+HOST_PROFILE = PROFILES["cpu"]
+
+
+def host_updates(updates: list[ParamUpdate], need: int) -> frozenset[str]:
+    """The parameters whose optimizer state moves to host memory to free at least ``need`` bytes
+    of the device (all of them if that is not enough).
+
+    The state is resident all step, so each byte moved lowers the whole-step peak by a byte at
+    every moment, and a host update's time grows with the parameter's size, as the bytes do:
+    taking the largest states first moves the fewest parameters for the bytes."""
+    chosen: list[str] = []
+    freed = 0
+    for u in sorted(updates, key=lambda u: (-u.state_bytes, u.name)):
+        if freed >= need:
+            break
+        if u.state_bytes > 0:
+            chosen.append(u.name)
+            freed += u.state_bytes
+    return frozenset(chosen)
 
 
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:
@@ -177,19 +217,45 @@ def check_optimizer(optimizer: Any, model: nn.Module) -> None:
         )
 
 
+@dataclass
+class Accumulation:
+    """Gradient accumulation over ``steps`` micro-steps (``optimize(..., accumulate_steps=k)``):
+    the optimizer updates at the last backward of every ``steps``; the earlier ones add their
+    gradients into ``.grad``, as eager autograd does. Shared by every plan of one module, so
+    that the count runs across input signatures."""
+
+    steps: int = 1
+    done: int = 0  # backward passes of the current cycle already finished
+
+    @property
+    def final(self) -> bool:
+        """Whether the backward running now is the one that updates."""
+        return self.done + 1 >= self.steps
+
+    def advance(self) -> None:
+        self.done = 0 if self.final else self.done + 1
+
+
 class UpdateRunner(nn.Module):
     """Applies the user's optimizer to one parameter at a time, from inside the planned backward.
 
-    With ``max_norm`` the backward calls `clip` first, at ``GRADS_FINAL``, with every gradient."""
+    With ``max_norm`` the backward calls `clip` first, at ``GRADS_FINAL``, with every gradient.
+    ``host_slots``: the parameters whose optimizer state lives in host memory; their update runs
+    there (gradient and parameter copied out, the parameter copied back), ZeRO-Offload style.
+    ``accumulation``: update only at the last of its micro-steps (`Accumulation`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], track_norm: bool = False,
-                 max_norm: float | None = None) -> None:
+                 max_norm: float | None = None, host_slots: frozenset[int] = frozenset(),
+                 accumulation: Accumulation | None = None) -> None:
         super().__init__()
         self.optimizer = optimizer
         object.__setattr__(self, "params", params)  # not registered: the model owns them
         self.track_norm = track_norm or max_norm is not None
         self.max_norm = max_norm
+        self.host_slots = host_slots
+        self.accumulation = accumulation or Accumulation()
         self._clip_coef: torch.Tensor | None = None
+        self._totals: dict[int, torch.Tensor] = {}  # accumulated gradients `clip` folded in already
         self.skipped: frozenset[int] = frozenset()
         self._square_sum: torch.Tensor | None = None
         self._group_of: dict[int, int] = {}
@@ -202,25 +268,73 @@ class UpdateRunner(nn.Module):
         self.skipped = skipped
         self._square_sum = None
         self._clip_coef = None
+        self._totals = {}
         self._group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+
+    def place_state(self) -> None:
+        """Move each parameter's optimizer state to the memory this plan keeps it in.
+
+        ``optimizer.load_state_dict`` casts all state to its parameter's device, and another
+        input signature's plan may have placed a parameter's state elsewhere: either would break
+        this plan's budget, so the placement is restored before each step's forward (a check
+        per parameter when nothing moved)."""
+        state = self.optimizer.state
+        for slot, p in enumerate(self.params):
+            held = state.get(p)
+            if not held:
+                continue
+            on_host = slot in self.host_slots
+            for key, value in list(held.items()):
+                if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+                    continue
+                if on_host and not _in_host_memory(value, p):
+                    held[key] = _to_host(value)
+                elif not on_host and _in_host_memory(value, p) and value.shape == p.shape:
+                    # Per-element state only: scalars such as Adam's ``step`` stay where the
+                    # optimizer itself keeps them (on the CPU unless capturable or fused).
+                    held[key] = value.to(p.device, copy=True)
 
     def finish(self) -> None:
         """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients
         (before clipping, as ``clip_grad_norm_`` returns it)."""
-        if self.track_norm and self.max_norm is None:
+        if self.track_norm and self.max_norm is None and self.accumulation.final:
             self.grad_norm = None if self._square_sum is None else self._square_sum.sqrt()
         self._square_sum = None
         self._clip_coef = None
+        self.accumulation.advance()
 
     def _add_square(self, grad: torch.Tensor) -> None:
         """Add the squared L2 norm of ``grad`` to the step's running sum (one device scalar)."""
         square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
         self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
 
+    def _accumulated(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` added into the parameter's ``.grad`` as eager autograd accumulates it. At the
+        updating micro-step the sum is handed back (and ``.grad`` left at None); before it, the
+        sum stays in ``.grad`` and None is returned (nothing to update yet)."""
+        p = self.params[slot]
+        with torch.no_grad():
+            if p.grad is None:
+                # Keep the gradient itself where its layout is the parameter's, as AccumulateGrad does.
+                p.grad = grad if grad.stride() == p.stride() else torch.empty_like(p).copy_(grad)
+            else:
+                p.grad.add_(grad)
+        if not self.accumulation.final:
+            return None
+        total, p.grad = p.grad, None
+        return total
+
     def clip(self, grads: list[torch.Tensor | None]) -> None:
         """With ``max_norm``: every gradient of the step is final; scale them all, in place, as
         ``torch.nn.utils.clip_grad_norm_`` does, before the first update (an exact clip needs
-        the norm of all of them). ``grads`` are per slot; skipped slots are left out."""
+        the norm of all of them). ``grads`` are per slot; skipped slots are left out. With
+        accumulation, the norm is that of the accumulated gradients, at the updating micro-step."""
+        if not self.accumulation.final:
+            return
+        if self.accumulation.steps > 1:
+            self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
+                            if slot not in self.skipped and grad is not None}
+            grads = [self._totals.get(slot) for slot in range(len(grads))]
         for slot, grad in enumerate(grads):
             if slot not in self.skipped and grad is not None:
                 self._add_square(grad)
@@ -235,23 +349,73 @@ class UpdateRunner(nn.Module):
         if slot in self.skipped:
             return
         p = self.params[slot]
+        if self.accumulation.steps > 1:
+            if slot in self._totals:  # folded in already, by `clip`
+                grad = self._totals.pop(slot)
+            else:
+                total = self._accumulated(slot, grad)
+                if total is None:
+                    return
+                grad = total
         if self._clip_coef is not None:
             grad = grad.mul_(self._clip_coef.to(grad.dtype))
         elif self.track_norm:
             self._add_square(grad)
+        if slot in self.host_slots:
+            self._step_on_host(p, grad)
+        else:
+            self._step(p, p, grad)
+
+    def _step(self, p: nn.Parameter, target: torch.Tensor, grad: torch.Tensor) -> None:
+        """Step the optimizer on ``target`` alone (``p`` itself, or its host copy), with ``grad``;
+        ``p``'s group's hyperparameters, read now."""
         groups = self.optimizer.param_groups
         held = [g["params"] for g in groups]
         own = self._group_of.get(id(p))
-        p.grad = grad
+        target.grad = grad
         try:
             # Only this parameter's group sees it: the others step over nothing.
             for gi, g in enumerate(groups):
-                g["params"] = [p] if gi == own else []
+                g["params"] = [target] if gi == own else []
             self.optimizer.step()
         finally:
             for g, ps in zip(groups, held):
                 g["params"] = ps
-            p.grad = None
+            target.grad = None
+
+    def _step_on_host(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Update ``p`` with its state in host memory: a host copy of the parameter takes the
+        step (under its key in ``optimizer.state`` for the moment, so the optimizer finds and
+        creates the state there) and is copied back into the device parameter."""
+        state = self.optimizer.state
+        with host_storage(), torch.no_grad():
+            work = _to_host(p.detach())
+            host_grad = _to_host(grad)
+            if p in state:
+                state[work] = state.pop(p)
+            try:
+                self._step(p, work, host_grad)
+            finally:
+                if work in state:
+                    state[p] = state.pop(work)
+        with torch.no_grad():
+            p.copy_(work)
+
+
+def _in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether optimizer state ``t`` of parameter ``p`` is in host memory: on the CPU beside a
+    device parameter, or (a CPU "device", in tests) in a storage marked as host."""
+    return (t.device.type == "cpu" and p.device.type != "cpu") or is_host(t)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (pinned beside a CUDA device, so copies back can overlap)."""
+    with host_storage():
+        if t.device.type == "cuda":
+            out = torch.empty_like(t, device="cpu", pin_memory=True)
+            out.copy_(t)
+            return out
+        return t.to("cpu", copy=True)
 
 
 class GradClip(nn.Module):

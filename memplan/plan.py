@@ -5,6 +5,7 @@ capture -> costs -> Problem -> solver -> Program.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from solvers.core.sequence import tighten_frees
 from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
-from memplan.optimizer import UpdateRunner, learn_updates
+from memplan.optimizer import Accumulation, UpdatePlacement, UpdateRunner, host_updates, learn_updates
 from memplan.output_use import OutputUse
 from memplan.planformat import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.problem import BACKWARD, is_reference, updated_after_reads
@@ -125,6 +126,9 @@ class Plan:
             num_params=count_params(cap),
             schedule=self.schedule,
             output_use=cap.output_use,
+            **({"placement": self.analysis.lowered.placement,
+                "optimizer_state_bytes": self.analysis.all_optimizer_state_bytes}
+               if self.analysis.lowered.updates else {}),
         )
 
     def save(self, path: str | Path) -> None:
@@ -153,11 +157,20 @@ class Plan:
             f"({format_bytes(offloaded)})",
         ]
         if a.lowered.updates:
-            when = ("once every gradient is final" if a.lowered.updates_after_backward
+            low = a.lowered
+            when = ("once every gradient is final" if low.updates_after_backward
                     else "as soon as its gradient is final and its last read done")
-            lines.append(f"  optimizer        {len(a.lowered.updates)} parameters updated in backward, each {when}, "
+            lines.append(f"  optimizer        {len(low.updates)} parameters updated in backward, each {when}, "
                          f"its gradient freed; {format_bytes(a.optimizer_state_bytes)} of optimizer state on the "
                          "device, in the budget")
+            if low.host_states:
+                lines.append(f"  host updates     {len(low.host_states)} of them keep their state in host memory "
+                             f"({format_bytes(a.host_optimizer_state_bytes)}) and are updated there: gradient and "
+                             "parameter copied out, the parameter copied back")
+            if low.placement.accumulate_steps > 1:
+                lines.append(f"  accumulation     updates every {low.placement.accumulate_steps} steps; "
+                             f"{format_bytes(a.accumulated_gradient_bytes)} of accumulated gradients held "
+                             "between them, in the budget")
         if a.capture.output_use:
             lines.append(f"  outputs          {a.capture.output_use.describe()} (seen at an earlier backward, "
                          "or assumed where only such a plan fits)")
@@ -231,6 +244,8 @@ def make_plan(
     grad_norm: bool = False,
     updates_after_backward: bool = False,
     max_grad_norm: float | None = None,
+    optimizer_state: str = "auto",
+    accumulation: Accumulation | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -241,42 +256,99 @@ def make_plan(
     in the budget (:mod:`memplan.optimizer`); ``grad_norm``: keep the norm of the gradients it applies;
     ``updates_after_backward``: every update after backward, not as soon as its gradient is final
     (which is tried first otherwise, and left for this where it does not fit); ``max_grad_norm``:
-    clip the gradients' global norm to it before the updates (which then come after backward).
+    clip the gradients' global norm to it before the updates (which then come after backward);
+    ``optimizer_state``: "device", "host" (every parameter's state in host memory, updated
+    there) or "auto" (on the device, and in host memory for as many parameters as the budget
+    needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps.
     """
-    updates_after_backward = updates_after_backward or max_grad_norm is not None
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r}: give one of {', '.join(OPTIMIZER_STATES)}")
     cap = capture(model, args, kwargs, output_use=output_use)
     primal_names = [p.name for p in cap.primals]
     updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
     eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
-    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward)
-    try:
-        plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
-    except (solvers.ScheduleError, InfeasibleBudgetError) as first:
-        if not updates or updates_after_backward:
-            raise
-        # Updates as soon as each gradient is final (moved after their parameters' last reads) did
-        # not fit: their temporaries come while activations are alive. Every update after
-        # backward instead, the gradients held to its end, as optimizer.step() after backward().
-        analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, updates_after_backward=True,
-                                   costs=analysis.costs)  # the same step: its ops are not timed again
-        try:
-            plan = solve_plan(analysis, budget, solver=solver, time_limit=time_limit, offload=offload)
-        except InfeasibleBudgetError as second:
-            if isinstance(first, InfeasibleBudgetError) and first.min_budget < second.min_budget:
-                raise first from None
-            raise
-    return plan, build_program(cap, analysis.lowered, plan.schedule,
-                                     update_runner(analysis, model, optimizer, grad_norm, max_grad_norm))
+    steps = accumulation.steps if accumulation is not None else 1
+    first = UpdatePlacement(after_backward=updates_after_backward or max_grad_norm is not None,
+                            host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
+                            accumulate_steps=steps)
+    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first)
+    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto", solver=solver,
+                            time_limit=time_limit, offload=offload)
+    runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
+    return plan, build_program(cap, plan.analysis.lowered, plan.schedule, runner)
+
+
+def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, **solve_options) -> Plan:
+    """`solve_plan` for a step with optimizer updates: the first placement of them that fits
+    (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
+    lowered again (its costs reused). ``solve_options``: `solve_plan`'s."""
+    if not analysis.updates:
+        return solve_plan(analysis, budget, **solve_options)
+
+    def solve_for(placement: UpdatePlacement) -> Plan:
+        if placement == analysis.lowered.placement:
+            again = analysis
+        else:
+            again = analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
+                                    placement, costs=analysis.costs)
+        return solve_plan(again, budget, **solve_options)
+
+    return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state)
+
+
+OPTIMIZER_STATES = ("auto", "device", "host")
+
+
+def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
+                    may_move_state: bool) -> Plan:
+    """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
+
+    1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
+    2. the same with every update after backward: updates in backward that do not fit bring
+       their temporaries while activations are alive; after backward the gradients are held
+       to its end instead, as ``optimizer.step()`` after ``backward()``;
+    3. with ``may_move_state``, the optimizer state of more parameters in host memory, the
+       largest first (`memplan.optimizer.host_updates`), as many bytes as the last attempt's
+       smallest plan was over the budget, then 1 and 2 again; until all state is there.
+
+    ``solve_for(placement)`` solves the step in one placement (raising `InfeasibleBudgetError`).
+    Recomputation is preferred to host updates: a host update costs a parameter's round trip
+    over the host link and the host's much lower throughput on every step."""
+    placement = first
+    best: InfeasibleBudgetError | None = None  # the lowest minimum of the placements tried
+    while True:
+        tries = [placement] if placement.after_backward or not updates else [
+            placement, dataclasses.replace(placement, after_backward=True)]
+        errors: list[Exception] = []
+        for attempt in tries:
+            try:
+                return solve_for(attempt)
+            except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
+                errors.append(exc)
+        infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
+        if not infeasible:
+            raise errors[-1]
+        closest = min(infeasible, key=lambda e: e.min_budget)
+        if best is None or closest.min_budget < best.min_budget:
+            best = closest
+        on_device = [u for u in updates if u.name not in placement.host]
+        more = host_updates(on_device, closest.min_budget - budget) if may_move_state else frozenset()
+        if not more:
+            raise best from None
+        placement = dataclasses.replace(placement, host=placement.host | more)
 
 
 def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  grad_norm: bool = False, max_grad_norm: float | None = None) -> UpdateRunner | None:
+                  grad_norm: bool = False, max_grad_norm: float | None = None,
+                  accumulation: Accumulation | None = None) -> UpdateRunner | None:
     """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
-    if optimizer is None or not analysis.lowered.updates:
+    low = analysis.lowered
+    if optimizer is None or not low.updates:
         return None
     params = dict(model.named_parameters())
-    return UpdateRunner(optimizer, [params[name] for _, _, name in analysis.lowered.updates], grad_norm,
-                        max_grad_norm)
+    host = frozenset(slot for slot, (_, _, name) in enumerate(low.updates) if name in low.host_states)
+    return UpdateRunner(optimizer, [params[name] for _, _, name in low.updates], grad_norm, max_grad_norm,
+                        host, accumulation)
 
 
 def host_bandwidth(analysis: Analysis) -> float:

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 import solvers
+from memplan.optimizer import UpdatePlacement
 from memplan.output_use import OutputUse
 
 if TYPE_CHECKING:
@@ -117,6 +118,14 @@ def record_to_json(record: dict[str, Any]) -> str:
         "dropped_outputs": sorted(record["output_use"].dropped),
         "schedule": record["schedule"].to_list(),
     }
+    placement = record.get("placement")
+    if placement is not None:  # a whole-step plan: where the optimizer's updates run, what state they keep
+        data["optimizer"] = {
+            "state_bytes": record["optimizer_state_bytes"],
+            "after_backward": placement.after_backward,
+            "host": sorted(placement.host),
+            "accumulate_steps": placement.accumulate_steps,
+        }
     return json.dumps(data, indent=1)
 
 
@@ -151,6 +160,20 @@ def record_from_json(text: str, where: str = "document") -> dict[str, Any]:
             schedule=solvers.Schedule.from_list(data["schedule"]),
             output_use=OutputUse(frozenset(int(i) for i in data.get("no_grad_outputs", [])),
                                  frozenset(int(i) for i in data.get("dropped_outputs", []))),
+            **_optimizer_fields(data.get("optimizer")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanMismatchError(f"{where} is a damaged memplan plan: {type(exc).__name__}: {exc}") from None
+
+
+def _optimizer_fields(data: dict | None) -> dict[str, Any]:
+    """The record's whole-step fields from a document's ``optimizer`` entry (absent: a plan
+    made without an optimizer)."""
+    if data is None:
+        return {}
+    return dict(
+        placement=UpdatePlacement(after_backward=bool(data["after_backward"]),
+                                  host=frozenset(str(n) for n in data.get("host", [])),
+                                  accumulate_steps=int(data.get("accumulate_steps", 1))),
+        optimizer_state_bytes=int(data["state_bytes"]),
+    )

@@ -18,7 +18,8 @@ from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import Capture, capture
 from memplan.costs import DeviceProfile
 from memplan.output_use import OutputUse
-from memplan.plan import Plan, plan_from_schedule
+from memplan.optimizer import Accumulation, UpdatePlacement, learn_updates
+from memplan.plan import Plan, plan_from_schedule, update_runner
 from memplan.planformat import (
     PlanMismatchError,
     count_params,
@@ -51,6 +52,9 @@ class SavedPlan:
     schedule: "solvers.Schedule"
     path: str | None = None
     output_use: OutputUse = field(default_factory=OutputUse)  # what the plan assumed about the outputs
+    # A whole-step plan (made with optimizer=): where its updates run and the state they keep.
+    placement: UpdatePlacement | None = None
+    optimizer_state_bytes: int = 0
 
     def to_json(self) -> str:
         """The plan as the JSON document ``Plan.save`` writes (:mod:`memplan.planformat`)."""
@@ -138,13 +142,51 @@ def make_plan_from_saved(
     *,
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: bool = False,
+    max_grad_norm: float | None = None,
+    accumulation: Accumulation | None = None,
 ) -> tuple[Plan, Program]:
-    """The counterpart of :func:`memplan.plan.make_plan` that reuses ``saved`` instead of solving."""
+    """The counterpart of :func:`memplan.plan.make_plan` that reuses ``saved`` instead of solving.
+
+    A whole-step plan needs the optimizer it was made with (the same state bytes, learned
+    again) and the same accumulation; its updates run where it placed them."""
+    where = saved.path or "the saved plan"
+    _check_whole_step(saved, where, optimizer, max_grad_norm, accumulation)
     try:
         cap = capture(model, args, kwargs, output_use=saved.output_use)
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
-        raise PlanMismatchError(f"{saved.path or 'the saved plan'} was made for a different model: {exc}") from None
+        raise PlanMismatchError(f"{where} was made for a different model: {exc}") from None
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
-    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on)
+    updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile) if optimizer is not None else []
+    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on,
+                               updates, saved.placement or UpdatePlacement())
+    if optimizer is not None and analysis.all_optimizer_state_bytes != saved.optimizer_state_bytes:
+        raise PlanMismatchError(
+            f"{where} was made for an optimizer that keeps {format_bytes(saved.optimizer_state_bytes)} of state; "
+            f"{type(optimizer).__name__} keeps {format_bytes(analysis.all_optimizer_state_bytes)} for this model: "
+            "pass the optimizer the plan was made with, or re-plan"
+        )
     plan = saved.bind(analysis, budget)
-    return plan, build_program(cap, analysis.lowered, plan.schedule)
+    runner = update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
+    return plan, build_program(cap, analysis.lowered, plan.schedule, runner)
+
+
+def _check_whole_step(saved: SavedPlan, where: str, optimizer: torch.optim.Optimizer | None,
+                      max_grad_norm: float | None, accumulation: Accumulation | None) -> None:
+    """Raise :class:`PlanMismatchError` unless the step's optimizer options are those ``saved`` was made for."""
+    if saved.placement is None:
+        if optimizer is not None:
+            raise PlanMismatchError(f"{where} was made without an optimizer; re-plan with optimizer= to put its "
+                                    "state and update in the budget")
+        return
+    if optimizer is None:
+        raise PlanMismatchError(f"{where} plans the whole step with an optimizer's updates: pass optimizer= "
+                                "(the one it was made with)")
+    steps = accumulation.steps if accumulation is not None else 1
+    if steps != saved.placement.accumulate_steps:
+        raise PlanMismatchError(f"{where} was made for accumulate_steps={saved.placement.accumulate_steps}, "
+                                f"not {steps}")
+    if max_grad_norm is not None and not saved.placement.after_backward:
+        raise PlanMismatchError(f"{where} updates in backward, before every gradient is known: it cannot clip "
+                                "the global norm (max_grad_norm=); re-plan with max_grad_norm")

@@ -42,7 +42,15 @@ import solvers
 from solvers.transforms.ordering import after_last_reads
 from memplan.capture import Capture
 from memplan.costs import GraphCosts, value_device
-from memplan.optimizer import GRADS_FINAL, STATE_PREFIX, UPDATE_PREFIX, UPDATED_SUFFIX, ParamUpdate
+from memplan.optimizer import (
+    ACCUM_PREFIX,
+    GRADS_FINAL,
+    STATE_PREFIX,
+    UPDATE_PREFIX,
+    UPDATED_SUFFIX,
+    ParamUpdate,
+    UpdatePlacement,
+)
 
 BACKWARD = "__backward__"
 START = "__start__"
@@ -72,7 +80,16 @@ class Lowered:
     # Per parameter the optimizer updates (`memplan.optimizer`): (its update node, the gradient that
     # update applies, the parameter's name in the model); an update's slot is its position here.
     updates: list[tuple[str, str, str]] = field(default_factory=list)
-    updates_after_backward: bool = False  # every update waits for all gradients (else each for its own)
+    placement: UpdatePlacement = UpdatePlacement()  # where the updates run, where their state lives
+
+    @property
+    def updates_after_backward(self) -> bool:
+        return self.placement.after_backward
+
+    @property
+    def host_states(self) -> frozenset[str]:
+        """Parameters (model names) whose optimizer state is in host memory, updated there."""
+        return self.placement.host if self.updates else frozenset()
 
     @property
     def parameter_writes(self) -> dict[str, str]:
@@ -141,10 +158,11 @@ def _reads_overwritten(node: fx.Node, costs: GraphCosts, overwritten: set[int]) 
 
 
 def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
-          updates: Sequence[ParamUpdate] = (), updates_after_backward: bool = False) -> Lowered:
+          updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement()) -> Lowered:
     """Build the Problem for ``cap`` with the per-value costs in ``costs``; ``updates``: the
-    optimizer updates the step applies (`memplan.optimizer`), with the state they keep, each
-    as soon as its gradient is final or, with ``updates_after_backward``, once all are."""
+    optimizer updates the step applies (`memplan.optimizer`), with the state they keep, placed
+    as ``placement`` says (each as soon as its gradient is final, or once all are; state on
+    the device or in host memory)."""
     gm = cap.graph_module
     out_nodes = cap.output_nodes()
     placeholders = cap.placeholders()
@@ -261,7 +279,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
             G.add_edge(name + RETURNED_SUFFIX, BACKWARD)
     for t in tangent_nodes:
         fx_map[t.name] = t
-    G, update_nodes = _add_updates(G, cap, primal_nodes, updates, updates_after_backward)
+    G, update_nodes = _add_updates(G, cap, primal_nodes, updates, placement)
     # Bookkeeping values (the backward barrier, generator states) have no tensor the runtime could copy.
     for name in G.nodes:
         if name not in fx_map:
@@ -275,25 +293,29 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
         sources=[n.name for n in primal_nodes],
         rng_of=rng_of,
         updates=update_nodes,
-        updates_after_backward=updates_after_backward,
+        placement=placement,
     )
 
 
 def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updates: Sequence[ParamUpdate],
-                 after_backward: bool) -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
+                 placement: UpdatePlacement) -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
     """``G`` with the optimizer's state and updates; and (update node, gradient, parameter name)
     per update.
 
-    The state is a source (resident all step, as across steps). An update reads its gradient,
-    the parameter and the state; its value is the temporaries it allocates, read at once by a
-    zero-byte sink so that every update runs. An update overwrites its parameter, which no
-    computation may read after it. With ``after_backward`` every update waits for
-    ``GRADS_FINAL``, which reads every sink of the step, so nothing can. Otherwise each update
-    comes right after its gradient in the Problem's order, and `updated_after_reads` moves the
-    ones a schedule places too early.
+    Device state is a source (resident all step, as across steps). An update reads its gradient,
+    the parameter and the state; its value is the temporaries it allocates on the device, read at
+    once by a zero-byte sink so that every update runs. A parameter whose state is in host
+    memory has no state node and an update with no device temporaries, costing the host's time.
+    With accumulation, each parameter's accumulated gradient is a source the update reads: held
+    all step, as from the second micro-step on (less is held before it, and after the update).
+    An update overwrites its parameter, which no computation may read after it. With
+    ``after_backward`` every update waits for ``GRADS_FINAL``, which reads every sink of the
+    step, so nothing can. Otherwise each update comes right after its gradient in the Problem's
+    order, and `updated_after_reads` moves the ones a schedule places too early.
     """
     if not updates:
         return G, []
+    after_backward = placement.after_backward
     grad_of = {info.index: node.name for info, node in zip(cap.outputs, cap.output_nodes())
                if info.kind == "grad" and isinstance(node, fx.Node)}
     if after_backward:
@@ -307,10 +329,17 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         if grad is None:
             continue  # no gradient reaches this parameter: eager's optimizer skips it too
         param = primal_nodes[u.primal].name
-        state, update = STATE_PREFIX + param, UPDATE_PREFIX + param
-        G.add_node(state, mem=u.state_bytes, cost=0.0, recomputable=False)
-        G.add_node(update, mem=u.temp_bytes, cost=u.time, recomputable=False)
-        G.add_edges_from([(grad, update), (param, update), (state, update)])
+        update = UPDATE_PREFIX + param
+        on_host = u.name in placement.host
+        G.add_node(update, mem=0 if on_host else u.temp_bytes, cost=u.host_time if on_host else u.time,
+                   recomputable=False)
+        G.add_edges_from([(grad, update), (param, update)])
+        if not on_host:
+            G.add_node(STATE_PREFIX + param, mem=u.state_bytes, cost=0.0, recomputable=False)
+            G.add_edge(STATE_PREFIX + param, update)
+        if placement.accumulate_steps > 1:
+            G.add_node(ACCUM_PREFIX + param, mem=u.grad_bytes, cost=0.0, recomputable=False)
+            G.add_edge(ACCUM_PREFIX + param, update)
         if after_backward:
             G.add_edge(GRADS_FINAL, update)
         G.add_node(update + UPDATED_SUFFIX, mem=0, cost=0.0, recomputable=False)
@@ -321,7 +350,7 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         return G, out
     # The Problem's order is G's insertion order: the states first, with the other sources (the
     # coarsening takes every source to come before what reads it), each update right after its gradient.
-    states = [v for v in G.nodes if v.startswith(STATE_PREFIX)]
+    states = [v for v in G.nodes if v.startswith((STATE_PREFIX, ACCUM_PREFIX))]
     moved = set(states).union(*follows.values())
     order = states + [w for v in G.nodes if v not in moved for w in (v, *follows.get(v, ()))]
     H = nx.DiGraph()

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import memplan
 from memplan.measure import measure_peak
-from memplan.optimizer import UnsupportedOptimizer
+from memplan.optimizer import UnsupportedOptimizer, UpdatePlacement
 from memplan.viz import min_budget
 
 from .helpers import build_step
@@ -169,10 +169,10 @@ def test_the_optimizer_state_is_in_the_budget():
     # at most the state and the update's temporaries.
     assert planned.predicted_peak >= without.predicted_peak + state - params
     assert "optimizer state" in planned.report()
-    # A budget the step without the optimizer meets, but not with its state.
+    # A budget the step without the optimizer meets, but not with its state on the device.
     tight = min_budget(without.analysis)
     with pytest.raises(memplan.InfeasibleBudgetError) as info:
-        memplan.optimize(module, tight, optimizer=optimizer, example_inputs=args)
+        memplan.optimize(module, tight, optimizer=optimizer, optimizer_state="device", example_inputs=args)
     assert info.value.min_budget > tight
 
 
@@ -215,7 +215,8 @@ def test_updates_in_backward_lower_the_whole_step_minimum_by_about_the_gradients
     updates = learn_updates(optimizer, module, [p.name for p in cap.primals], profile)
     alone = min_budget(analyze_capture(cap, profile, updates=()))
     in_backward = min_budget(analyze_capture(cap, profile, updates=updates))
-    after_backward = min_budget(analyze_capture(cap, profile, updates=updates, updates_after_backward=True))
+    after_backward = min_budget(analyze_capture(cap, profile, updates=updates,
+                                                placement=UpdatePlacement(after_backward=True)))
     state = sum(u.state_bytes for u in updates)
     gradients = sum(p.numel() * p.element_size() for p in module.parameters())
     print(f"minimum whole-step budget: alone {alone}, +state {alone + state}, after backward {after_backward}, "

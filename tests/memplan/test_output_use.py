@@ -19,6 +19,7 @@ import memplan
 from memplan.capture import capture
 from memplan.costs import get_profile
 from memplan.measure import measure_peak
+from memplan.models import zoo
 from memplan.output_use import OutputUse
 from memplan.plan import make_plan
 from tests.memplan.helpers import clear_grads
@@ -268,3 +269,22 @@ def test_no_new_plan_for_outputs_too_small_to_matter():
         F.cross_entropy(opt(x), y).backward()
     assert len(opt.plans) == 1
     assert not opt.plan.analysis.capture.output_use
+
+
+def test_a_loss_computed_outside_over_large_outputs_warns_once_with_the_fix():
+    """The README's plain form, ``loss_fn(opt(x))``: the loss's own tensors are not in the plan."""
+    zm = zoo.build("gpt", size="tiny", batch_size=4)
+    (tokens,) = zm.example_inputs
+    budget = memplan.optimize(zm.model, 10**12, solver="store_all", example_inputs=(tokens,)).plan.predicted_peak
+    planned = memplan.optimize(zm.model, budget)
+    with pytest.warns(memplan.LossOutsideWarning, match="WithLoss") as seen:
+        logits = planned(tokens)
+        assert logits.numel() * logits.element_size() >= memplan.api.LOSS_OUTSIDE_FRACTION * budget
+        zm.loss_fn(logits).backward()
+    assert len(seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memplan.LossOutsideWarning)
+        zm.loss_fn(planned(tokens)).backward()  # once per module
+        # The loss inside the plan: a scalar output, nothing to warn about.
+        inside = memplan.optimize(memplan.WithLoss(zm.model, zm.loss_fn), budget)
+        inside(tokens).backward()

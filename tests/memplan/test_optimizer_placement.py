@@ -1,0 +1,187 @@
+"""Where the optimizer's state lives and when it updates: host memory, and gradient accumulation.
+
+``optimize(..., optimizer=opt, optimizer_state="host" | "auto", accumulate_steps=k)``. Checked
+against eager PyTorch running the usual loop: parameters and optimizer state equal, every
+step's measured peak (forward through the last update) at or under the budget, and host
+state in storages the CPU tracker counts as host memory, not device memory.
+"""
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import memplan
+from memplan.measure import is_host, measure_peak
+from memplan.viz import min_budget
+
+from .helpers import build_step
+
+
+def _adamw(module: torch.nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _assert_same(module, reference, optimizer, ref_optimizer) -> None:
+    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, msg=lambda m: f"{name}: {m}")
+    for p, q in zip(module.parameters(), reference.parameters()):
+        for key, value in ref_optimizer.state[q].items():
+            torch.testing.assert_close(optimizer.state[p][key].to(value.device), value)
+
+
+def _loop(module, step_fn, optimizer, args, kwargs, micro_steps: int, accumulate: int = 1,
+          clip: float | None = None) -> list[int]:
+    """The usual loop with gradient accumulation: the loss scaled by 1/accumulate, ``step()``
+    and ``zero_grad()`` every ``accumulate`` micro-steps. Returns each micro-step's measured peak."""
+    peaks = []
+    for i in range(micro_steps):
+        torch.manual_seed(i)
+        scale = (lambda loss: loss / accumulate) if accumulate > 1 else (lambda loss: loss)
+        peaks.append(measure_peak(lambda: scale(step_fn(*args, **kwargs)).backward()))
+        if (i + 1) % accumulate == 0:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+            optimizer.step()
+            optimizer.zero_grad()
+    return peaks
+
+
+@pytest.mark.parametrize("model", ["cnn", "gpt"])
+def test_host_state_trains_as_eager_and_leaves_the_device(model):
+    module, args, kwargs = build_step(model)
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    on_device = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module),
+                                 example_inputs=args, example_kwargs=kwargs).plan
+    planned = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                               example_inputs=args, example_kwargs=kwargs)
+    plan = planned.plan
+    state = on_device.analysis.optimizer_state_bytes
+    assert plan.analysis.optimizer_state_bytes == 0
+    assert plan.analysis.host_optimizer_state_bytes == state > 0
+    # The state was the only difference: host updates add no device temporaries.
+    assert plan.predicted_peak <= on_device.predicted_peak - state
+    assert "host memory" in plan.report()
+
+    peaks = _loop(module, planned, optimizer, args, kwargs, 3)
+    _loop(reference, reference, ref_optimizer, args, kwargs, 3)
+    # Store-all plans predict the whole step to the byte, the first step too (no state on the device).
+    assert peaks == [plan.predicted_peak] * 3, (peaks, plan.predicted_peak)
+    _assert_same(module, reference, optimizer, ref_optimizer)
+    tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(is_host(v) for v in tensors)
+
+
+def test_auto_moves_just_enough_state_to_host_under_a_budget_the_device_state_cannot_meet():
+    module, args, kwargs = build_step("gpt")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    device_only = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module),
+                                   example_inputs=args, example_kwargs=kwargs).plan
+    smallest = min_budget(device_only.analysis)
+    state = device_only.analysis.optimizer_state_bytes
+    budget = smallest - state // 2
+    with pytest.raises(memplan.InfeasibleBudgetError):
+        memplan.optimize(module, budget, optimizer=_adamw(module), optimizer_state="device", time_limit=5,
+                         example_inputs=args, example_kwargs=kwargs)
+    planned = memplan.optimize(module, budget, optimizer=optimizer, time_limit=5)  # optimizer_state="auto"
+    peaks = _loop(module, planned, optimizer, args, kwargs, 3)
+    _loop(reference, reference, ref_optimizer, args, kwargs, 3)
+    analysis = planned.plan.analysis
+    moved = analysis.host_optimizer_state_bytes
+    print(f"budget {budget} device minimum {smallest} state {state} moved {moved} "
+          f"({len(analysis.lowered.host_states)} of {len(analysis.lowered.updates)} parameters) peaks {peaks}")
+    assert state // 2 <= moved < state, "some state stays on the device, at least the shortfall moves"
+    assert all(p <= budget for p in peaks), (peaks, budget)
+    _assert_same(module, reference, optimizer, ref_optimizer)
+
+
+@pytest.mark.parametrize("mode", [{}, {"updates_after_backward": True}, {"max_grad_norm": 0.05},
+                                  {"optimizer_state": "host"}],
+                         ids=["in_backward", "after_backward", "clipped", "host_state"])
+def test_gradient_accumulation_matches_eager(mode):
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    probe = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module), accumulate_steps=2,
+                             example_inputs=args, example_kwargs=kwargs, **mode).plan.analysis
+    assert probe.accumulated_gradient_bytes == sum(p.numel() * p.element_size() for p in module.parameters())
+    budget = max(int(probe.graph_peak - 0.5 * probe.activation_bytes), min_budget(probe))
+    planned = memplan.optimize(module, budget, optimizer=optimizer, accumulate_steps=2, time_limit=5, **mode)
+    clip = mode.get("max_grad_norm")
+    peaks, ref_peaks = [], []
+    for cycle in range(2):
+        peaks += _loop(module, planned, optimizer, args, kwargs, 1, accumulate=2)
+        ref_peaks += _loop(reference, reference, ref_optimizer, args, kwargs, 1, accumulate=2)
+        # Between micro-steps .grad holds the sum so far, as in eager.
+        for p, q in zip(module.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        peaks += _loop(module, planned, optimizer, args, kwargs, 1, accumulate=1)
+        ref_peaks += _loop(reference, reference, ref_optimizer, args, kwargs, 1, accumulate=1, clip=clip)
+        assert all(p.grad is None for p in module.parameters())
+    print(f"{mode}: budget {budget} predicted {planned.plan.predicted_peak} measured {peaks} eager {ref_peaks}")
+    assert all(p <= budget for p in peaks), (peaks, budget)
+    _assert_same(module, reference, optimizer, ref_optimizer)
+
+
+def test_a_resume_restores_the_plans_placement_of_the_state():
+    """``load_state_dict`` casts the state to each parameter's device; the next step puts it back
+    in host memory before it allocates anything, so that step too holds the budget."""
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    planned = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                               example_inputs=args, example_kwargs=kwargs)
+    _loop(module, planned, optimizer, args, kwargs, 2)
+    _loop(reference, reference, ref_optimizer, args, kwargs, 2)
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    saved.seek(0)
+    resumed = torch.optim.AdamW(module.parameters())
+    resumed.load_state_dict(torch.load(saved))
+    assert not any(is_host(v) for s in resumed.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    planned = memplan.optimize(module, planned.budget, solver="store_all", optimizer=resumed,
+                               optimizer_state="host", example_inputs=args, example_kwargs=kwargs)
+    torch.manual_seed(0)  # as the reference's _loop seeds its step
+    peak = measure_peak(lambda: planned(*args, **kwargs).backward())
+    _loop(reference, reference, ref_optimizer, args, kwargs, 1)
+    # The loaded state sat on the device; it left before forward allocated anything.
+    assert peak == planned.plan.predicted_peak
+    assert all(is_host(v) for s in resumed.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    _assert_same(module, reference, resumed, ref_optimizer)
+
+
+def test_bad_placement_options_get_one_clear_error():
+    module, args, kwargs = build_step("mlp", batch_size=8)
+    with pytest.raises(ValueError, match="optimizer_state="):
+        memplan.optimize(module, "1GB", optimizer=_adamw(module), optimizer_state="disk")
+    with pytest.raises(ValueError, match="accumulate_steps="):
+        memplan.optimize(module, "1GB", optimizer=_adamw(module), accumulate_steps=0)
+    with pytest.raises(ValueError, match="needs optimizer="):
+        memplan.optimize(module, "1GB", accumulate_steps=2)
+
+
+def test_a_saved_whole_step_plan_runs_as_made_and_refuses_another_optimizer(tmp_path):
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    made = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module), optimizer_state="host",
+                            accumulate_steps=2, example_inputs=args, example_kwargs=kwargs).plan
+    made.save(tmp_path / "step.json")
+    path = str(tmp_path / "step.json")
+    for wrong, match in [({}, "pass optimizer="),
+                         ({"optimizer": torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)}, "state"),
+                         ({"optimizer": _adamw(module)}, "accumulate_steps=2")]:
+        steps = {"accumulate_steps": 2} if "optimizer" in wrong and match == "state" else {}
+        with pytest.raises(memplan.PlanMismatchError, match=match):
+            memplan.optimize(module, plan=path, example_inputs=args, example_kwargs=kwargs, **wrong, **steps)
+    planned = memplan.optimize(module, plan=path, optimizer=optimizer, accumulate_steps=2)
+    peaks = _loop(module, planned, optimizer, args, kwargs, 4, accumulate=2)
+    _loop(reference, reference, ref_optimizer, args, kwargs, 4, accumulate=2)
+    assert planned.plan.analysis.lowered.placement == made.analysis.lowered.placement
+    assert planned.plan.predicted_peak == made.predicted_peak
+    assert all(p <= made.predicted_peak for p in peaks), (peaks, made.predicted_peak)
+    _assert_same(module, reference, optimizer, ref_optimizer)
