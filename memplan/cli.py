@@ -29,10 +29,16 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from memplan.viz import MemoryBreakdown
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
@@ -275,14 +281,18 @@ def _fmt(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def memory_strip(plan, width: int) -> tuple[list[tuple[str, list[tuple[str, str]]]], int, int]:
+def memory_strip(plan, width: int, breakdown: MemoryBreakdown | None = None
+                 ) -> tuple[list[tuple[str, list[tuple[str, str]]]], int, int]:
     """Rows of (label, [(char, style)]) drawing eager and planned memory over predicted time.
 
     Both rows share the time axis of the longer schedule, so the planned row
     is longer by its overhead. A column is the peak within its slice, red
     where it is over the budget. The eight block heights span the lowest to
     the highest memory either schedule reaches (returned with the rows), so
-    the differences between the two stay visible above the parameters.
+    the differences between the two stay visible above the parameters. Under
+    them, the phase axis; and when the step updates parameters, an ``updates``
+    row marks the columns from the first update to the last (``breakdown``:
+    the plan's `viz.memory_breakdown`, when the caller has it already).
     """
     from memplan import viz
 
@@ -295,12 +305,18 @@ def memory_strip(plan, width: int) -> tuple[list[tuple[str, list[tuple[str, str]
         cols = max(1, round(width * tl.total_time / until)) if until > 0 else width
         cells = []
         for v in viz.resample_max(tl, cols):
-            idx = 1 + int(round((v - low) / (top - low) * 7)) if top > low else 8
+            idx = 1 + round(float(v - low) / (top - low) * 7) if top > low else 8
             style = "red" if v > plan.budget else ("green" if label == "planned" else "grey62")
             cells.append((_STRIP_BLOCKS[max(1, min(8, idx))], style))
         rows.append((label, cells))
-    bw = int(round(width * planned.backward_start / until)) if until > 0 else 0
-    rows.append(("", _phase_axis(bw, width)))
+
+    def column(t: float) -> int:
+        return round(width * t / until) if until > 0 else 0
+
+    rows.append(("", _phase_axis(column(planned.backward_start), width)))
+    bd = breakdown if breakdown is not None else viz.memory_breakdown(plan)
+    if bd.update_start is not None:
+        rows.append(("updates", _update_row(column(bd.update_start), column(bd.update_end), width)))
     return rows, low, top
 
 
@@ -318,12 +334,41 @@ def _phase_axis(split: int, width: int) -> list[tuple[str, str]]:
     ]
 
 
+def _update_row(first: int, last: int, width: int) -> list[tuple[str, str]]:
+    """``═`` under the columns where the optimizer updates run, blank elsewhere.
+
+    A row of its own rather than a third phase on the axis: the updates may run
+    during backward (each as its gradient is final), overlapping its columns."""
+    first = max(0, min(first, width - 1))
+    last = max(first + 1, min(last, width))  # at least one column: a short phase still shows
+    return [(" ", "")] * first + [("═", "magenta")] * (last - first) + [(" ", "")] * (width - last)
+
+
+def _breakdown_data(bd: MemoryBreakdown, plan) -> dict:
+    """The JSON report's ``memory``: bytes per category at the planned peak and at most, and the host state."""
+    from memplan import viz
+
+    at_peak, most = bd.at(bd.peak_index), bd.most()
+    return {
+        "categories": [name for name, _, _ in viz.BREAKDOWN_CATEGORIES],
+        "labels": {name: label for name, label, _ in viz.BREAKDOWN_CATEGORIES},
+        "at_peak": at_peak,
+        "most": most,
+        "peak": int(bd.total[bd.peak_index]),
+        "host_optimizer_state_bytes": bd.host_optimizer_state_bytes,
+        "host_state_params": bd.host_state_params,
+        "updated_params": len(plan.analysis.lowered.updates),
+        "updates_after_backward": bd.updates_after_backward,
+    }
+
+
 def report_data(target: Target, plan, progress: Progress, depth: int) -> dict:
     from memplan import viz
 
     a = plan.analysis
     eager, planned = viz.memory_timelines(plan)
     until = max(eager.total_time, planned.total_time) or 1.0
+    bd = viz.memory_breakdown(plan)
     return {
         "target": target.spec,
         "description": target.description,
@@ -345,10 +390,14 @@ def report_data(target: Target, plan, progress: Progress, depth: int) -> dict:
             "device_profile": a.profile.name,
             "stage_seconds": dict(progress.times),
         },
+        "memory": _breakdown_data(bd, plan),
         "modules": [r.as_dict() for r in viz.layer_breakdown(plan, depth)],
         "timeline": {
             "time_unit": "fraction of the longer schedule's predicted time",
             "backward_start": planned.backward_start / until,
+            # The optimizer's update phase, first update to last (None without an optimizer).
+            "update_start": None if bd.update_start is None else bd.update_start / until,
+            "update_end": None if bd.update_end is None else bd.update_end / until,
             "eager": viz.resample_max(eager, max(1, round(100 * eager.total_time / until))).tolist(),
             "planned": viz.resample_max(planned, max(1, round(100 * planned.total_time / until))).tolist(),
         },
@@ -366,9 +415,16 @@ def print_report(console, target: Target, plan, data: dict, top: int) -> None:
     summary.add_row("model", target.description)
     summary.add_row("joint graph", f"{s['aten_ops']} ATen ops (forward + backward), device profile {s['device_profile']}")
     summary.add_row("parameters", _fmt(s["param_bytes"]))
-    if s["optimizer_state_bytes"]:
-        summary.add_row("optimizer state", f"{_fmt(s['optimizer_state_bytes'])} on the device; each update runs in "
-                                           "backward, its gradient freed as applied")
+    m = data["memory"]
+    if m["updated_params"] or m["host_optimizer_state_bytes"]:
+        where = f"{_fmt(s['optimizer_state_bytes'])} on the device"
+        if m["host_optimizer_state_bytes"]:
+            n = m["host_state_params"]
+            where += (f", {_fmt(m['host_optimizer_state_bytes'])} in host memory ({n} parameter{'s' * (n != 1)}, "
+                      "updated there)")
+        when = ("the updates run once every gradient is final, each freeing its gradient" if m["updates_after_backward"]
+                else "each update runs in backward as soon as its gradient is final, and frees it")
+        summary.add_row("optimizer state", f"{where}; {when}")
     summary.add_row("eager peak", f"{_fmt(s['eager_peak'])} (eager autograd, replayed on fake tensors); "
                                   f"{_fmt(s['store_all_peak'])} keeping every value of the joint graph")
     summary.add_row("budget", _fmt(s["budget"]))
@@ -381,6 +437,9 @@ def print_report(console, target: Target, plan, data: dict, top: int) -> None:
     summary.add_row("method", f"{s['method']} ({s['status']}), {gap}")
     summary.add_row("solve time", f"{s['solve_time']:.2f} s")
     console.print(summary)
+    console.print()
+
+    console.print(_memory_table(data))
     console.print()
 
     rows = data["modules"]
@@ -422,10 +481,43 @@ def print_report(console, target: Target, plan, data: dict, top: int) -> None:
         console.print(line, no_wrap=True, overflow="crop")
 
 
+# Rows of the whole-step table that are shown even at zero bytes: every step has them.
+_ALWAYS_SHOWN = ("parameters", "gradients", "activations")
+
+
+def _memory_table(data: dict) -> Table:
+    """The whole step at the planned peak, by what holds the device memory (`viz.memory_breakdown`):
+    parameters, gradients, optimizer state on the device and in host memory, activations."""
+    from rich.table import Table
+    from rich.text import Text
+
+    m = data["memory"]
+    optimizer = bool(m["updated_params"] or m["host_optimizer_state_bytes"])
+    table = Table(title="device memory at the planned peak, by what holds it", title_justify="left")
+    table.add_column("held by")
+    table.add_column("at the peak", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("most in the step", justify="right")
+    peak = m["peak"] or 1
+    for name in m["categories"]:
+        at, most = m["at_peak"][name], m["most"][name]
+        if not (at or most or name in _ALWAYS_SHOWN or (name == "optimizer_state" and optimizer)):
+            continue
+        label = m["labels"][name] + (" (device)" if name == "optimizer_state" else "")
+        table.add_row(label, _fmt(at), f"{at / peak:.0%}", _fmt(most))
+        if name == "optimizer_state" and m["host_optimizer_state_bytes"]:
+            # Off the device, so not part of the peak: in parentheses, under the device share.
+            host = Text(f"({_fmt(m['host_optimizer_state_bytes'])})", style="dim")
+            table.add_row(Text("optimizer state (host)", style="dim"), host, "", host)
+    table.add_section()
+    table.add_row("planned peak", _fmt(m["peak"]), "100%", "")
+    return table
+
+
 def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
 
-    from memplan.plan import solve_plan
+    from memplan.plan import solve_whole_step
 
     _check_budget_syntax(args.budget)
     options = _solve_options(args)
@@ -436,7 +528,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
                               lambda: _min_budget(analysis, progress, options["offload"]))
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
     with progress.stage("solve", f"solving for {_fmt(budget)} with {args.solver}{limit}"):
-        plan = solve_plan(analysis, budget, **options)
+        plan = solve_whole_step(analysis, budget, **options)
     data = report_data(target, plan, progress, args.depth)
     if args.save:
         plan.save(args.save)

@@ -6,7 +6,11 @@ solves one analysis at several budgets for the trade-off curve).
 
 * :func:`memory_timelines` / :func:`plot_memory`: device memory over the
   predicted step time, eager (the joint graph in order, keeping everything)
-  against planned, with the budget and the forward/backward phases;
+  against planned, with the budget and the forward/backward/update phases;
+* :func:`memory_breakdown`: the planned memory of the whole step split by what
+  holds it (parameters, optimizer state, accumulated gradients, gradients,
+  activations, activations back from host), drawn by :func:`plot_memory` as a
+  stacked area; optimizer state kept in host memory is noted beside it;
 * :func:`rs_matrices` / :func:`plot_rs_matrices`: Checkmate's R and S
   matrices read off the schedule (which value is computed, and which is
   resident, at each stage);
@@ -22,17 +26,20 @@ through Agg and display inline in notebooks.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 import solvers
 from memplan.analysis import Analysis
 from memplan.capture import module_path
+from memplan.optimizer import ACCUM_PREFIX, STATE_PREFIX
 from memplan.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
-from memplan.problem import BACKWARD, is_reference
+from memplan.problem import BACKWARD, is_reference, value_name
 from memplan.units import format_bytes
+from solvers.core.memory import Residency
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -61,13 +68,13 @@ class Timeline:
     total_time: float
 
 
-def _simulate(analysis: Analysis, schedule: "solvers.Schedule") -> "solvers.SimResult":
+def _simulate(analysis: Analysis, schedule: solvers.Schedule) -> solvers.SimResult:
     """Replay a schedule on the analysis' Problem, with the host link when it moves values."""
     problem = problem_for(analysis, analysis.lowered.problem.budget, schedule.has_transfers())
     return solvers.simulate(problem, schedule)
 
 
-def timeline(analysis: Analysis, schedule: "solvers.Schedule") -> Timeline:
+def timeline(analysis: Analysis, schedule: solvers.Schedule) -> Timeline:
     """Simulate ``schedule`` on the analysis' Problem; time is the simulator's compute-stream clock
     (each compute's predicted cost, plus any wait for a host copy)."""
     sim = _simulate(analysis, schedule)
@@ -109,46 +116,288 @@ def resample_max(tl: Timeline, width: int, until: float | None = None) -> np.nda
     return out
 
 
+# --------------------------------------------------------------------------- #
+# Memory by category: what holds the device memory at each step
+# --------------------------------------------------------------------------- #
+
+
+# (field of MemoryBreakdown, legend label, colour), bottom of the stack first: what is resident all
+# step long sits at the bottom, so the wiggles on top are the activations and gradients.
+BREAKDOWN_CATEGORIES: tuple[tuple[str, str, str], ...] = (
+    ("parameters", "parameters, buffers, inputs", "#4c72b0"),
+    ("optimizer_state", "optimizer state", "#8172b3"),
+    ("accumulated_gradients", "accumulated gradients", "#937860"),
+    ("gradients", "gradients", "#dd8452"),
+    ("activations", "activations, temporaries", "#55a868"),
+    ("from_host", "activations back from host", "#64b5cd"),
+)
+_CATEGORY = {name: i for i, (name, _, _) in enumerate(BREAKDOWN_CATEGORIES)}
+
+
+@dataclass
+class MemoryBreakdown:
+    """Planned device memory at each point of the planned timeline, split by what holds it.
+
+    Every array is indexed like `Timeline.time`: the sources first, then one entry per
+    schedule step (a compute counts while it runs). At every index the categories add up
+    to the planned `Timeline.memory` there: each storage is counted once, for the value
+    the simulator's alias rule counts it for, in that value's category.
+    """
+
+    time: np.ndarray  # seconds since the step began (the simulator's compute-stream clock)
+    parameters: np.ndarray  # sources the step reads: parameters, buffers, inputs, constants
+    optimizer_state: np.ndarray  # optimizer state on the device (``optstate:`` sources)
+    accumulated_gradients: np.ndarray  # ``accum:`` buffers and gradients held from an earlier step
+    gradients: np.ndarray  # the parameters' gradients, from their computation to their update or the end
+    activations: np.ndarray  # everything else: activations, backward and update temporaries
+    from_host: np.ndarray  # activations whose resident copy was prefetched from host memory
+    backward_start: float  # predicted time at which backward begins
+    update_start: float | None  # when the first optimizer update starts (None: the step has none)
+    update_end: float | None  # when the last optimizer update ends
+    updates_after_backward: bool  # the updates wait for every gradient (else each follows its own)
+    host_optimizer_state_bytes: int  # optimizer state kept and updated in host memory: not on this curve
+    host_state_params: int  # parameters whose optimizer state lives in host memory
+
+    @property
+    def total(self) -> np.ndarray:
+        """Planned device memory at each index: the sum of the categories."""
+        return sum(getattr(self, name) for name, _, _ in BREAKDOWN_CATEGORIES)
+
+    @property
+    def peak_index(self) -> int:
+        """Index of the first point at the planned peak."""
+        return int(np.argmax(self.total))
+
+    def at(self, k: int) -> dict[str, int]:
+        """Bytes per category at index ``k`` (negative: from the end, as in numpy)."""
+        return {name: int(getattr(self, name)[k]) for name, _, _ in BREAKDOWN_CATEGORIES}
+
+    def most(self) -> dict[str, int]:
+        """The most bytes each category holds at any point of the step."""
+        return {name: int(getattr(self, name).max()) for name, _, _ in BREAKDOWN_CATEGORIES}
+
+
+def _gradient_names(analysis: Analysis) -> set[str]:
+    """Problem nodes that are the step's gradients: those the updates apply, and every graph
+    output of kind "grad" (without an optimizer they are held to the step's end)."""
+    low, cap = analysis.lowered, analysis.capture
+    names = {grad for _, grad, _ in low.updates}
+    for info, node in zip(cap.outputs, cap.output_nodes()):
+        if info.kind == "grad" and node is not None:
+            names.add(value_name(node))
+    return names
+
+
+def _categories(analysis: Analysis, problem: solvers.Problem) -> list[int]:
+    """Per Problem node, the index in `BREAKDOWN_CATEGORIES` its bytes count in (a value
+    prefetched from host moves to ``from_host`` while that copy is resident)."""
+    grads = _gradient_names(analysis)
+    is_source = problem.lists().is_source
+    out = []
+    for v, name in enumerate(map(str, problem.names)):
+        if name.startswith(STATE_PREFIX):
+            out.append(_CATEGORY["optimizer_state"])
+        elif name.startswith(ACCUM_PREFIX):
+            out.append(_CATEGORY["accumulated_gradients"])
+        elif is_source[v]:  # primals and graph constants; bookkeeping sources hold no bytes
+            out.append(_CATEGORY["parameters"])
+        elif name in grads:
+            out.append(_CATEGORY["gradients"])
+        else:
+            out.append(_CATEGORY["activations"])
+    return out
+
+
+def category_bytes(problem: solvers.Problem, schedule: solvers.Schedule, category: list[int]) -> np.ndarray:
+    """Device bytes per category (rows, as `BREAKDOWN_CATEGORIES`) before the first step and
+    after each step of ``schedule`` (columns); ``category[v]``: node ``v``'s row.
+
+    The schedule is replayed on the simulator's own resident set (`solvers.core.memory.Residency`),
+    which says which value each storage's bytes count against (`Residency.holders`), so each
+    storage lands in one category and the rows add up to the simulator's memory at every step.
+    A value brought back from host memory counts as such while it is resident."""
+    residency = Residency(problem)
+    now = list(category)  # the category each value counts in now (prefetched copies move)
+    counted: dict[int, int] = {}  # bytes each value is counted for now
+    totals = [0] * len(BREAKDOWN_CATEGORIES)
+
+    def recount(v: int) -> None:
+        held = residency.holders(v)
+        for w in residency.related(v):
+            new, old = held.get(w, 0), counted.get(w, 0)
+            if new != old:
+                totals[now[w]] += new - old
+                counted[w] = new
+
+    for v in problem.sources:
+        recount(v)
+    columns = [list(totals)]
+    index = problem.index
+    for op, node in schedule:
+        v = index[node]
+        if op is solvers.Op.COMPUTE or op is solvers.Op.PREFETCH:
+            if v in residency:
+                continue
+            # v holds no bytes before this add, so its category can change without moving any.
+            activation = category[v] == _CATEGORY["activations"]
+            now[v] = _CATEGORY["from_host"] if op is solvers.Op.PREFETCH and activation else category[v]
+            residency.add(v)
+            recount(v)
+        elif op is solvers.Op.FREE and v in residency:
+            residency.remove(v)
+            recount(v)
+        columns.append(list(totals))
+    return np.asarray(columns, dtype=np.int64).T
+
+
+def memory_breakdown(plan: Plan) -> MemoryBreakdown:
+    """The plan's device memory over its predicted step, split into parameters, optimizer state,
+    accumulated gradients, gradients, activations (and those back from host), with the phases."""
+    analysis = plan.analysis
+    low = analysis.lowered
+    problem = problem_for(analysis, low.problem.budget, plan.schedule.has_transfers())
+    planned = timeline(analysis, plan.schedule)
+    rows = category_bytes(problem, plan.schedule, _categories(analysis, problem))
+    fields = {name: rows[i] for i, (name, _, _) in enumerate(BREAKDOWN_CATEGORIES)}
+    # Gradients the parameters held when the step began are on the device all step (memory_timelines).
+    fields["accumulated_gradients"] = fields["accumulated_gradients"] + getattr(plan, "held_gradient_bytes", 0)
+    updates = {update for update, _, _ in low.updates}
+    at = [k for k, (op, node) in enumerate(plan.schedule) if op is solvers.Op.COMPUTE and node in updates]
+    host_states = getattr(low, "host_states", frozenset())
+    return MemoryBreakdown(
+        time=planned.time, **fields, backward_start=planned.backward_start,
+        # Compute k runs from time[k] to time[k + 1] (time[0] is the step's start).
+        update_start=float(planned.time[at[0]]) if at else None,
+        update_end=float(planned.time[at[-1] + 1]) if at else None,
+        updates_after_backward=bool(low.updates_after_backward),
+        host_optimizer_state_bytes=int(getattr(analysis, "host_optimizer_state_bytes", 0) or 0),
+        host_state_params=len(host_states),
+    )
+
+
 BUDGET_SHOWN_ABOVE_PEAK = 1.5  # a budget more than this many times both peaks is left off plot_memory's scale
+PLOT_BINS = 800  # plot_memory draws this many slices of time (about one per pixel), each at its highest point
 
 
-def plot_memory(plan: Plan, *, title: str | None = None) -> "Figure":
-    """Memory over predicted time, eager vs planned, budget line, forward/backward phases shaded.
+def _steps(time: np.ndarray, total: np.ndarray, bins: int = PLOT_BINS) -> tuple[np.ndarray, np.ndarray]:
+    """(edges in ms, columns): what to draw of a timeline, as a staircase of columns over ``edges``.
 
-    One axes; three lines: eager, planned, budget; and a band for gradients held from an earlier step.
-    A budget far above both peaks (``optimize(model, "1TB")`` to keep everything) does not set the
-    scale, or both curves would be flat at the bottom: its line is left out and the legend says so.
+    Column j >= 1 (the memory while step j - 1 runs) holds from ``time[j - 1]`` to ``time[j]``.
+    Each of ``bins`` equal slices of time shows the column where ``total`` is highest inside it:
+    no peak is lost, the categories still add up, and the many steps that take no time (frees,
+    views) do not draw a comb of vertical lines.
+    """
+    n = len(time) - 1
+    if n == 0 or time[-1] <= 0:
+        return np.array([0.0, 1e-9]), np.array([0])
+    edges = np.linspace(0.0, float(time[-1]), bins + 1)
+    lo = np.maximum(np.searchsorted(time, edges[:-1], side="left"), 1)  # first column ending in the slice
+    hi = np.minimum(np.searchsorted(time, edges[1:], side="left"), n)  # last column starting in it
+    cols = np.array([lo[i] + int(np.argmax(total[lo[i]:max(hi[i], lo[i]) + 1])) for i in range(bins)])
+    return edges * 1e3, cols
+
+
+def _step_xy(edges: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Points of the staircase that holds ``y[i]`` from ``edges[i]`` to ``edges[i + 1]``."""
+    return np.repeat(edges, 2)[1:-1], np.repeat(y, 2)
+
+
+def plot_memory(plan: Plan, *, title: str | None = None) -> Figure:
+    """The planned step's device memory over predicted time as a stack of what holds it, against eager.
+
+    One axes. The stack: parameters (with buffers and inputs), optimizer state, accumulated
+    gradients, gradients, activations and temporaries, activations back from host (the
+    categories of `memory_breakdown`; empty ones are left out of the legend). Three lines:
+    eager (keep everything), the planned total, the budget. Shaded: forward, backward and the
+    optimizer's update phase; optimizer state held in host memory is a legend entry, not an area.
+    A budget far above both peaks (``optimize(model, "1TB")`` to keep everything) does not set
+    the scale, or both curves would be flat at the bottom: its line is left out and the legend says so.
     """
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    eager, planned = memory_timelines(plan)
-    budget_shown = plan.budget <= BUDGET_SHOWN_ABOVE_PEAK * max(eager.peak, planned.peak)
-    top = max(eager.peak, planned.peak, plan.budget if budget_shown else 0)
+    eager, _ = memory_timelines(plan)
+    bd = memory_breakdown(plan)
+    total = bd.total
+    peak = int(total.max())
+    budget_shown = plan.budget <= BUDGET_SHOWN_ABOVE_PEAK * max(eager.peak, peak)
+    top = max(eager.peak, peak, plan.budget if budget_shown else 0)
     scale, unit = _unit(top)
-    fig = Figure(figsize=(9, 4), layout="constrained")
+    end = max(eager.total_time, float(bd.time[-1])) * 1e3
+    ymax = top / scale * 1.12  # headroom for the phase names
+    fig = Figure(figsize=(10.5, 4.6), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(eager.time * 1e3, eager.memory / scale, label=f"eager, keep everything (peak {eager.peak / scale:.2f} {unit})",
-            color="tab:gray")
-    ax.plot(planned.time * 1e3, planned.memory / scale, label=f"planned (peak {planned.peak / scale:.2f} {unit})",
-            color="tab:blue")
+
+    # Phases behind everything: forward | backward | updates (the updates may overlap backward).
+    backward = bd.backward_start * 1e3
+    ax.axvspan(0, backward, color="tab:green", alpha=0.06, lw=0, zorder=0)
+    ax.axvspan(backward, end, color="tab:orange", alpha=0.06, lw=0, zorder=0)
+    phases = [("forward", 0.0, backward, "tab:green"), ("backward", backward, end, "tab:orange")]
+    if bd.update_start is not None:
+        u0, u1 = bd.update_start * 1e3, bd.update_end * 1e3
+        ax.axvspan(u0, u1, color="tab:purple", alpha=0.10, lw=0, zorder=0)
+        for x in (u0, u1):  # the band's edges stay visible across the stack
+            ax.axvline(x, color="tab:purple", linestyle=":", linewidth=0.9, zorder=3)
+        phases[1] = ("backward", backward, u0 if bd.updates_after_backward else end, "tab:orange")
+        phases.append(("updates" if bd.updates_after_backward else "updates (during backward)", u0, u1, "tab:purple"))
+    for name, x0, x1, color in phases:
+        if x1 <= x0:
+            continue
+        if name == "updates" and x1 - x0 < 0.12 * end:
+            # A short phase at the end of the step: its name runs down its left edge instead.
+            ax.text(x0, ymax * 0.985, f"{name} ", ha="right", va="top", rotation=90, color=color, fontsize="small")
+        else:
+            y = ymax * (0.925 if name.endswith("(during backward)") else 0.975)
+            ax.text((x0 + x1) / 2, y, name, ha="center", va="top", color=color, fontsize="small", clip_on=True)
+
+    # The stack, bottom first: what stays all step, then what comes and goes.
+    edges, cols = _steps(bd.time, total)
+    at_peak, most = bd.at(bd.peak_index), bd.most()
+    handles = []
+    base = np.zeros(len(cols))
+    for name, label, color in BREAKDOWN_CATEGORIES:
+        values = getattr(bd, name)
+        if not values.any():
+            continue
+        layer = values[cols] / scale
+        x, y0 = _step_xy(edges, base)
+        _, y1 = _step_xy(edges, base + layer)
+        ax.fill_between(x, y0, y1, color=color, alpha=0.85, lw=0, zorder=1)
+        text = f"{label}: {at_peak[name] / scale:.2f} {unit}"
+        if most[name] > 1.05 * at_peak[name]:  # what comes and goes may be small at the peak, large elsewhere
+            text += f" (up to {most[name] / scale:.2f})"
+        handles.append(Patch(color=color, alpha=0.85, label=text))
+        base = base + layer
+    handles.reverse()  # the legend reads top to bottom, like the stack
+
+    # Lines: eager, the planned total (the stack's outline), the budget.
+    e_edges, e_cols = _steps(eager.time, eager.memory)
+    ex, ey = _step_xy(e_edges, eager.memory[e_cols] / scale)
+    (eager_line,) = ax.plot(ex, ey, color="tab:gray", linewidth=1.0, zorder=2,
+                            label=f"eager, keep everything (peak {eager.peak / scale:.2f} {unit})")
+    px, py = _step_xy(edges, total[cols] / scale)
+    (planned_line,) = ax.plot(px, py, color="black", linewidth=0.8, zorder=2,
+                              label=f"planned (peak {peak / scale:.2f} {unit}; areas: bytes at the peak)")
     budget_label = f"budget {plan.budget / scale:.2f} {unit}" if budget_shown else \
         f"budget {format_bytes(plan.budget)}, off the scale"
-    ax.axhline(plan.budget / scale if budget_shown else math.nan, color="tab:red", linestyle="--", label=budget_label)
-    end = max(eager.total_time, planned.total_time) * 1e3
-    if plan.held_gradient_bytes:
-        ax.axhspan(0, plan.held_gradient_bytes / scale, color="tab:purple", alpha=0.15,
-                   label=f"gradients held from an earlier step ({plan.held_gradient_bytes / scale:.2f} {unit})")
-    ax.axvspan(0, planned.backward_start * 1e3, color="tab:green", alpha=0.06)
-    ax.axvspan(planned.backward_start * 1e3, end, color="tab:orange", alpha=0.06)
-    ymax = top / scale * 1.1
-    ax.text(planned.backward_start * 1e3 / 2, ymax * 0.97, "forward", ha="center", va="top", color="tab:green")
-    ax.text((planned.backward_start * 1e3 + end) / 2, ymax * 0.97, "backward", ha="center", va="top", color="tab:orange")
+    budget_line = ax.axhline(plan.budget / scale if budget_shown else math.nan, color="tab:red", linestyle="--",
+                             linewidth=1.0, label=budget_label)
+    ax.scatter([bd.time[bd.peak_index] * 1e3], [peak / scale], marker="v", color="black", s=18, zorder=4)
+    legend = [eager_line, planned_line, budget_line, *handles]
+    if bd.host_optimizer_state_bytes > 0:
+        # Not device memory, so not an area: a hatched entry says where the rest of the state is.
+        color = BREAKDOWN_CATEGORIES[_CATEGORY["optimizer_state"]][2]
+        legend.append(Patch(facecolor="none", edgecolor=color, hatch="////",
+                            label=f"optimizer state in host memory: {bd.host_optimizer_state_bytes / scale:.2f} {unit}\n"
+                                  f"({bd.host_state_params} parameter{'s' * (bd.host_state_params != 1)}, "
+                                  "updated on the host)"))
+
     ax.set_xlim(0, end)
     ax.set_ylim(0, ymax)
-    ax.set_xlabel("predicted time in the step (ms, planned schedule shaded)")
+    ax.set_xlabel("predicted time in the step (ms)")
     ax.set_ylabel(f"device memory ({unit})")
     ax.set_title(title or f"memory over one training step: {plan.method}, {plan.predicted_overhead:.2f}x time")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
 
 
@@ -173,11 +422,9 @@ class RSMatrices:
     backward_stage: int  # first stage of the backward pass
 
 
-def rs_matrices(plan_or_schedule: "Plan | solvers.Schedule", analysis: Analysis | None = None) -> RSMatrices:
-    if isinstance(plan_or_schedule, Plan):
-        schedule, analysis = plan_or_schedule.schedule, plan_or_schedule.analysis
-    else:
-        schedule = plan_or_schedule
+def rs_matrices(plan_or_schedule: Plan | solvers.Schedule, analysis: Analysis | None = None) -> RSMatrices:
+    """Checkmate's R and S matrices of a plan's (or a bare) schedule; ``analysis`` is not needed."""
+    schedule = plan_or_schedule.schedule if isinstance(plan_or_schedule, Plan) else plan_or_schedule
     column: dict[str, int] = {}
     R: list[set[int]] = []
     S: list[set[int]] = []
@@ -210,7 +457,7 @@ def rs_matrices(plan_or_schedule: "Plan | solvers.Schedule", analysis: Analysis 
     return RSMatrices(Rm, Sm, list(column), column.get(BACKWARD, n))
 
 
-def plot_rs_matrices(plan: Plan, *, title: str | None = None) -> "Figure":
+def plot_rs_matrices(plan: Plan, *, title: str | None = None) -> Figure:
     """Checkmate-style R (computed) and S (resident) matrices, stages down, values across. Two axes."""
     from matplotlib.figure import Figure
 
@@ -338,13 +585,13 @@ def layer_breakdown(plan: Plan, depth: int = 2) -> list[LayerRow]:
     return [r for r in rows.values() if r.values or r.recompute_time]
 
 
-def plot_layers(plan: Plan, depth: int = 2, *, top: int = 30, title: str | None = None) -> "Figure":
+def plot_layers(plan: Plan, depth: int = 2, *, top: int = 30, title: str | None = None) -> Figure:
     """Horizontal stacked bars of kept / recomputed / offloaded bytes per submodule. One axes."""
     from matplotlib.figure import Figure
 
     rows = layer_breakdown(plan, depth)
     if len(rows) > top:  # the largest rows, still in graph order
-        keep = set(id(r) for r in sorted(rows, key=lambda r: -(r.kept_bytes + r.recomputed_bytes + r.offloaded_bytes))[:top])
+        keep = {id(r) for r in sorted(rows, key=lambda r: -(r.kept_bytes + r.recomputed_bytes + r.offloaded_bytes))[:top]}
         rows = [r for r in rows if id(r) in keep]
     scale, unit = _unit(max((r.kept_bytes + r.recomputed_bytes + r.offloaded_bytes for r in rows), default=0))
     fig = Figure(figsize=(9, max(2.5, 0.28 * len(rows) + 1.2)), layout="constrained")
@@ -429,7 +676,7 @@ def sweep(
     return points
 
 
-def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = None, title: str | None = None) -> "Figure":
+def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = None, title: str | None = None) -> Figure:
     """Predicted step-time overhead against budget (one line), infeasible budgets marked. One axes."""
     from matplotlib.figure import Figure
 

@@ -23,7 +23,7 @@ re-evaluates that tree only, which is O(tree size).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -107,13 +107,13 @@ class Residency:
     def __contains__(self, v: int) -> bool:
         return bool(self.resident[v])
 
-    def _tree_memory(self, r: int) -> int:
+    def _tree_holders(self, r: int) -> Iterator[tuple[int, int]]:
+        """The members of tree ``r`` whose bytes count now, with those bytes: the alias rule."""
         # Walk members parent-first; `covered` = v lives in the storage of a resident
         # alias ancestor (the instance it was made from).
         resident, alias_of, mem = self.resident, self._alias_of, self._mem
         instance = self._instance
         covered: dict[int, bool] = {}
-        total = 0
         # Storages already counted, as (whole-storage member, instance); only trees with
         # same_storage views can count one storage from two members.
         counted = set() if r in self._trees.shared_roots else None
@@ -128,8 +128,21 @@ class Residency:
                     if key in counted:
                         continue
                     counted.add(key)
-                total += mem[v]
-        return total
+                yield v, mem[v]
+
+    def _tree_memory(self, r: int) -> int:
+        return sum(nbytes for _, nbytes in self._tree_holders(r))
+
+    def related(self, v: int) -> list[int]:
+        """The values whose counted bytes a change to ``v`` can move: its alias tree, or ``v`` alone."""
+        return list(self._trees.members[int(self._trees.root[v])]) if self._in_tree[v] else [v]
+
+    def holders(self, v: int) -> dict[int, int]:
+        """Which of `related` (v) hold bytes now, and how many: each storage counted once, against
+        the member the alias rule charges it to (so a breakdown of the total by value adds up)."""
+        if not self._in_tree[v]:
+            return {v: self._mem[v]} if self.resident[v] else {}
+        return dict(self._tree_holders(int(self._trees.root[v])))
 
     def _set(self, v: int, value: bool) -> None:
         self.resident[v] = value

@@ -19,7 +19,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+        [sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
+        check=False,  # the callers check the exit status: several tests expect 2
     )
 
 
@@ -203,7 +204,7 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
 )
 def test_more_user_errors_in_process(factory_file, capsys, args, needle):
     args = tuple(a.replace("{factory}", str(factory_file)) for a in args)
-    code, out, err = run_main(capsys, *args, "--quiet")
+    code, _, err = run_main(capsys, *args, "--quiet")
     assert code == 2
     assert "Traceback" not in err and err.count("error:") == 1 and "hint:" in err
     assert needle in err
@@ -235,3 +236,47 @@ def test_report_with_offload_at_the_offload_minimum():
     assert paged["summary"]["planned_peak"] <= paged["summary"]["budget"]
     assert sum(m["offloaded_bytes"] for m in paged["modules"]) > 0
     assert sum(m["offloaded_bytes"] for m in remat["modules"]) == 0
+
+
+WHOLE_STEP = ("report", "mlp", "--batch-size", "64", "--budget", "90%", "--optimizer", "adamw", "--time-limit", "1",
+              "--quiet")
+
+
+def test_report_json_of_the_whole_step_with_adamw(capsys):
+    """``--optimizer adamw --json``: memory by what holds it at the planned peak adds up to the peak, the
+    optimizer state on the device is there all step, and the timeline has the update phase."""
+    code, out, err = run_main(capsys, *WHOLE_STEP, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    s, m, t = data["summary"], data["memory"], data["timeline"]
+    assert m["updated_params"] > 0
+    # Device state (the plan may keep some, or all, of it in host memory instead): there all step.
+    assert s["optimizer_state_bytes"] + m["host_optimizer_state_bytes"] > 0
+    assert m["at_peak"]["optimizer_state"] == m["most"]["optimizer_state"] == s["optimizer_state_bytes"]
+    assert sum(m["at_peak"].values()) == m["peak"] == s["planned_peak"]
+    assert t["backward_start"] < t["update_start"] < t["update_end"] <= 1
+
+
+def test_report_text_of_the_whole_step_with_adamw(capsys):
+    """``--optimizer adamw``: the summary and the memory table name the optimizer state (device, and host
+    when the plan keeps some there), and the memory strip has an ``updates`` row under the update phase."""
+    code, text, err = run_main(capsys, *WHOLE_STEP)
+    assert code == 0, err
+    lines = text.splitlines()
+    summary = [line for line in lines if line.startswith("optimizer state")]
+    assert summary and ("on the device" in summary[0]), text
+    for needle in ("device memory at the planned peak", "optimizer state (device)", "gradients",
+                   "activations, temporaries", "parameters, buffers, inputs", "planned peak"):
+        assert needle in text, needle
+    if "in host memory" in text:
+        assert "optimizer state (host)" in text
+    updates = [line for line in lines if line.startswith(" updates  ")]
+    assert len(updates) == 1 and "═" in updates[0], text
+
+
+def test_report_without_an_optimizer_has_no_update_phase(report):
+    data, _ = report
+    m, t = data["memory"], data["timeline"]
+    assert m["updated_params"] == 0 and m["at_peak"]["optimizer_state"] == 0
+    assert sum(m["at_peak"].values()) == data["summary"]["planned_peak"]
+    assert t["update_start"] is None and t["update_end"] is None

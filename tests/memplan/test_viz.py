@@ -151,3 +151,204 @@ def _unit_of(ax) -> float:
     """Bytes per unit of the memory axis, read off its label ("device memory (MB)")."""
     unit = ax.get_ylabel().rsplit("(", 1)[1].rstrip(")")
     return {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit]
+
+
+# --------------------------------------------------------------------------- #
+# The whole step: memory by what holds it (memory_breakdown, plot_memory, the update phase)
+# --------------------------------------------------------------------------- #
+
+
+def _whole_step(**options):
+    """An MLP's step with AdamW planned through ``memplan.optimize``: (plan, module); skips when
+    this tree's ``optimize`` does not take ``options`` yet (host state, accumulation)."""
+    import torch
+
+    module, args, kwargs = build_step("mlp", batch_size=64)
+    try:
+        opt = memplan.optimize(module, 10**12, solver="store_all", optimizer=torch.optim.AdamW(module.parameters()),
+                               example_inputs=args, example_kwargs=kwargs, **options)
+    except TypeError as exc:
+        if options and "option" in str(exc):
+            pytest.skip(f"memplan.optimize takes no {', '.join(options)} here: {exc}")
+        raise
+    return opt.plan, module
+
+
+@pytest.fixture(scope="module")
+def whole_step():
+    """AdamW's state and updates in the plan, under a budget that makes the plan recompute."""
+    store_all, _ = _whole_step()
+    a = store_all.analysis
+    assert a.optimizer_state_bytes > 0 and a.lowered.updates
+    budget = max(int(a.graph_peak - 0.4 * a.activation_bytes), viz.min_budget(a))
+    p = memplan.plan.solve_plan(a, budget, time_limit=1)
+    assert any(d.decision == "recompute" for d in p.decisions)
+    return p
+
+
+@pytest.fixture(scope="module")
+def after_backward():
+    """The same step with every update waiting for the end of backward (``GRADS_FINAL``)."""
+    p, _ = _whole_step(updates_after_backward=True)
+    assert p.analysis.lowered.updates_after_backward
+    return p
+
+
+def _simulated(plan) -> np.ndarray:
+    """The one simulator's memory before the first step and after each step of the plan."""
+    problem = memplan.plan.problem_for(plan.analysis, plan.budget, plan.schedule.has_transfers())
+    sim = solvers.simulate(problem, plan.schedule)
+    return np.concatenate([[sim.initial], sim.timeline]) + plan.held_gradient_bytes
+
+
+@pytest.mark.parametrize("which", ["whole_step", "after_backward", "plan"])
+def test_breakdown_adds_up_to_the_simulated_memory_at_every_step(which, request):
+    plan = request.getfixturevalue(which)
+    bd = viz.memory_breakdown(plan)
+    _, planned = viz.memory_timelines(plan)
+    assert len(bd.time) == len(plan.schedule) + 1
+    np.testing.assert_array_equal(bd.total, _simulated(plan))
+    np.testing.assert_array_equal(bd.total, planned.memory)
+    assert int(bd.total.max()) == plan.predicted_peak
+    for name, _, _ in viz.BREAKDOWN_CATEGORIES:
+        assert (getattr(bd, name) >= 0).all(), name
+    a = plan.analysis
+    # The primals and graph constants (a loss's target) are resident all step; nothing else counts with them.
+    problem = a.lowered.problem
+    constants = sum(int(problem.mem[v]) for v in problem.sources if str(problem.names[v]).startswith("attr:"))
+    assert (bd.parameters == a.param_bytes + a.buffer_bytes + a.input_bytes + constants).all()
+    assert bd.gradients.max() > 0 and bd.activations.max() > 0
+    assert sum(bd.at(bd.peak_index).values()) == plan.predicted_peak
+
+
+@pytest.mark.parametrize("which", ["whole_step", "after_backward"])
+def test_optimizer_state_category_is_the_device_state_at_every_step(which, request):
+    plan = request.getfixturevalue(which)
+    bd = viz.memory_breakdown(plan)
+    state = plan.analysis.optimizer_state_bytes
+    assert state > 0
+    assert (bd.optimizer_state == state).all()
+    assert bd.host_optimizer_state_bytes == 0 and bd.host_state_params == 0
+
+
+def test_update_phase_and_gradients_of_the_whole_step(whole_step, after_backward):
+    for plan in (whole_step, after_backward):
+        bd = viz.memory_breakdown(plan)
+        assert bd.backward_start < bd.update_start < bd.update_end <= bd.time[-1]
+        # Each update frees the gradient it applies: none is left when the step ends.
+        assert bd.gradients[-1] == 0
+    bd = viz.memory_breakdown(after_backward)
+    # Updates after backward: every gradient is final, and all of them held, when the first starts.
+    start = int(np.searchsorted(bd.time, bd.update_start, side="right"))
+    assert bd.gradients[start] == bd.gradients.max() > 0
+    assert bd.update_start > viz.memory_breakdown(whole_step).update_start
+
+
+def test_without_an_optimizer_the_gradients_are_held_to_the_end(plan):
+    bd = viz.memory_breakdown(plan)
+    assert bd.update_start is None and bd.update_end is None
+    assert not bd.optimizer_state.any() and not bd.accumulated_gradients.any()
+    # Every parameter's gradient is a sink: on the device at the end, at its own size.
+    assert bd.gradients[-1] == plan.analysis.param_bytes
+
+
+def _categories(problem, **named) -> list[int]:
+    """Per node of ``problem``, its row of BREAKDOWN_CATEGORIES: ``named`` node -> category, else activations."""
+    row = {name: i for i, (name, _, _) in enumerate(viz.BREAKDOWN_CATEGORIES)}
+    return [row[named.get(str(v), "activations")] for v in problem.names]
+
+
+def _rows(problem, steps, **named) -> dict[str, list[int]]:
+    schedule = solvers.Schedule.from_list(steps)
+    rows = viz.category_bytes(problem, schedule, _categories(problem, **named))
+    sim = solvers.simulate(problem, schedule)
+    np.testing.assert_array_equal(rows.sum(axis=0), np.concatenate([[sim.initial], sim.timeline]))
+    return {name: rows[i].tolist() for i, (name, _, _) in enumerate(viz.BREAKDOWN_CATEGORIES)}
+
+
+def test_category_bytes_follow_the_alias_rule():
+    import networkx as nx
+
+    # A gradient that is a view of a backward temporary: its bytes are the temporary's while the
+    # temporary is resident, the gradient's own once it is freed.
+    G = nx.DiGraph()
+    G.add_node("p", mem=10, cost=0.0, recomputable=False)
+    G.add_node("mm", mem=100, cost=1.0)
+    G.add_node("grad", mem=100, cost=0.0, alias_of="mm")
+    G.add_node("h", mem=5, cost=1.0)
+    G.add_edges_from([("p", "mm"), ("mm", "grad"), ("grad", "h")])
+    problem = solvers.Problem.from_networkx(G, budget=10**6)
+    rows = _rows(problem, [("compute", "mm"), ("compute", "grad"), ("free", "mm"), ("compute", "h")],
+                 p="parameters", grad="gradients")
+    assert rows["parameters"] == [10] * 5
+    assert rows["activations"] == [0, 100, 100, 0, 5]
+    assert rows["gradients"] == [0, 0, 0, 100, 100]
+
+    # Two whole-storage views of one freed storage (unbind's outputs): one storage, counted once.
+    G = nx.DiGraph()
+    G.add_node("p", mem=0, cost=0.0, recomputable=False)
+    G.add_node("base", mem=64, cost=1.0)
+    G.add_edge("p", "base")
+    for v in ("v1", "v2"):
+        G.add_node(v, mem=64, cost=0.0, alias_of="base", same_storage=True)
+        G.add_edge("base", v)
+    G.add_node("out", mem=1, cost=1.0)
+    G.add_edges_from([("v1", "out"), ("v2", "out")])
+    problem = solvers.Problem.from_networkx(G, budget=10**6)
+    rows = _rows(problem, [("compute", "base"), ("compute", "v1"), ("compute", "v2"), ("free", "base"),
+                           ("compute", "out")], v1="gradients", v2="gradients")
+    assert rows["gradients"] == [0, 0, 0, 0, 64, 64]
+    assert rows["activations"] == [0, 64, 64, 64, 0, 1]
+
+
+def test_category_bytes_show_what_came_back_from_host():
+    import networkx as nx
+
+    G = nx.DiGraph()
+    G.add_node("p", mem=0, cost=0.0, recomputable=False)
+    G.add_node("x", mem=30, cost=1.0)
+    G.add_node("y", mem=2, cost=1.0)
+    G.add_edges_from([("p", "x"), ("x", "y")])
+    problem = solvers.Problem.from_networkx(G, budget=10**6, host_bandwidth=1e9)
+    rows = _rows(problem, [("compute", "x"), ("offload", "x"), ("free", "x"), ("prefetch", "x"), ("compute", "y"),
+                           ("free", "x")])
+    assert rows["activations"] == [0, 30, 30, 0, 0, 2, 2]
+    assert rows["from_host"] == [0, 0, 0, 0, 30, 30, 0]
+
+
+def test_plot_memory_of_the_whole_step(whole_step, after_backward, tmp_path):
+    for plan, phase in ((whole_step, "updates (during backward)"), (after_backward, "updates")):
+        fig = viz.plot_memory(plan)
+        (ax,) = fig.axes
+        assert len(ax.get_lines()) >= 3  # eager, planned, budget (and the update phase's edges)
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        for needle in ("optimizer state", "gradients", "activations", "parameters"):
+            assert any(text.startswith(needle) for text in legend), (needle, legend)
+        assert phase in [t.get_text().strip() for t in ax.texts]
+        assert len(ax.collections) >= 4  # one area per category that holds bytes, and the peak marker
+        _png(fig, tmp_path / "whole_step.png")
+
+
+def test_plot_memory_notes_optimizer_state_in_host_memory(tmp_path):
+    plan, _ = _whole_step(optimizer_state="host")
+    a = plan.analysis
+    if not getattr(a, "host_optimizer_state_bytes", 0):
+        pytest.skip("this tree keeps no optimizer state in host memory")
+    bd = viz.memory_breakdown(plan)
+    assert not bd.optimizer_state.any()  # none of it on the device: no area
+    assert bd.host_optimizer_state_bytes == a.host_optimizer_state_bytes
+    assert bd.host_state_params == len(a.lowered.updates)
+    (ax,) = viz.plot_memory(plan).axes
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert any(text.startswith("optimizer state in host memory") for text in legend), legend
+    assert not any(text.startswith("optimizer state:") for text in legend), legend
+
+
+def test_accumulated_gradients_category():
+    plan, _ = _whole_step(accumulate_steps=2)
+    accumulated = getattr(plan.analysis, "accumulated_gradient_bytes", 0)
+    if not accumulated:
+        pytest.skip("this tree holds no accumulation buffers in the Problem")
+    bd = viz.memory_breakdown(plan)
+    assert (bd.accumulated_gradients == accumulated).all()
+    np.testing.assert_array_equal(bd.total, _simulated(plan))
