@@ -20,7 +20,7 @@ from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
 from memplan.optimizer import Accumulation, check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
-from memplan.plan import OPTIMIZER_STATES, InfeasibleBudgetError, Plan, make_plan
+from memplan.plan import CLIP_BY, OPTIMIZER_STATES, InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
@@ -114,7 +114,7 @@ class OptimizedModule(nn.Module):
     ):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
-                                  "max_grad_norm", "optimizer_state", "accumulate_steps"}
+                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
@@ -143,6 +143,10 @@ class OptimizedModule(nn.Module):
             raise ValueError("memplan.optimize: accumulate_steps= counts steps between memplan's updates; it needs "
                              "optimizer= (without one, accumulate as usual: gradients held in .grad are planned for)")
         self.accumulation = Accumulation(steps)
+        # clip_by="auto" | "holding" | "norm_pass": how max_grad_norm= gets the global norm first.
+        self.clip_by = options.pop("clip_by", "auto")
+        if self.clip_by not in CLIP_BY:
+            raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
         if budget is None and self.saved_plan is not None:
@@ -382,6 +386,7 @@ class OptimizedModule(nn.Module):
             max_grad_norm=self.max_grad_norm,
             optimizer_state=self.optimizer_state,
             accumulation=self.accumulation,
+            clip_by=self.clip_by,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -60,6 +60,12 @@ ACCUM_PREFIX = "accum:"  # a parameter's accumulated gradient (accumulate_steps 
 UPDATE_PREFIX = "update:"  # applying the optimizer to one parameter (its temporaries are the value)
 UPDATED_SUFFIX = "@updated"  # the update's result: a zero-byte sink, so every update runs
 GRADS_FINAL = "__grads_final__"  # every gradient of the step is final: updates may start
+# Clipping by a first backward pass (``UpdatePlacement.norm_pass``), as LOMO does: its values are
+# the backward's again under this prefix, each gradient's square is added up at ``SQUARE_PREFIX``,
+# and the updates of the second pass wait for ``NORM_FINAL``.
+NORM_PASS_PREFIX = "normpass:"
+SQUARE_PREFIX = "square:"
+NORM_FINAL = "__grad_norm__"
 
 # Numels of the two probe parameters each (group, dtype, device) is stepped with.
 PROBE_NUMELS = (1024, 4096)
@@ -92,6 +98,11 @@ class UpdatePlacement:
     after_backward: bool = False  # every update waits for all gradients (else each for its own)
     host: frozenset[str] = frozenset()  # parameters whose state is in host memory, updated there
     accumulate_steps: int = 1  # micro-steps per update; > 1 holds an accumulated gradient each
+    # Clipping (max_grad_norm=) without holding every gradient: a first backward pass computes the
+    # global norm only, freeing each gradient once its square is added; the second pass applies
+    # the clipped updates as each gradient is final (LOMO). Without it, clipping holds the gradients
+    # to the end of backward (after_backward).
+    norm_pass: bool = False
 
 
 @dataclass(frozen=True)
@@ -324,20 +335,14 @@ class UpdateRunner(nn.Module):
         total, p.grad = p.grad, None
         return total
 
-    def clip(self, grads: list[torch.Tensor | None]) -> None:
-        """With ``max_norm``: every gradient of the step is final; scale them all, in place, as
-        ``torch.nn.utils.clip_grad_norm_`` does, before the first update (an exact clip needs
-        the norm of all of them). ``grads`` are per slot; skipped slots are left out. With
-        accumulation, the norm is that of the accumulated gradients, at the updating micro-step."""
-        if not self.accumulation.final:
-            return
-        if self.accumulation.steps > 1:
-            self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
-                            if slot not in self.skipped and grad is not None}
-            grads = [self._totals.get(slot) for slot in range(len(grads))]
-        for slot, grad in enumerate(grads):
-            if slot not in self.skipped and grad is not None:
-                self._add_square(grad)
+    def add_norm_square(self, slot: int, grad: torch.Tensor) -> None:
+        """First backward pass of a norm-pass clip: add this gradient's square to the norm (it is
+        dropped afterwards; the second pass computes it again to apply it)."""
+        if slot not in self.skipped:
+            self._add_square(grad)
+
+    def clip_by_norm(self) -> None:
+        """End of the first pass: the global norm is known; the second pass's updates clip by it."""
         if self._square_sum is None:
             return
         total = self._square_sum.sqrt()
@@ -345,11 +350,30 @@ class UpdateRunner(nn.Module):
         self.grad_norm = total
         self._clip_coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
 
+    def clip(self, grads: list[torch.Tensor | None]) -> None:
+        """With ``max_norm``: every gradient of the step is final; scale them all, in place, as
+        ``torch.nn.utils.clip_grad_norm_`` does, before the first update (an exact clip needs
+        the norm of all of them). ``grads`` are per slot; skipped slots are left out. With
+        accumulation, the norm is that of the accumulated gradients, at the updating micro-step."""
+        if not self.accumulation.final:
+            return
+        held = [slot for slot, p in enumerate(self.params) if p.grad is not None]
+        if self.accumulation.steps > 1 or held:
+            self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
+                            if slot not in self.skipped and grad is not None}
+            grads = [self._totals.get(slot) for slot in range(len(grads))]
+        for slot, grad in enumerate(grads):
+            if slot not in self.skipped and grad is not None:
+                self._add_square(grad)
+        self.clip_by_norm()
+
     def forward(self, slot: int, grad: torch.Tensor) -> None:
         if slot in self.skipped:
             return
         p = self.params[slot]
-        if self.accumulation.steps > 1:
+        # With accumulation, or a step that started with gradients held in .grad (eager would
+        # step with their sum), the gradient is added into .grad first.
+        if self.accumulation.steps > 1 or p.grad is not None or slot in self._totals:
             if slot in self._totals:  # folded in already, by `clip`
                 grad = self._totals.pop(slot)
             else:
@@ -419,7 +443,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class GradClip(nn.Module):
-    """The call the backward segment makes at ``GRADS_FINAL`` when the step clips: `UpdateRunner.clip`."""
+    """The calls the backward segment makes when the step clips: at ``GRADS_FINAL`` with every
+    gradient (`UpdateRunner.clip`); or, with a norm pass, each first-pass gradient's square
+    (`square`) and the clip factor at ``NORM_FINAL`` (`UpdateRunner.clip_by_norm`)."""
 
     def __init__(self, runner: UpdateRunner) -> None:
         super().__init__()
@@ -427,3 +453,9 @@ class GradClip(nn.Module):
 
     def forward(self, grads: list[torch.Tensor]) -> None:
         self.runner.clip(grads)
+
+    def square(self, slot: int, grad: torch.Tensor) -> None:
+        self.runner.add_norm_square(slot, grad)
+
+    def by_norm(self) -> None:
+        self.runner.clip_by_norm()

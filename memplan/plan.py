@@ -159,6 +159,8 @@ class Plan:
         if a.lowered.updates:
             low = a.lowered
             when = ("once every gradient is final" if low.updates_after_backward
+                    else "in a second backward pass, clipped by the norm a first pass computed, as soon as its "
+                         "gradient is final and its last read done" if low.placement.norm_pass
                     else "as soon as its gradient is final and its last read done")
             lines.append(f"  optimizer        {len(low.updates)} parameters updated in backward, each {when}, "
                          f"its gradient freed; {format_bytes(a.optimizer_state_bytes)} of optimizer state on the "
@@ -198,7 +200,7 @@ def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDe
     offloaded = {str(node) for op, node in schedule if op == "offload"}
     out = []
     for name, node in low.fx_nodes.items():
-        if node.op != "call_function" or is_reference(name) or name == BACKWARD:
+        if node.op != "call_function" or is_reference(name) or name == BACKWARD or name in low.norm_pass:
             continue
         n = computes.get(name, 0)
         if n == 0:
@@ -246,6 +248,7 @@ def make_plan(
     max_grad_norm: float | None = None,
     optimizer_state: str = "auto",
     accumulation: Accumulation | None = None,
+    clip_by: str = "auto",
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -259,8 +262,12 @@ def make_plan(
     clip the gradients' global norm to it before the updates (which then come after backward);
     ``optimizer_state``: "device", "host" (every parameter's state in host memory, updated
     there) or "auto" (on the device, and in host memory for as many parameters as the budget
-    needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps.
+    needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps;
+    ``clip_by`` (with ``max_grad_norm``): "holding" every gradient to the end of backward,
+    "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
     """
+    if clip_by not in CLIP_BY:
+        raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: give one of {', '.join(OPTIMIZER_STATES)}")
     cap = capture(model, args, kwargs, output_use=output_use)
@@ -268,20 +275,25 @@ def make_plan(
     updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
     eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
     steps = accumulation.steps if accumulation is not None else 1
-    first = UpdatePlacement(after_backward=updates_after_backward or max_grad_norm is not None,
+    clipping = max_grad_norm is not None
+    forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
+    first = UpdatePlacement(after_backward=(updates_after_backward or clipping) and not forced_pass,
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
-                            accumulate_steps=steps)
+                            accumulate_steps=steps, norm_pass=forced_pass)
     analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first)
-    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto", solver=solver,
-                            time_limit=time_limit, offload=offload)
+    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
+                            norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
+                            solver=solver, time_limit=time_limit, offload=offload)
     runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
     return plan, build_program(cap, plan.analysis.lowered, plan.schedule, runner)
 
 
-def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, **solve_options) -> Plan:
+def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,
+                     **solve_options) -> Plan:
     """`solve_plan` for a step with optimizer updates: the first placement of them that fits
     (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
-    lowered again (its costs reused). ``solve_options``: `solve_plan`'s."""
+    lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
+    backward pass instead of holding the gradients. ``solve_options``: `solve_plan`'s."""
     if not analysis.updates:
         return solve_plan(analysis, budget, **solve_options)
 
@@ -293,20 +305,24 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
                                     placement, costs=analysis.costs)
         return solve_plan(again, budget, **solve_options)
 
-    return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state)
+    return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
+                           norm_pass)
 
 
 OPTIMIZER_STATES = ("auto", "device", "host")
+CLIP_BY = ("auto", "holding", "norm_pass")
 
 
 def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
-                    may_move_state: bool) -> Plan:
+                    may_move_state: bool, norm_pass: bool = False) -> Plan:
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
     2. the same with every update after backward: updates in backward that do not fit bring
        their temporaries while activations are alive; after backward the gradients are held
-       to its end instead, as ``optimizer.step()`` after ``backward()``;
+       to its end instead, as ``optimizer.step()`` after ``backward()``. A clipping step
+       (``norm_pass``) holds the gradients first, and then tries a first backward pass that
+       computes only the norm (each gradient freed at once), the updates in the second;
     3. with ``may_move_state``, the optimizer state of more parameters in host memory, the
        largest first (`memplan.optimizer.host_updates`), as many bytes as the last attempt's
        smallest plan was over the budget, then 1 and 2 again; until all state is there.
@@ -317,8 +333,14 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
     placement = first
     best: InfeasibleBudgetError | None = None  # the lowest minimum of the placements tried
     while True:
-        tries = [placement] if placement.after_backward or not updates else [
-            placement, dataclasses.replace(placement, after_backward=True)]
+        if not updates:
+            tries = [placement]
+        elif norm_pass:
+            tries = [placement, dataclasses.replace(placement, after_backward=False, norm_pass=True)]
+        elif placement.after_backward:
+            tries = [placement]
+        else:
+            tries = [placement, dataclasses.replace(placement, after_backward=True)]
         errors: list[Exception] = []
         for attempt in tries:
             try:

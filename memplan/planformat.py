@@ -125,6 +125,7 @@ def record_to_json(record: dict[str, Any]) -> str:
             "after_backward": placement.after_backward,
             "host": sorted(placement.host),
             "accumulate_steps": placement.accumulate_steps,
+            "norm_pass": placement.norm_pass,
         }
     return json.dumps(data, indent=1)
 
@@ -174,6 +175,7 @@ def _optimizer_fields(data: dict | None) -> dict[str, Any]:
     return dict(
         placement=UpdatePlacement(after_backward=bool(data["after_backward"]),
                                   host=frozenset(str(n) for n in data.get("host", [])),
-                                  accumulate_steps=int(data.get("accumulate_steps", 1))),
+                                  accumulate_steps=int(data.get("accumulate_steps", 1)),
+                                  norm_pass=bool(data.get("norm_pass", False))),
         optimizer_state_bytes=int(data["state_bytes"]),
     )

@@ -187,6 +187,6 @@ def _check_whole_step(saved: SavedPlan, where: str, optimizer: torch.optim.Optim
     if steps != saved.placement.accumulate_steps:
         raise PlanMismatchError(f"{where} was made for accumulate_steps={saved.placement.accumulate_steps}, "
                                 f"not {steps}")
-    if max_grad_norm is not None and not saved.placement.after_backward:
+    if max_grad_norm is not None and not (saved.placement.after_backward or saved.placement.norm_pass):
         raise PlanMismatchError(f"{where} updates in backward, before every gradient is known: it cannot clip "
                                 "the global norm (max_grad_norm=); re-plan with max_grad_norm")

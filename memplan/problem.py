@@ -45,6 +45,9 @@ from memplan.costs import GraphCosts, value_device
 from memplan.optimizer import (
     ACCUM_PREFIX,
     GRADS_FINAL,
+    NORM_FINAL,
+    NORM_PASS_PREFIX,
+    SQUARE_PREFIX,
     STATE_PREFIX,
     UPDATE_PREFIX,
     UPDATED_SUFFIX,
@@ -81,6 +84,8 @@ class Lowered:
     # update applies, the parameter's name in the model); an update's slot is its position here.
     updates: list[tuple[str, str, str]] = field(default_factory=list)
     placement: UpdatePlacement = UpdatePlacement()  # where the updates run, where their state lives
+    # A norm pass's values (`memplan.optimizer.NORM_PASS_PREFIX`): copy -> the backward value it recomputes.
+    norm_pass: dict[str, str] = field(default_factory=dict)
 
     @property
     def updates_after_backward(self) -> bool:
@@ -280,6 +285,10 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
     for t in tangent_nodes:
         fx_map[t.name] = t
     G, update_nodes = _add_updates(G, cap, primal_nodes, updates, placement)
+    norm_pass: dict[str, str] = {}
+    if placement.norm_pass:
+        G, norm_pass = _add_norm_pass(G, update_nodes, tangent_names, updates)
+    fx_map.update((copy, fx_map[original]) for copy, original in norm_pass.items())
     # Bookkeeping values (the backward barrier, generator states) have no tensor the runtime could copy.
     for name in G.nodes:
         if name not in fx_map:
@@ -294,6 +303,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
         rng_of=rng_of,
         updates=update_nodes,
         placement=placement,
+        norm_pass=norm_pass,
     )
 
 
@@ -348,6 +358,8 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         out.append((update, grad, u.name))
     if after_backward:
         return G, out
+    for reader, tokens in _add_read_tokens(G, out).items():
+        follows.setdefault(reader, []).extend(tokens)  # each token right after its reader
     # The Problem's order is G's insertion order: the states first, with the other sources (the
     # coarsening takes every source to come before what reads it), each update right after its gradient.
     states = [v for v in G.nodes if v.startswith((STATE_PREFIX, ACCUM_PREFIX))]
@@ -357,6 +369,90 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
     H.add_nodes_from((v, G.nodes[v]) for v in order)
     H.add_edges_from(G.edges)
     return H, out
+
+
+READ_PREFIX = "read:"  # a zero-byte token: this backward read of a parameter is done
+
+
+def _add_read_tokens(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """Make each update in backward wait (in ``G``, in place) for the backward reads of its parameter.
+
+    An update overwrites its parameter, but it does not read what the parameter's other readers
+    compute (``dX = dY @ W`` next to ``dW``), so no edge says it must come after them: a solver
+    would place it right after its gradient, and `updated_after_reads` would then move it later,
+    the gradient and temporaries held longer than the solver planned (a plan over its budget).
+    A zero-byte token per backward reader, read by the update, says it instead; the token is
+    computed as soon as its reader is, so it holds nothing. A recomputation of a reader after
+    the update is still possible in the Problem; `updated_after_reads` and the runtime's check
+    keep that case exact. Returns each reader's tokens."""
+    backward = nx.descendants(G, BACKWARD)
+    tokens: dict[str, list[str]] = {}
+    for update, _, _ in update_nodes:
+        param = update[len(UPDATE_PREFIX):]
+        views, stack = {param}, [param]
+        while stack:  # the parameter and every view of it
+            v = stack.pop()
+            for s in G.successors(v):
+                if G.nodes[s].get("alias_of") == v and s not in views:
+                    views.add(s)
+                    stack.append(s)
+        readers = {s for v in views for s in G.successors(v)
+                   if s in backward and s not in views and s != update and not s.startswith(READ_PREFIX)}
+        for reader in sorted(readers):
+            token = f"{READ_PREFIX}{reader}>{param}"
+            G.add_node(token, mem=0, cost=0.0, recomputable=False)
+            G.add_edges_from([(reader, token), (token, update)])
+            tokens.setdefault(reader, []).append(token)
+    return tokens
+
+
+def _add_norm_pass(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]], tangents: set[str],
+                   updates: Sequence[ParamUpdate]) -> tuple[nx.DiGraph, dict[str, str]]:
+    """``G`` with a first backward pass that only computes the gradients' global norm, for
+    clipping without holding every gradient (LOMO's two passes), placed in the order before the
+    backward it repeats; and its values (copy -> original).
+
+    Every backward value some updated gradient needs is there again under ``NORM_PASS_PREFIX``,
+    reading the forward's values and the tangents as the original does; each copied gradient is
+    read by a ``SQUARE_PREFIX`` step (its square added to the norm: a device scalar, counted as
+    nothing), which frees it; ``NORM_FINAL`` reads them all, and every update waits for it. The
+    solver then decides, as for any value, what of the forward both passes keep or recompute."""
+    backward = nx.descendants(G, BACKWARD) - tangents
+    grads = {grad for _, grad, _ in update_nodes}
+    needed = set(grads)
+    for grad in grads:
+        needed |= nx.ancestors(G, grad)
+    copied = [v for v in G.nodes if v in backward and v in needed and not is_reference(v)]
+    if any(u.startswith(RNG_PREFIX) for v in copied for u in G.predecessors(v)):
+        raise ValueError("memplan: a norm pass cannot recompute a random op of backward")
+    in_pass = set(copied)
+    for v in copied:
+        attrs = dict(G.nodes[v])
+        if attrs.get("alias_of") in in_pass:
+            attrs["alias_of"] = NORM_PASS_PREFIX + attrs["alias_of"]
+        G.add_node(NORM_PASS_PREFIX + v, **attrs)
+    for v in copied:
+        G.add_edges_from((NORM_PASS_PREFIX + u if u in in_pass else u, NORM_PASS_PREFIX + v)
+                         for u in G.predecessors(v) if not u.startswith(NORM_PASS_PREFIX))
+    time_of = {u.name: u.time for u in updates}
+    G.add_node(NORM_FINAL, mem=0, cost=0.0, recomputable=False)
+    for update, grad, name in update_nodes:
+        square = SQUARE_PREFIX + update
+        # Reading one gradient, about a fifth of an update's traffic (which reads and writes five).
+        G.add_node(square, mem=0, cost=time_of[name] / 5, recomputable=False)
+        source = NORM_PASS_PREFIX + grad if grad in in_pass else grad  # one no tangent reaches: as it is
+        G.add_edges_from([(source, square), (square, NORM_FINAL)])
+        G.add_edge(NORM_FINAL, update)
+    # The Problem's order is G's: the pass right before the first backward value it repeats.
+    block = [NORM_PASS_PREFIX + v for v in copied] + [SQUARE_PREFIX + u for u, _, _ in update_nodes] + [NORM_FINAL]
+    in_block = set(block)
+    rest = [v for v in G.nodes if v not in in_block]
+    at = rest.index(copied[0]) if copied else len(rest)
+    order = rest[:at] + block + rest[at:]
+    H = nx.DiGraph()
+    H.add_nodes_from((v, G.nodes[v]) for v in order)
+    H.add_edges_from(G.edges)
+    return H, {NORM_PASS_PREFIX + v: v for v in copied}
 
 
 def updated_after_reads(low: Lowered, problem: "solvers.Problem", schedule: "solvers.Schedule") -> "solvers.Schedule":

@@ -37,7 +37,7 @@ import solvers
 from solvers.transforms.ordering import storage_readers
 from memplan.capture import Capture
 from memplan.costs import value_device
-from memplan.optimizer import GRADS_FINAL, GradClip, UpdateRunner
+from memplan.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
 
 
@@ -260,6 +260,14 @@ def _build_segment(
             return graph.get_attr(n.target)
         return value(n.name)
 
+    def pass_arg(n: fx.Node) -> fx.Node:
+        copy = NORM_PASS_PREFIX + n.name
+        return value(copy) if copy in low.norm_pass else arg(n)
+
+    square_of = {SQUARE_PREFIX + update: (slot, NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass
+                                          else grad)
+                 for slot, (update, grad, _) in enumerate(low.updates)} if low.norm_pass else {}
+
     for op, name in steps:
         if op in ("offload", "prefetch"):
             if name not in fx_nodes:  # bookkeeping values have no tensor to copy
@@ -279,6 +287,16 @@ def _build_segment(
         if op == "compute" and name == GRADS_FINAL and hasattr(root, "clip"):
             # every gradient is final: the global norm, and the clip, before the first update
             graph.call_module("clip", ([value(grad) for _, grad, _ in low.updates],))
+            continue
+        if op == "compute" and name in square_of:  # a norm pass's gradient: its square joins the norm
+            slot, grad = square_of[name]
+            graph.call_method("square", (graph.get_attr("clip"), slot, value(grad)))
+            continue
+        if op == "compute" and name == NORM_FINAL:
+            graph.call_method("by_norm", (graph.get_attr("clip"),))
+            continue
+        if op == "compute" and name in low.norm_pass:  # the backward value again, from the pass's own inputs
+            env[name] = graph.node_copy(fx_nodes[name], pass_arg)
             continue
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
@@ -309,6 +327,15 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
     grad_of_update = {update: grad for update, grad, _ in low.updates}
     for op, name in steps:
+        if op == "compute" and name in low.norm_pass:
+            inputs = [NORM_PASS_PREFIX + i.name if NORM_PASS_PREFIX + i.name in low.norm_pass else i.name
+                      for i in low.fx_nodes[name].all_input_nodes]
+            reads.update(inputs)
+            continue
+        if op == "compute" and name.startswith(SQUARE_PREFIX):
+            grad = grad_of_update[name[len(SQUARE_PREFIX):]]
+            reads.add(NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad)
+            continue
         if op == "compute" and name in grad_of_update:
             reads.add(grad_of_update[name])
         elif op == "compute" and name == GRADS_FINAL:  # a clipping step reads every applied gradient
@@ -398,7 +425,7 @@ def _check_no_read_after_update(low: Lowered, bw_steps: list[tuple[str, str]]) -
             continue
         if name in readers:
             overwritten |= readers[name]
-        elif name in low.fx_nodes and overwritten:
+        elif name in low.fx_nodes and overwritten and name not in overwritten:  # a view reads nothing
             read = overwritten.intersection(i.name for i in low.fx_nodes[name].all_input_nodes)
             if read:
                 raise ValueError(f"memplan runtime: {name!r} reads {sorted(read)[0]!r} after the update that "

@@ -33,7 +33,8 @@ def _last_read(problem: Problem, steps: list[Step], targets: frozenset[int], wri
     for k, (op, node) in enumerate(steps):
         if op is Op.COMPUTE:
             v = index[node]
-            if v != writer and targets.intersection(preds[v]):
+            # Taking a view of the storage reads nothing: its readers are targets' readers too.
+            if v != writer and v not in targets and targets.intersection(preds[v]):
                 last = k
     return last
 
