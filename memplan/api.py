@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from memplan.capture import InputSignature
+from memplan.analysis import replay_eager_peak
 from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
 from memplan.optimizer import Accumulation, check_optimizer
@@ -58,10 +59,24 @@ def parse_budget(budget: int | str) -> int:
     raise ValueError(_budget_help(budget))
 
 
+def budget_fraction(budget: Any) -> float | None:
+    """The share of the eager peak a budget such as ``"50%"`` asks for (0.5), None for an absolute budget."""
+    if not isinstance(budget, str) or not budget.strip().endswith("%"):
+        return None
+    try:
+        percent = float(budget.strip()[:-1])
+    except ValueError:
+        raise ValueError(_budget_help(budget)) from None
+    if not percent > 0:
+        raise ValueError(f"cannot read budget {budget!r}: a percentage of the eager peak must be above 0%")
+    return percent / 100
+
+
 def _budget_help(budget: Any) -> str:
     return (
         f"cannot read budget {budget!r}: give a positive int of bytes or a string like "
-        "'16GB', '16GiB', '800MB', '512 kB', '1.5 TB' (units B, kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary)"
+        "'16GB', '16GiB', '800MB', '512 kB', '1.5 TB' (units B, kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), "
+        "or a share of the eager step's peak such as '50%'"
     )
 
 
@@ -156,7 +171,10 @@ class OptimizedModule(nn.Module):
         self._parameters = model._parameters
         self._buffers = model._buffers
         self._modules = model._modules
-        self.budget = parse_budget(budget)
+        # budget="50%": that share of each input signature's eager peak (replayed on fake tensors),
+        # resolved when the signature is planned; `budget` is then the last one resolved.
+        self.budget_fraction = budget_fraction(budget)
+        self.budget = None if self.budget_fraction is not None else parse_budget(budget)
         self.solver = solver
         self.time_limit = time_limit
         self.device_profile = device_profile
@@ -314,12 +332,12 @@ class OptimizedModule(nn.Module):
         sizes = output_bytes(cap, plan.analysis.costs)
         given = [i for i, needs in enumerate(cap.user_requires_grad) if needs and i not in missing]
         outside = sum(sizes[i] for i in given)
-        if outside < LOSS_OUTSIDE_FRACTION * self.budget:
+        if outside < LOSS_OUTSIDE_FRACTION * plan.budget:
             return
         self._warned_loss_outside = True
         warnings.warn(
             f"memplan: backward came from outside the optimized module, through {format_bytes(outside)} of its "
-            f"outputs ({outside / self.budget:.0%} of the {format_bytes(self.budget)} budget). What the caller "
+            f"outputs ({outside / plan.budget:.0%} of the {format_bytes(plan.budget)} budget). What the caller "
             "computes from them (a loss over logits saves tensors as large as the logits) is not in the plan, "
             "and the step can go over the budget by about that much. Put the loss inside the plan: "
             "memplan.optimize(memplan.WithLoss(model, loss_fn), budget).",
@@ -334,12 +352,13 @@ class OptimizedModule(nn.Module):
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
         for what they leave of the budget, and the plan's peak counts them. ``use``: what the plan
         assumes about the outputs (``memplan.output_use``)."""
+        budget = self._budget_for(args, kwargs)
         try:
-            plan, program = self._plan_graph(args, kwargs, self.budget - held, use)
+            plan, program = self._plan_graph(args, kwargs, budget - held, use)
         except InfeasibleBudgetError as exc:
             if not held:
                 raise
-            raise InfeasibleBudgetError(self.budget, exc.min_budget + held, held, exc.addend_only_outputs) from None
+            raise InfeasibleBudgetError(budget, exc.min_budget + held, held, exc.addend_only_outputs) from None
         except PlanMismatchError as exc:
             if not held:
                 raise
@@ -348,10 +367,18 @@ class OptimizedModule(nn.Module):
                 "from an earlier step: call optimizer.zero_grad() before the step)"
             ) from None
         if held:
-            plan = dataclasses.replace(plan, budget=self.budget, predicted_peak=plan.predicted_peak + held,
+            plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + held,
                                        held_gradient_bytes=held)
         cap = plan.analysis.capture
         return plan, program, cap.param_names, cap.buffer_names
+
+    def _budget_for(self, args: tuple, kwargs: dict) -> int:
+        """The budget in bytes for a step on these inputs: the given one, or its share of their eager peak."""
+        if self.budget_fraction is None:
+            return self.budget
+        eager = replay_eager_peak(self._orig_mod, args, kwargs)
+        self.budget = max(1, int(self.budget_fraction * eager))
+        return self.budget
 
     def _plan_graph(self, args: tuple, kwargs: dict, budget: int, use: OutputUse) -> tuple[Plan, Program]:
         """The plan and program of the step's graph under ``budget``."""
@@ -457,7 +484,8 @@ def optimize(
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step's peak memory stays within ``budget``.
 
-    ``budget`` is bytes (int) or a string such as ``"16GB"``; it bounds the
+    ``budget`` is bytes (int), a string such as ``"16GB"``, or a share of the
+    eager step's forward+backward peak such as ``"50%"`` (per input signature); it bounds the
     peak that :func:`memplan.measure_peak` reports for one forward+backward:
     parameters, buffers, inputs, activations, gradients and temporaries.
     Plans are made on the first call per input signature, or immediately

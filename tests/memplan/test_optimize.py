@@ -217,6 +217,21 @@ def test_malformed_budget_lists_accepted_forms(bad):
     assert "16GB" in str(info.value) and "GiB" in str(info.value)
 
 
+def test_a_budget_as_a_share_of_the_eager_peak():
+    """``budget="60%"``, as the CLI's ``--budget 60%``: resolved per input signature from its eager peak."""
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=10)
+    plan = opt.plan
+    assert plan.budget == int(0.6 * plan.analysis.eager_peak) == opt.budget
+    assert_measured_peak(opt, module, args, kwargs, plan.budget)
+    clear_grads(module)
+    assert_same_step(module, reference, _run(opt, args, kwargs), _run(reference, args, kwargs))
+    for bad in ("0%", "-5%", "half%"):
+        with pytest.raises(ValueError, match="%"):
+            memplan.optimize(module, bad)
+
+
 def test_infeasible_budget_names_the_minimum():
     module, args, kwargs = build_step("mlp")
     with pytest.raises(memplan.InfeasibleBudgetError) as info:
