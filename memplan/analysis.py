@@ -209,11 +209,17 @@ def analyze_capture(
         lowered=low,
         store_all=store_all,
         optimizer_state_bytes=_node_bytes(low, STATE_PREFIX),
-        host_optimizer_state_bytes=sum(u.state_bytes for u in updates if u.name in low.host_states
-                                       and u.name in {name for _, _, name in low.updates}),
+        host_optimizer_state_bytes=_host_state_bytes(low, updates),
         accumulated_gradient_bytes=_node_bytes(low, ACCUM_PREFIX),
         updates=tuple(updates),
     )
+
+
+def _host_state_bytes(low: Lowered, updates: Sequence[ParamUpdate]) -> int:
+    """Bytes of optimizer state in host memory: of the parameters the step updates (one that gets
+    no gradient has no update) whose state the placement keeps there."""
+    updated = {name for _, _, name in low.updates} & low.host_states
+    return sum(u.state_bytes for u in updates if u.name in updated)
 
 
 def _node_bytes(low: Lowered, prefix: str) -> int:
