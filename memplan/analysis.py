@@ -176,15 +176,15 @@ def replay_eager_peak_of(cap: Capture, model: torch.nn.Module, args: tuple, kwar
 def analyze_capture(
     cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None,
     updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement(),
-    costs: GraphCosts | None = None,
+    costs: GraphCosts | None = None, carry_limit: tuple[int, int] | None = None,
 ) -> Analysis:
     """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
     ``updates``: the optimizer updates the step applies (`memplan.optimizer`), placed as
     ``placement`` says. ``costs``: the capture's costs when they are already known (another
-    lowering of the same step)."""
+    lowering of the same step). ``carry_limit``: `memplan.problem.lower`'s."""
     if costs is None:
         costs = _costs(cap, profile, measure_on)
-    low = lower(cap, costs, updates=updates, placement=placement)
+    low = lower(cap, costs, updates=updates, placement=placement, carry_limit=carry_limit)
     store_all = solvers.solve(low.problem, method="store_all")
     if low.updates:  # the Problem's order may update a parameter before its last read
         store_all = finish(low.problem, updated_after_reads(low, low.problem, store_all.schedule), "store_all",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.capture import InputSignature
 from memplan.analysis import replay_eager_peak
@@ -129,7 +130,7 @@ class OptimizedModule(nn.Module):
     ):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
-                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by"}
+                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
@@ -187,6 +188,7 @@ class OptimizedModule(nn.Module):
         # inputs keep the plan that assumes nothing.
         self._output_use: dict[InputSignature, OutputUse | None] = {}
         self._warned_loss_outside = False
+        self._warned_hooks = False
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -253,7 +255,8 @@ class OptimizedModule(nn.Module):
             # around the first call must see neither the capture's fake tensors
             # (refusing one inside a dispatch callback aborts the process) nor
             # the planner's own real work (profiling runs, meta-model constants).
-            with unmeasured():
+            self._warn_hooks()
+            with unmeasured(), _disable_current_modes():
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
                 except InfeasibleBudgetError as exc:
@@ -268,6 +271,27 @@ class OptimizedModule(nn.Module):
             self._plans[key] = entry
         self._last_signature = key
         return self._plans[key]
+
+    def _warn_hooks(self) -> None:
+        """Warn once, naming them, about module hooks: a plan's step runs the captured ATen graph,
+        so hooks ran while it was traced and do not run in the steps."""
+        if self._warned_hooks:
+            return
+        self._warned_hooks = True
+        hooked = [name or "(the model)" for name, m in self._orig_mod.named_modules()
+                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        from torch.nn.modules import module as nn_module
+        if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+                or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+            hooked.append("(global module hooks)")
+        if hooked:
+            warnings.warn(
+                f"memplan: hooks on {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} ran while the "
+                "step was traced and will not run in the planned steps (the step runs the captured graph). For "
+                "hooks that must run every step, compile instead: torch.compile(model, "
+                "backend=memplan.backend(budget=...)) runs them as dynamo does.",
+                stacklevel=4,
+            )
 
     def _optimistic_use(self, sig: InputSignature, use: OutputUse, infeasible: InfeasibleBudgetError
                         ) -> OutputUse | None:
@@ -414,12 +438,15 @@ class OptimizedModule(nn.Module):
             optimizer_state=self.optimizer_state,
             accumulation=self.accumulation,
             clip_by=self.clip_by,
+            carry_limit=self.options.get("carry_limit"),
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._orig_mod
-        if not torch.is_grad_enabled() or not any(p.requires_grad for p in model.parameters()):
-            # Inference: nothing is saved for backward, there is nothing to plan.
+        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*model.parameters(), *inputs]):
+            # Inference: nothing is saved for backward, there is nothing to plan. (A graph whose
+            # parameters arrive as inputs, as torch.compile hands them over, is planned.)
             return model(*args, **kwargs)
         # With accumulation, the gradients .grad holds between micro-steps are the plan's own (its
         # accumulation buffers), not an earlier step's to plan around.
@@ -429,7 +456,6 @@ class OptimizedModule(nn.Module):
         params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())
         buffers = [buffers_by_name[n] for n in buffer_names]
-        inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         primals = [params[n] for n in param_names] + buffers + inputs
         if program.updater is not None:
             # before forward allocates: a resume (load_state_dict) may have put host state on the device

@@ -21,7 +21,7 @@ from memplan.costs import DeviceProfile
 from memplan.optimizer import Accumulation, UpdatePlacement, UpdateRunner, host_updates, learn_updates
 from memplan.output_use import OutputUse
 from memplan.planformat import count_params, describe_inputs, graph_signature, input_signature, record_to_json
-from memplan.problem import BACKWARD, is_reference, updated_after_reads
+from memplan.problem import BACKWARD, CUT_RESERVE, is_reference, updated_after_reads
 from memplan.runtime import Program, build_program
 from memplan.units import format_bytes
 
@@ -98,6 +98,21 @@ class Plan:
     def predicted_overhead(self) -> float:
         """Predicted step time over store-all's (>= 1.0)."""
         return self.predicted_time / self.store_all_time if self.store_all_time else 1.0
+
+    @property
+    def carried_bytes(self) -> int:
+        """Bytes resident when the forward returns beyond what was resident when the step began
+        (its parameters, buffers and inputs): what the forward leaves for the backward, and its
+        outputs; what this step holds while other code runs between its forward and its backward
+        (`solvers.strategies.ledger`)."""
+        steps = list(self.schedule)
+        cut = next(k for k, (op, node) in enumerate(steps) if op == "compute" and node == BACKWARD)
+        problem = self.analysis.lowered.problem
+        result = solvers.simulate(problem, steps)
+        # timeline[k] is memory after step k: the step before the barrier (which makes the tangents),
+        # less the room a carry limit reserves there (`memplan.problem.CUT_RESERVE`)
+        reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0
+        return max(0, int(result.timeline[cut - 1]) - result.initial - reserve) if cut else 0
 
     @property
     def gap(self) -> float | None:
@@ -249,6 +264,7 @@ def make_plan(
     optimizer_state: str = "auto",
     accumulation: Accumulation | None = None,
     clip_by: str = "auto",
+    carry_limit: int | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -265,6 +281,8 @@ def make_plan(
     needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps;
     ``clip_by`` (with ``max_grad_norm``): "holding" every gradient to the end of backward,
     "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
+    ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
+    into its backward (`memplan.problem.CUT_RESERVE`; a graph of a step with several plans).
     """
     if clip_by not in CLIP_BY:
         raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
@@ -280,7 +298,8 @@ def make_plan(
     first = UpdatePlacement(after_backward=(updates_after_backward or clipping) and not forced_pass,
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass)
-    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first)
+    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
+                               carry_limit=None if carry_limit is None else (carry_limit, budget))
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                             solver=solver, time_limit=time_limit, offload=offload)

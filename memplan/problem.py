@@ -27,6 +27,11 @@ in a training step:
   same state and draw the same mask, as ``torch.utils.checkpoint`` does:
   random ops are recomputable like any other, only the state (a few
   kilobytes) must be kept.
+* ``CUT_RESERVE`` (only with ``carry_limit=``) is room held for others at the
+  end of forward: read by ``BACKWARD`` and made after every forward output,
+  its bytes are budget - sources - limit, so a plan whose peak fits the budget
+  carries at most ``limit`` bytes from its forward into its backward (what a
+  step with several plans needs: `solvers.strategies.ledger`).
 
 Views and getitems alias their input.
 """
@@ -57,6 +62,7 @@ from memplan.optimizer import (
 
 BACKWARD = "__backward__"
 START = "__start__"
+CUT_RESERVE = "__cut_reserve__"
 RNG_PREFIX = "rng:"
 # A CPU generator's state tensor, CUDA's seed and offset; twice, because a
 # replay also saves the current state to restore it afterwards.
@@ -163,11 +169,13 @@ def _reads_overwritten(node: fx.Node, costs: GraphCosts, overwritten: set[int]) 
 
 
 def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
-          updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement()) -> Lowered:
+          updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement(),
+          carry_limit: tuple[int, int] | None = None) -> Lowered:
     """Build the Problem for ``cap`` with the per-value costs in ``costs``; ``updates``: the
     optimizer updates the step applies (`memplan.optimizer`), with the state they keep, placed
     as ``placement`` says (each as soon as its gradient is final, or once all are; state on
-    the device or in host memory)."""
+    the device or in host memory). ``carry_limit=(limit, budget)``: a plan under ``budget``
+    carries at most ``limit`` bytes beyond its sources into the backward (``CUT_RESERVE``)."""
     gm = cap.graph_module
     out_nodes = cap.output_nodes()
     placeholders = cap.placeholders()
@@ -216,12 +224,19 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
             G.add_edge(p, name)
 
     def add_backward_barrier():
+        before = list(dict.fromkeys(fw_outputs))
+        if carry_limit is not None:
+            limit, at_budget = carry_limit
+            sources = sum(costs.values[n.name].nbytes for n in primal_nodes)
+            add_value(CUT_RESERVE, mem=max(0, at_budget - sources - limit), cost=0.0, recomputable=False,
+                      preds=before or [START], alias_of=None)
+            before.append(CUT_RESERVE)
         add_value(
             BACKWARD,
             mem=sum(costs.values[t.name].nbytes for t in tangent_nodes),
             cost=0.0,
             recomputable=False,
-            preds=list(dict.fromkeys(fw_outputs)),
+            preds=before,
             alias_of=None,
         )
         for t in tangent_nodes:

@@ -240,7 +240,7 @@ def extract_chain(problem: Problem, max_stages: int = DEFAULT_MAX_STAGES, pin_sk
     than 1/16 of it later: the skip connections of a U-Net, say), which otherwise
     leave no cut in between; they then stay resident from the forward to their last use."""
     lists = problem.lists()
-    preds, succs, is_source = problem.preds, problem.succs, lists.is_source
+    preds, succs = problem.preds, problem.succs
     recomputable = lists.recomputable
     split = _split_value(problem)
     after = _descendants(problem, split)

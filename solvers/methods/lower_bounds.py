@@ -209,7 +209,6 @@ class BoundContext:
     sets): built once per problem and passed to `moments`, `main_chain` and `interval_bound`."""
 
     def __init__(self, problem: Problem) -> None:
-        n = problem.n
         self.p = problem
         self.st = _storage(problem)
         self.anc, self.desc, self.read_after = _reach(problem)

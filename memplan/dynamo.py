@@ -1,0 +1,289 @@
+"""memplan as a ``torch.compile`` backend: every subgraph dynamo hands over is planned,
+and the subgraphs of one step share its budget.
+
+    compiled = torch.compile(model, backend=memplan.backend(budget="16GB"))
+    compiled = torch.compile(model, backend="memplan", options={"budget": "16GB"})
+
+Dynamo traces the model's Python: data-dependent branches, ``.item()``, boolean-mask
+indexing and side-effecting hooks become graph breaks (eager Python between graphs, as
+in eager mode), guards and recompilation are dynamo's. Each graph it hands over is a
+plain ``fx.GraphModule`` whose parameters arrive as inputs; memplan plans it exactly as
+``memplan.optimize`` plans a module (one plan per input signature: a graph that dynamo
+made shape-generic gets a plan per concrete shape it is called with).
+
+**The shared budget** (`solvers.strategies.ledger.StepLedger`). While one graph runs, the
+others hold memory: their parameters, what their forwards saved for their backwards,
+and the gradients their backwards already made. Each call of a graph is planned for its
+*allowance*, the budget less those holdings; a graph whose allowance moves by more than
+``REUSE_SLACK`` gets a new plan (at most ``MAX_LEVELS`` kept per graph). The backend sees a
+graph only when dynamo compiles it, just before its first run, so **the first step**
+plans each graph knowing only the graphs before it: it can exceed the budget by the
+parameters and gradients of the graphs after the running one. From the second step on
+every graph's allowance counts the whole step. Eager Python between graphs (what dynamo
+runs itself) is outside every plan.
+
+What the backend does not do that ``memplan.optimize`` does: own the optimizer update
+(``optimizer=``), saved plans (``plan=``) and budgets relative to the eager peak (``"50%"``):
+a graph break splits those decisions across plans the backend sees one at a time.
+"""
+from __future__ import annotations
+
+import collections
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from solvers.strategies.ledger import Call, StepLedger
+from memplan.api import OptimizedModule, budget_fraction, parse_budget
+from memplan.plan import InfeasibleBudgetError, Plan
+from memplan.storage import storage_key
+from memplan.units import format_bytes
+
+# A graph keeps its plan while its allowance stays within this share below the plan's budget
+# (and never above it): re-planning for every few bytes another graph's plan moves is not worth a solve.
+REUSE_SLACK = 0.05
+# Plans at this many budget levels are kept per graph (the least recently used goes first).
+MAX_LEVELS = 4
+# What the backend passes on to each graph's OptimizedModule.
+PLAN_OPTIONS = ("solver", "time_limit", "device_profile", "offload", "profile")
+
+
+class BudgetSplitWarning(UserWarning):
+    """A graph's smallest plan did not fit what the other graphs of the step left it."""
+
+
+class CompiledGraph:
+    """One graph from dynamo, planned for its allowance of the step's budget at each call."""
+
+    def __init__(self, backend: "MemplanBackend", gm: fx.GraphModule, index: int):
+        self.backend = backend
+        self.gm = gm
+        self.index = index
+        self.read_as_numbers = _scalars_read_as_numbers(gm)
+        # (budget, carry limit) -> a module planned for them, least recently used first
+        self.levels: collections.OrderedDict[tuple[int, int | None], OptimizedModule] = collections.OrderedDict()
+        self.failed: set[tuple[int, int | None]] = set()  # (budget, carry limit) where no plan fits
+        self._carried: dict[int, int] = {}  # id(plan) -> its carried bytes
+        self.last_allowance: int | None = None
+        self.min_budget: int | None = None  # the smallest plan's peak, once an allowance was below it
+
+    def __call__(self, *args: Any) -> Any:
+        if self.read_as_numbers:
+            args = tuple(a.item() if i in self.read_as_numbers else a for i, a in enumerate(args))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return self.gm(*args)  # nothing is saved for a backward: nothing to plan
+        ledger = self.backend.ledger
+        params = [a for a in tensors if isinstance(a, nn.Parameter)]
+        resident = {storage_key(p): p.untyped_storage().nbytes() for p in params}
+        final = {("grad", storage_key(p)): p.numel() * p.element_size() for p in params if p.requires_grad}
+        # The step's own inputs (the batch) are the caller's, held until the step ends.
+        first = not ledger.live
+        step_inputs = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
+                       if first and not isinstance(t, nn.Parameter)}
+        call = ledger.begin(resident, final, step_inputs, frozenset(storage_key(t) for t in tensors))
+        allowance = self.last_allowance = ledger.allowance(call)
+        limit = ledger.carry_limit(call)
+        module = self._planned(allowance, limit, args)
+        if module is None and limit is not None:  # the limit asked too much of this graph: keep what it needs
+            module = self._planned(allowance, None, args)
+        if module is None:
+            # The graphs before this one carry too much for it: they carry less from the next
+            # step on (`StepLedger.short`); this call runs its smallest plan, over the budget.
+            least = self.min_budget or allowance
+            ledger.short(call, least - allowance)
+            self.backend.warn_over(self.index, least - allowance, ledger.steps_seen)
+            module = self._planned(least, None, args, exact=True)
+            if module is None:
+                raise InfeasibleBudgetError(self.backend.budget, least + ledger.held_by_others(call))
+        out = module(*args)
+        self._hold_until_backward(call, module.plan, tensors, out)
+        return out
+
+    def _planned(self, budget: int, limit: int | None, args: tuple, exact: bool = False) -> OptimizedModule | None:
+        """A module with a plan for ``args`` at a budget at most ``budget`` (within ``REUSE_SLACK`` of
+        it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered, with the
+        smallest plan's peak in :attr:`min_budget`)."""
+        if budget < 1 or any(l == limit and b >= budget for b, l in self.failed):
+            return None
+        key = next(((b, l) for (b, l) in self.levels
+                    if l == limit and (b == budget or (not exact and (1 - REUSE_SLACK) * budget <= b <= budget))),
+                   (budget, limit))
+        module = self.levels.get(key)
+        if module is None:
+            module = OptimizedModule(self.gm, budget, carry_limit=limit, **self.backend.plan_options)
+            # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
+            module._warned_loss_outside = True
+            self.levels[key] = module
+            while len(self.levels) > MAX_LEVELS:
+                self.levels.popitem(last=False)
+        try:
+            module.prepare(*args)
+        except InfeasibleBudgetError as exc:
+            self.failed.add(key)
+            self.levels.pop(key, None)
+            if limit is None:
+                self.min_budget = max(self.min_budget or 0, exc.min_budget)
+            return None
+        self.levels.move_to_end(key)
+        return module
+
+    def _hold_until_backward(self, call: Call, plan: Plan, inputs: list[torch.Tensor], out: Any) -> None:
+        """Open this call's carried account in the ledger; close it when the backward reaches
+        the graph's inputs, or when its autograd graph is dropped without a backward."""
+        ledger = self.backend.ledger
+        key = id(plan)
+        if key not in self._carried:
+            self._carried[key] = plan.carried_bytes
+        # What the graph returned, by storage (a view of an input is no new memory): the plan's
+        # carried bytes include it, the ledger counts it apart, once, against the graphs that do not read it.
+        seen = {storage_key(t) for t in inputs}
+        returned: dict[int, int] = {}
+        for t in _tensors(out):
+            k = storage_key(t)
+            if k not in seen:
+                seen.add(k)
+                returned[k] = t.untyped_storage().nbytes()
+        token = ledger.hold(call, max(0, self._carried[key] - sum(returned.values())), returned)
+        needing = [t for t in inputs if t.requires_grad]
+        handle: list[Any] = []
+
+        def release(_grads: Any = None) -> None:
+            ledger.release(token)
+            while handle:
+                handle.pop().remove()
+
+        handle.append(torch.autograd.graph.register_multi_grad_hook(needing, release, mode="any"))
+        node = next((t.grad_fn for t in _tensors(out) if t.grad_fn is not None), None)
+        if node is not None:
+            try:
+                weakref.finalize(node, ledger.release, token)
+            except TypeError:  # an output view's node takes no weak reference; the hook still releases
+                pass
+
+
+def _scalars_read_as_numbers(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of inputs the graph only reads as Python numbers (``x.item()``), rewritten in
+    place to take the number itself.
+
+    With ``dynamic=True`` dynamo passes a module's float attributes (LayerNorm's ``eps``) as 0-d
+    tensors and reads them with ``.item()`` inside the graph; a plan is made on fake tensors,
+    whose values cannot be read. The number is a constant of the input signature instead (its
+    plan is reused while the value stays the same, as dynamo's own guards would have it)."""
+    positions = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        users = list(node.users)
+        if users and all(u.op == "call_method" and u.target == "item" and len(u.args) == 1 for u in users):
+            for user in users:
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+            positions.append(i)
+    if positions:
+        gm.recompile()
+    return frozenset(positions)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+class MemplanBackend:
+    """A ``torch.compile`` backend that plans every graph under one shared step budget.
+
+    One instance per compiled model: its :attr:`ledger` is that model's step. ``options``
+    are those of ``memplan.optimize`` that apply per graph: ``solver``, ``time_limit``,
+    ``device_profile``, ``offload``, ``profile``."""
+
+    def __init__(self, budget: int | str, **options: Any):
+        if budget_fraction(budget) is not None:
+            raise ValueError(
+                f"memplan.backend: budget={budget!r}: a share of the eager peak needs the whole step's graph, and "
+                "the backend sees a step's graphs one at a time; give bytes (\"16GB\"), or use memplan.optimize"
+            )
+        unknown = set(options) - set(PLAN_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown option(s) for memplan.backend: {', '.join(sorted(unknown))} (it takes budget= "
+                            f"and {', '.join(PLAN_OPTIONS)}; optimizer= and plan= are memplan.optimize's)")
+        self.budget = parse_budget(budget)
+        self.plan_options = options
+        self.ledger = StepLedger(self.budget)
+        self.graphs: list[CompiledGraph] = []
+        self.overruns = 0  # calls that ran over their allowance (their smallest plan did not fit)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        graph = CompiledGraph(self, gm, len(self.graphs))
+        self.graphs.append(graph)
+        return graph
+
+    def warn_over(self, graph: int, over: int, steps_seen: int) -> None:
+        """Say that a step runs over the budget while the ledger learns the split."""
+        self.overruns += 1
+        if self.overruns > 1 and steps_seen > 0 and self.overruns % 10:
+            return  # once while learning, then every tenth time: a split that never settles
+        warnings.warn(
+            f"memplan backend: graph {graph} needs {format_bytes(over)} more than the step budget leaves it "
+            f"after what the other graphs hold; this step runs over the {format_bytes(self.budget)} budget, and "
+            "the graphs before it plan for less from the next step on. If this repeats, the budget is too small "
+            "for the model split at these graph breaks.",
+            BudgetSplitWarning,
+            stacklevel=3,
+        )
+
+    def reset(self) -> None:
+        """``torch._dynamo.reset()``: forget the graphs and the step."""
+        self.graphs.clear()
+        self.ledger = StepLedger(self.budget)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The most recent plan of each graph that has one, in compile order."""
+        return [m.plan for g in self.graphs for m in list(g.levels.values())[-1:] if m._last_signature is not None]
+
+    def report(self) -> str:
+        """One line per graph: its last allowance and its plan's predicted peak and carried bytes."""
+        lines = [f"memplan backend: {len(self.graphs)} graph(s), step budget {format_bytes(self.budget)}"]
+        for g in self.graphs:
+            if not g.levels:
+                lines.append(f"  graph {g.index}: not planned (no gradient needed)")
+                continue
+            plan = list(g.levels.values())[-1].plan
+            lines.append(f"  graph {g.index}: allowance {format_bytes(g.last_allowance or 0)}, planned peak "
+                         f"{format_bytes(plan.predicted_peak)}, carried to backward {format_bytes(plan.carried_bytes)}")
+        return "\n".join(lines)
+
+
+def backend(budget: int | str, **options: Any) -> MemplanBackend:
+    """``torch.compile(model, backend=memplan.backend(budget="16GB"))``: see :mod:`memplan.dynamo`."""
+    return MemplanBackend(budget, **options)
+
+
+# torch.compile(model, backend="memplan", options={...}) calls the registered function once per
+# graph with the same options dict: one backend (one ledger) per dict, that is per compiled model.
+_BY_OPTIONS: dict[int, tuple[dict, MemplanBackend]] = {}
+
+
+def memplan_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict | None = None) -> Any:
+    """The backend registered as ``"memplan"``; ``options`` holds ``budget`` and the per-graph options."""
+    options = options or {}
+    if "budget" not in options:
+        raise ValueError('torch.compile(backend="memplan") needs options={"budget": ...} (bytes or "16GB")')
+    entry = _BY_OPTIONS.get(id(options))
+    if entry is None or entry[0] is not options:
+        rest = {k: v for k, v in options.items() if k != "budget"}
+        entry = (options, MemplanBackend(options["budget"], **rest))
+        _BY_OPTIONS[id(options)] = entry
+    return entry[1](gm, example_inputs)
+
+
+def register() -> None:
+    """Make ``backend="memplan"`` known to ``torch.compile`` (also done by the package's
+    ``torch_dynamo_backends`` entry point, without importing memplan)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "memplan" not in _BACKENDS:
+        register_backend(memplan_backend, name="memplan")

@@ -1,0 +1,136 @@
+"""One step's budget shared by several plans that run in it (graph breaks, later FSDP units).
+
+A training step with graph breaks runs plans 1..k forward, then their backwards in
+reverse. While plan i runs (forward or backward), memory outside it is held by the
+others:
+
+* what stays resident all step and belongs to another plan (its parameters);
+* what earlier plans' forwards left for their backwards (their *carried* bytes),
+  from the moment each forward returns until its backward has run;
+* what later plans' backwards already produced and the step keeps to its end
+  (their parameters' gradients), during plan i's backward.
+
+The ledger keeps those three accounts and answers, for a plan about to run, the
+*allowance*: the budget less what the others hold. Each plan is then solved for its
+allowance by the usual solvers, so the one simulator checks each of them; the ledger
+only splits the budget. Holdings are keyed (a parameter's storage), so a tensor two
+plans share is counted once.
+
+The plans arrive in call order, and "later" means later in the previous step's order:
+the first step knows nothing of the plans after the running one (their parameters and
+gradients are not yet seen), so its allowances can be too generous by exactly those
+bytes; from the second step on the ledger knows the whole step. A step ends when no
+plan's carried bytes are held any more (every backward has run) and a new forward
+begins.
+
+Torch-free: keys are any hashables, bytes are ints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+
+@dataclass(frozen=True)
+class Call:
+    """One run of a plan in a step: its position in the step's call order, and the keys of
+    the resident tensors it owns (its parameters) and of the gradients its backward keeps."""
+
+    position: int
+    owned: frozenset  # its inputs: parameters, the step's inputs, what earlier plans returned
+    final: frozenset
+
+
+@dataclass
+class StepLedger:
+    """The budget of one training step, shared by the plans that run in it, in call order."""
+
+    budget: int
+    resident: dict[Hashable, int] = field(default_factory=dict)  # key -> bytes, resident all step, every step
+    step_resident: dict[Hashable, int] = field(default_factory=dict)  # key -> bytes, resident all of this step
+    final_bytes: dict[Hashable, int] = field(default_factory=dict)  # key -> bytes kept to the step's end
+    # hold token -> (call position, carried bytes, {key: bytes} of what the forward returned) not yet released
+    live: dict[int, tuple[int, int, dict[Hashable, int]]] = field(default_factory=dict)
+    # call position -> bytes less than it once carried that its plan may carry into its backward
+    reserve: dict[int, int] = field(default_factory=dict)
+    pending: dict[int, int] = field(default_factory=dict)  # reserve to add when the next step begins
+    most_carried: dict[int, int] = field(default_factory=dict)  # call position -> most it carried in a step
+    calls: list[Call] = field(default_factory=list)  # this step's calls so far
+    last_calls: list[Call] = field(default_factory=list)  # the previous step's calls
+    steps_seen: int = 0
+    _tokens: int = 0
+
+    def begin(self, resident: dict[Hashable, int], final: dict[Hashable, int],
+              step_resident: dict[Hashable, int] | None = None, inputs: frozenset = frozenset()) -> Call:
+        """A plan is about to run its forward, owning ``resident`` (held every step: parameters)
+        and ``step_resident`` (held to this step's end: the step's inputs, which the caller keeps)
+        and making ``final`` (key -> bytes each), reading ``inputs`` (keys: what another plan
+        returned is counted in this plan, not as the other's). A call while nothing is carried
+        starts a new step."""
+        if not self.live and self.calls:
+            self.last_calls, self.calls = self.calls, []
+            self.step_resident = {}
+            self.steps_seen += 1
+            for pos, more in self.pending.items():
+                # a plan cannot carry less than nothing: its reserve stops at what it carried
+                self.reserve[pos] = min(self.reserve.get(pos, 0) + more, self.most_carried.get(pos, 0))
+            self.pending = {}
+        step_resident = step_resident or {}
+        self.resident.update(resident)
+        self.step_resident.update(step_resident)
+        self.final_bytes.update(final)
+        call = Call(len(self.calls), frozenset(resident) | frozenset(step_resident) | frozenset(inputs),
+                    frozenset(final))
+        self.calls.append(call)
+        return call
+
+    def held_by_others(self, call: Call) -> int:
+        """Bytes the other plans hold at some moment while ``call`` runs (its forward or its
+        backward): their resident tensors, every carried account still open, and the
+        gradients of the calls after it in the previous step's order (during its backward)."""
+        resident = sum(b for k, b in {**self.resident, **self.step_resident}.items() if k not in call.owned)
+        returned = {k: b for _, _, outs in self.live.values() for k, b in outs.items() if k not in call.owned}
+        carried = sum(c for _, c, _ in self.live.values()) + sum(returned.values())
+        later = set().union(*(c.final for c in self.last_calls[call.position + 1:])) - call.final - call.owned
+        return resident + carried + sum(self.final_bytes[k] for k in later)
+
+    def allowance(self, call: Call) -> int:
+        """What ``call``'s plan may peak at: the budget less what the others hold."""
+        return self.budget - self.held_by_others(call)
+
+    def carry_limit(self, call: Call) -> int | None:
+        """The most ``call``'s plan may carry from its forward into its backward so that the calls
+        after it fit (None: no limit): what it carried before, less its reserve."""
+        if not self.reserve.get(call.position):
+            return None
+        return max(0, self.most_carried.get(call.position, 0) - self.reserve[call.position])
+
+    def short(self, call: Call, deficit: int) -> None:
+        """``call``'s smallest plan is ``deficit`` bytes over its allowance: from the next step on, the
+        earlier calls whose carried bytes are held now carry that much less between them (`carry_limit`),
+        each in proportion to what it carries, never less than nothing. Where no earlier call carries anything, nothing can give way: the
+        budget is too small for this split."""
+        carried = {pos: c for pos, c, _ in self.live.values() if pos < call.position and c > 0}
+        total = sum(carried.values())
+        for pos, c in carried.items():
+            # several later calls may be short in one step: the earlier ones give the most any asked
+            self.pending[pos] = max(self.pending.get(pos, 0), -(-deficit * c // total))
+
+    def hold(self, call: Call, carried: int, returned: dict[Hashable, int] | None = None) -> int:
+        """A forward returned ``returned`` (key -> bytes), leaving ``carried`` more bytes for its
+        backward; returns the token to release. What it returned counts against the plans that
+        do not read it until the backward has run (the backward may read it too)."""
+        self._tokens += 1
+        self.live[self._tokens] = (call.position, int(carried), dict(returned or {}))
+        self.most_carried[call.position] = max(self.most_carried.get(call.position, 0), int(carried))
+        return self._tokens
+
+    def release(self, token: int) -> None:
+        """That forward's backward ran (or its graph was dropped): its carried bytes are gone.
+        Releasing twice is harmless (a backward hook and the graph's end may both report it)."""
+        self.live.pop(token, None)
+
+    @property
+    def complete(self) -> bool:
+        """Whether one whole step has been seen, so that allowances know every plan of it."""
+        return self.steps_seen > 0

@@ -1,0 +1,77 @@
+"""The step ledger (`solvers.strategies.ledger`): one budget shared by the plans of a step."""
+from __future__ import annotations
+
+from solvers.strategies.ledger import StepLedger
+
+
+def _step(ledger: StepLedger, plans: list[dict], carried: list[int]) -> list[int]:
+    """Run one step of ``plans`` (forward in order, backward in reverse); the allowance each got."""
+    allowances, tokens = [], []
+    for plan, c in zip(plans, carried):
+        call = ledger.begin(plan["params"], plan["grads"], plan.get("inputs"), frozenset(plan.get("reads", ())))
+        allowances.append(ledger.allowance(call))
+        tokens.append(ledger.hold(call, c, plan.get("returns")))
+    for token in reversed(tokens):
+        ledger.release(token)
+    return allowances
+
+
+def test_allowances_count_what_the_others_hold_in_the_first_and_later_steps():
+    plans = [
+        {"params": {"w0": 100}, "grads": {"g0": 100}, "inputs": {"x": 10}},
+        {"params": {"w1": 200}, "grads": {"g1": 200}},
+        {"params": {"w2": 50}, "grads": {"g2": 50}},
+    ]
+    ledger = StepLedger(10_000)
+    first = _step(ledger, plans, carried=[1000, 2000, 3000])
+    # First step: only the plans seen so far, and what the earlier ones carry (the batch x counts
+    # for every plan but the first, which reads it).
+    assert first == [10_000, 10_000 - 100 - 10 - 1000, 10_000 - 100 - 200 - 10 - 1000 - 2000]
+    second = _step(ledger, plans, carried=[1000, 2000, 3000])
+    # Every step after: every other plan's parameters, and during each backward the gradients of
+    # the plans after it (already made, kept to the step's end).
+    assert second == [
+        10_000 - 200 - 50 - (200 + 50),
+        10_000 - 100 - 50 - 10 - 1000 - 50,
+        10_000 - 100 - 200 - 10 - 1000 - 2000,
+    ]
+    assert ledger.complete and not ledger.live
+
+
+def test_what_a_plan_returns_counts_once_and_not_against_the_plan_that_reads_it():
+    ledger = StepLedger(10_000)
+    a = ledger.begin({"wa": 100}, {}, {}, frozenset())
+    ledger.hold(a, 500, {"h": 300})
+    b = ledger.begin({"wb": 100}, {}, {}, frozenset({"h"}))  # reads h: h is in its own plan
+    assert ledger.allowance(b) == 10_000 - 100 - 500
+    ledger.hold(b, 0, {"h2": 40})
+    c = ledger.begin({"wb": 100}, {}, {}, frozenset({"h2"}))  # shares wb with b: counted once
+    assert ledger.allowance(c) == 10_000 - 100 - 500 - 300
+
+
+def test_a_short_plan_makes_the_earlier_ones_carry_less_from_the_next_step():
+    ledger = StepLedger(1000)
+    tokens = []
+    for c in (600, 200):
+        call = ledger.begin({}, {}, {}, frozenset())
+        tokens.append(ledger.hold(call, c))
+    last = ledger.begin({}, {}, {}, frozenset())
+    assert ledger.allowance(last) == 200
+    ledger.short(last, 400)  # its smallest plan needs 600
+    assert ledger.carry_limit(last) is None
+    for t in tokens:
+        ledger.release(t)
+    first = ledger.begin({}, {}, {}, frozenset())  # a new step: the limits apply
+    assert ledger.carry_limit(first) == 600 - 300  # 3/4 of the 400, in proportion to 600 of 800
+    assert ledger.reserve == {0: 300, 1: 100}
+
+
+def test_releasing_twice_and_a_step_that_never_ran_backward():
+    ledger = StepLedger(1000)
+    call = ledger.begin({}, {}, {}, frozenset())
+    token = ledger.hold(call, 100)
+    ledger.release(token)
+    ledger.release(token)
+    assert not ledger.live
+    again = ledger.begin({}, {}, {}, frozenset())
+    assert again.position == 0 and ledger.steps_seen == 1
