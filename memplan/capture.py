@@ -44,6 +44,10 @@ class CaptureError(RuntimeError):
     """The model could not be traced into a joint graph; the message says where and why."""
 
 
+class NothingToDifferentiate(CaptureError):
+    """No output of the step requires grad: there is no backward to plan."""
+
+
 # --------------------------------------------------------------------------- #
 # Plain data describing the joint graph's calling convention
 # --------------------------------------------------------------------------- #
@@ -971,7 +975,8 @@ def capture(
             raise _capture_error(model, exc) from exc
     if "joint" not in box:
         if not any(t.requires_grad for t in flat_fake) or not any(user_requires_grad):
-            raise CaptureError("nothing to differentiate: no output requires grad (is the model frozen or in no_grad?)")
+            raise NothingToDifferentiate(
+                "nothing to differentiate: no output requires grad (is the model frozen or in no_grad?)")
         raise CaptureError("AOTAutograd did not produce a joint graph for this model")
 
     gm: fx.GraphModule = box["joint"]

@@ -39,6 +39,7 @@ import torch.nn as nn
 
 from solvers.strategies.ledger import Call, StepLedger
 from memplan.api import OptimizedModule, budget_fraction, parse_budget
+from memplan.capture import CaptureError, NothingToDifferentiate
 from memplan.plan import InfeasibleBudgetError, Plan
 from memplan.storage import storage_key
 from memplan.units import format_bytes
@@ -59,36 +60,43 @@ class BudgetSplitWarning(UserWarning):
 class CompiledGraph:
     """One graph from dynamo, planned for its allowance of the step's budget at each call."""
 
-    def __init__(self, backend: "MemplanBackend", gm: fx.GraphModule, index: int):
+    def __init__(self, backend: "MemplanBackend", gm: fx.GraphModule, example_inputs: list[Any], index: int):
         self.backend = backend
         self.gm = gm
         self.index = index
         self.read_as_numbers = _scalars_read_as_numbers(gm)
+        self.stateful = _GraphWithBuffers(gm, example_inputs)
         # (budget, carry limit) -> a module planned for them, least recently used first
         self.levels: collections.OrderedDict[tuple[int, int | None], OptimizedModule] = collections.OrderedDict()
         self.failed: set[tuple[int, int | None]] = set()  # (budget, carry limit) where no plan fits
         self._carried: dict[int, int] = {}  # id(plan) -> its carried bytes
         self.last_allowance: int | None = None
         self.min_budget: int | None = None  # the smallest plan's peak, once an allowance was below it
+        self.unplanned = False  # set when the graph cannot be captured: it then runs as dynamo made it
 
     def __call__(self, *args: Any) -> Any:
         if self.read_as_numbers:
             args = tuple(a.item() if i in self.read_as_numbers else a for i, a in enumerate(args))
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        if self.unplanned or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return self.gm(*args)  # nothing is saved for a backward: nothing to plan
         ledger = self.backend.ledger
         params = [a for a in tensors if isinstance(a, nn.Parameter)]
-        resident = {storage_key(p): p.untyped_storage().nbytes() for p in params}
+        state = params + [args[i] for i in self.stateful.buffer_positions]
+        resident = {storage_key(t): t.untyped_storage().nbytes() for t in state}
         final = {("grad", storage_key(p)): p.numel() * p.element_size() for p in params if p.requires_grad}
         # The step's own inputs (the batch) are the caller's, held until the step ends.
         first = not ledger.live
         step_inputs = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
-                       if first and not isinstance(t, nn.Parameter)}
+                       if first and storage_key(t) not in resident}
         call = ledger.begin(resident, final, step_inputs, frozenset(storage_key(t) for t in tensors))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
-        module = self._planned(allowance, limit, args)
+        args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
+        try:
+            module = self._planned(allowance, limit, args)
+        except CaptureError as exc:
+            return self._run_unplanned(exc, args)
         if module is None and limit is not None:  # the limit asked too much of this graph: keep what it needs
             module = self._planned(allowance, None, args)
         if module is None:
@@ -104,6 +112,15 @@ class CompiledGraph:
         self._hold_until_backward(call, module.plan, tensors, out)
         return out
 
+    def _run_unplanned(self, exc: CaptureError, args: tuple) -> Any:
+        """This graph cannot be planned: from now on it runs as dynamo handed it over (its memory
+        outside every plan, said once unless there is simply no backward through it)."""
+        self.unplanned = True
+        if not isinstance(exc, NothingToDifferentiate):
+            warnings.warn(f"memplan backend: graph {self.index} runs unplanned, outside the budget: {exc}",
+                          UserWarning, stacklevel=3)
+        return self.stateful(*args)
+
     def _planned(self, budget: int, limit: int | None, args: tuple, exact: bool = False) -> OptimizedModule | None:
         """A module with a plan for ``args`` at a budget at most ``budget`` (within ``REUSE_SLACK`` of
         it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered, with the
@@ -115,7 +132,7 @@ class CompiledGraph:
                    (budget, limit))
         module = self.levels.get(key)
         if module is None:
-            module = OptimizedModule(self.gm, budget, carry_limit=limit, **self.backend.plan_options)
+            module = OptimizedModule(self.stateful, budget, carry_limit=limit, **self.backend.plan_options)
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module._warned_loss_outside = True
             self.levels[key] = module
@@ -123,6 +140,9 @@ class CompiledGraph:
                 self.levels.popitem(last=False)
         try:
             module.prepare(*args)
+        except CaptureError:
+            self.levels.pop(key, None)
+            raise
         except InfeasibleBudgetError as exc:
             self.failed.add(key)
             self.levels.pop(key, None)
@@ -164,6 +184,40 @@ class CompiledGraph:
                 weakref.finalize(node, ledger.release, token)
             except TypeError:  # an output view's node takes no weak reference; the hook still releases
                 pass
+
+
+class _GraphWithBuffers(nn.Module):
+    """A dynamo graph whose module buffers are buffers again.
+
+    Dynamo hands a module's buffers (BatchNorm's running statistics) to the graph as inputs,
+    which the graph updates in place; memplan plans steps that update buffers (applied once,
+    after the forward) but not steps that write to their inputs. The inputs dynamo took from
+    a module's ``_buffers`` are registered here, so that a plan treats them as buffers; the
+    tensors are the model's own, rebound on every call (a module may replace a buffer)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        super().__init__()
+        self.graph_module = gm
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.buffer_positions: list[int] = []
+        for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+            grapharg = node.meta.get("grapharg")
+            source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+            if isinstance(example, torch.Tensor) and "._buffers[" in source:
+                self.register_buffer(f"b{i}", example)
+                self.buffer_positions.append(i)
+        self.arity = len(placeholders)
+
+    def bind(self, args: tuple) -> tuple:
+        """Take this call's buffers from ``args``; the other arguments, for :meth:`forward`."""
+        for i in self.buffer_positions:
+            self._buffers[f"b{i}"] = args[i]
+        return tuple(a for i, a in enumerate(args) if i not in self.buffer_positions)
+
+    def forward(self, *rest: Any) -> Any:
+        it = iter(rest)
+        args = [self._buffers[f"b{i}"] if i in self.buffer_positions else next(it) for i in range(self.arity)]
+        return self.graph_module(*args)
 
 
 def _scalars_read_as_numbers(gm: fx.GraphModule) -> frozenset[int]:
@@ -216,7 +270,7 @@ class MemplanBackend:
         self.overruns = 0  # calls that ran over their allowance (their smallest plan did not fit)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        graph = CompiledGraph(self, gm, len(self.graphs))
+        graph = CompiledGraph(self, gm, example_inputs, len(self.graphs))
         self.graphs.append(graph)
         return graph
 

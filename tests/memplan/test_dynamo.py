@@ -7,6 +7,7 @@ events), which agrees with the dispatch-mode tracker to the byte on an eager ste
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -161,7 +162,7 @@ def test_graph_breaks_share_one_step_budget():
     torch.manual_seed(0)
     model, x = Branchy(d=32, n=4), torch.randn(256, 32)
     eager = _eager_peak(model, x)
-    backend = memplan.backend(budget=int(0.7 * eager))
+    backend = memplan.backend(budget=int(0.7 * eager), time_limit=2)
     compiled = torch.compile(model, backend=backend)
     peaks = _train(model, compiled, (x,), steps=2, learning_steps=2)
     planned = [g for g in backend.graphs if g.levels]
@@ -174,7 +175,7 @@ def test_moe_routing_trains_under_the_budget():
     torch.manual_seed(0)
     model, x = MoE(), torch.randn(128, 32)
     eager = _eager_peak(model, x)
-    backend = memplan.backend(budget=int(0.8 * eager))
+    backend = memplan.backend(budget=int(0.8 * eager), time_limit=2)
     compiled = torch.compile(model, backend=backend)
     peaks = _train(model, compiled, (x,), steps=2, learning_steps=2)
     assert max(peaks) <= backend.budget, (peaks, backend.budget, eager, backend.report())
@@ -304,7 +305,7 @@ def test_planning_inside_a_dispatch_mode_is_hidden_from_it():
     step_module = Step()
     ref_loss, ref = _eager_grads(step_module, x)
     eager = _eager_peak(step_module, x)
-    opt = memplan.optimize(step_module, budget=int(0.7 * eager))
+    opt = memplan.optimize(step_module, budget=int(0.7 * eager), time_limit=2)
     mode = CountStorages()
     with mode:
         peak = measure_peak(lambda: opt(x).backward(), resident=list(model.parameters()))
@@ -321,3 +322,25 @@ def test_optimize_warns_about_hooks_it_cannot_run_per_step():
     opt = memplan.optimize(model, budget="1GB")
     with pytest.warns(UserWarning, match=r"0\.up.*torch\.compile"):
         opt(torch.randn(4, 8)).sum().backward()
+
+
+def test_batchnorm_buffers_handed_over_as_inputs_are_updated_as_in_eager():
+    """Dynamo passes BatchNorm's running statistics to the graph as inputs it updates in place:
+    the plan treats them as buffers, and after each step they hold eager's values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(512, 1))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    backend = memplan.backend(budget="1GB")
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        compiled(x).square().mean().backward()
+        twin(x).square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        for (name, b), c in zip(model.named_buffers(), twin.buffers()):
+            torch.testing.assert_close(b, c, msg=name)
+    assert any(g.levels and g.stateful.buffer_positions for g in backend.graphs)
