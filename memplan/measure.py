@@ -573,7 +573,9 @@ def profiled_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor] = ()) 
     so a compiled step is measured here instead: every allocation and free the CPU allocator
     reports during ``fn``, summed in time order, plus the bytes of the distinct storages of
     ``resident`` (what was allocated before ``fn`` and lives through it: parameters, inputs).
-    On an eager step it agrees with :func:`measure_peak` to the byte (tests/memplan/test_dynamo.py).
+    It also counts what kernels allocate inside themselves, below the dispatcher (the scratch of
+    CPU convolutions), which :class:`MemoryTracker` cannot see; on steps without such kernels the
+    two agree within the allocator's alignment (tests/memplan/test_dynamo.py).
     """
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import gc
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -80,3 +81,11 @@ def recomputing_budget(module: nn.Module, args: tuple) -> int:
 
     analysis = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args).plan.analysis
     return max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from a clean dynamo cache (import it into a test module to use it)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -10,16 +10,10 @@ import torch
 
 import memplan
 from memplan.measure import measure_peak, profiled_peak
+from tests.memplan.helpers import fresh_dynamo  # noqa: F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _gpt2() -> torch.nn.Module:
