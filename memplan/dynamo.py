@@ -41,6 +41,7 @@ from solvers.strategies.ledger import Call, StepLedger
 from memplan.api import OptimizedModule, budget_fraction, parse_budget
 from memplan.capture import CaptureError, NothingToDifferentiate
 from memplan.plan import InfeasibleBudgetError, Plan
+from memplan.runtime import PlannedStep
 from memplan.storage import storage_key
 from memplan.units import format_bytes
 
@@ -68,10 +69,10 @@ class CompiledGraph:
         self.stateful = _GraphWithBuffers(gm, example_inputs)
         # (budget, carry limit) -> a module planned for them, least recently used first
         self.levels: collections.OrderedDict[tuple[int, int | None], OptimizedModule] = collections.OrderedDict()
-        self.failed: set[tuple[int, int | None]] = set()  # (budget, carry limit) where no plan fits
-        self._carried: dict[int, int] = {}  # id(plan) -> its carried bytes
+        # Per input shape (an expert's graph is called with as many shapes as token counts):
+        self.failed: set[tuple[Any, int, int | None]] = set()  # (shape, budget, carry limit) where no plan fits
+        self.min_budget: dict[Any, int] = {}  # shape -> the smallest plan's peak, once a budget was below it
         self.last_allowance: int | None = None
-        self.min_budget: int | None = None  # the smallest plan's peak, once an allowance was below it
         self.unplanned = False  # set when the graph cannot be captured: it then runs as dynamo made it
 
     def __call__(self, *args: Any) -> Any:
@@ -89,6 +90,8 @@ class CompiledGraph:
         first = not ledger.live
         step_inputs = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
                        if first and storage_key(t) not in resident}
+        if not first:  # what eager code since the last graph saved for its backward is held too
+            ledger.hold_with_last(_saved_by_eager_autograd(tensors))
         call = ledger.begin(resident, final, step_inputs, frozenset(storage_key(t) for t in tensors))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
@@ -102,7 +105,7 @@ class CompiledGraph:
         if module is None:
             # The graphs before this one carry too much for it: they carry less from the next
             # step on (`StepLedger.short`); this call runs its smallest plan, over the budget.
-            least = self.min_budget or allowance
+            least = self.min_budget.get(_shape_key(args), allowance)
             ledger.short(call, least - allowance)
             self.backend.warn_over(self.index, least - allowance, ledger.steps_seen)
             module = self._planned(least, None, args, exact=True)
@@ -123,9 +126,11 @@ class CompiledGraph:
 
     def _planned(self, budget: int, limit: int | None, args: tuple, exact: bool = False) -> OptimizedModule | None:
         """A module with a plan for ``args`` at a budget at most ``budget`` (within ``REUSE_SLACK`` of
-        it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered, with the
-        smallest plan's peak in :attr:`min_budget`)."""
-        if budget < 1 or any(l == limit and b >= budget for b, l in self.failed):
+        it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered per input
+        shape, with the smallest plan's peak in :attr:`min_budget`)."""
+        budget = max(budget, 1)  # nothing left: a 1-byte attempt still finds the smallest plan
+        shape = _shape_key(args)
+        if any(s == shape and l == limit and b >= budget for s, b, l in self.failed):
             return None
         key = next(((b, l) for (b, l) in self.levels
                     if l == limit and (b == budget or (not exact and (1 - REUSE_SLACK) * budget <= b <= budget))),
@@ -144,10 +149,10 @@ class CompiledGraph:
             self.levels.pop(key, None)
             raise
         except InfeasibleBudgetError as exc:
-            self.failed.add(key)
+            self.failed.add((shape, *key))
             self.levels.pop(key, None)
             if limit is None:
-                self.min_budget = max(self.min_budget or 0, exc.min_budget)
+                self.min_budget[shape] = max(self.min_budget.get(shape, 0), exc.min_budget)
             return None
         self.levels.move_to_end(key)
         return module
@@ -156,9 +161,6 @@ class CompiledGraph:
         """Open this call's carried account in the ledger; close it when the backward reaches
         the graph's inputs, or when its autograd graph is dropped without a backward."""
         ledger = self.backend.ledger
-        key = id(plan)
-        if key not in self._carried:
-            self._carried[key] = plan.carried_bytes
         # What the graph returned, by storage (a view of an input is no new memory): the plan's
         # carried bytes include it, the ledger counts it apart, once, against the graphs that do not read it.
         seen = {storage_key(t) for t in inputs}
@@ -168,7 +170,7 @@ class CompiledGraph:
             if k not in seen:
                 seen.add(k)
                 returned[k] = t.untyped_storage().nbytes()
-        token = ledger.hold(call, max(0, self._carried[key] - sum(returned.values())), returned)
+        token = ledger.hold(call, max(0, plan.carried_bytes - sum(returned.values())), returned)
         needing = [t for t in inputs if t.requires_grad]
         handle: list[Any] = []
 
@@ -240,6 +242,42 @@ def _scalars_read_as_numbers(gm: fx.GraphModule) -> frozenset[int]:
     if positions:
         gm.recompile()
     return frozenset(positions)
+
+
+def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
+    """Storages (key -> bytes) that eager autograd saved for backward between the planned graphs
+    and these inputs: the ``_saved_*`` tensors of every autograd node reached back from the inputs,
+    stopping at planned steps (their memory is in their plans) and at leaves.
+
+    Eager Python between graphs (what dynamo runs itself, frames it skips) keeps tensors for its
+    backward like any eager code; the ledger has to count them to know what a graph is left."""
+    saved: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, PlannedStep._backward_cls) or type(node).__name__ == "AccumulateGrad":
+            continue
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed by a backward
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    saved[storage_key(t)] = t.untyped_storage().nbytes()
+        stack.extend(f for f, _ in node.next_functions)
+    return saved
+
+
+def _shape_key(args: tuple) -> tuple:
+    """What a plan depends on in a graph's arguments: each tensor's shape and dtype, other values as they are."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ capture -> costs -> Problem -> solver -> Program.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -99,7 +100,7 @@ class Plan:
         """Predicted step time over store-all's (>= 1.0)."""
         return self.predicted_time / self.store_all_time if self.store_all_time else 1.0
 
-    @property
+    @functools.cached_property
     def carried_bytes(self) -> int:
         """Bytes resident when the forward returns beyond what was resident when the step began
         (its parameters, buffers and inputs): what the forward leaves for the backward, and its

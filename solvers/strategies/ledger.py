@@ -116,6 +116,14 @@ class StepLedger:
             # several later calls may be short in one step: the earlier ones give the most any asked
             self.pending[pos] = max(self.pending.get(pos, 0), -(-deficit * c // total))
 
+    def hold_with_last(self, held: dict[Hashable, int]) -> None:
+        """``held`` (key -> bytes) is kept for the backward by code that ran between the last plan
+        and the next (eager Python between graphs): it counts with that last plan's account, against
+        the plans that do not read it, and goes with it (its backward runs after that code's)."""
+        if self._tokens in self.live:
+            self.live[self._tokens][2].update(
+                (k, b) for k, b in held.items() if k not in self.resident and k not in self.step_resident)
+
     def hold(self, call: Call, carried: int, returned: dict[Hashable, int] | None = None) -> int:
         """A forward returned ``returned`` (key -> bytes), leaving ``carried`` more bytes for its
         backward; returns the token to release. What it returned counts against the plans that

@@ -334,3 +334,34 @@ def test_batchnorm_buffers_handed_over_as_inputs_are_updated_as_in_eager():
         for (name, b), c in zip(model.named_buffers(), twin.buffers()):
             torch.testing.assert_close(b, c, msg=name)
     assert any(g.levels and g.stateful.buffer_positions for g in backend.graphs)
+
+
+@torch._dynamo.disable
+def _eager_gate(h: torch.Tensor, saving: bool) -> torch.Tensor:
+    """Eager code between two graphs: ``h * exp(h)`` keeps exp(h) (and h) for its backward; ``h + 1`` keeps nothing."""
+    return h * h.exp() if saving else h + 1
+
+
+class TwoHalves(nn.Module):
+    def __init__(self, saving: bool, d: int = 32):
+        super().__init__()
+        self.first, self.second, self.saving = Block(d), Block(d), saving
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.second(_eager_gate(self.first(x), self.saving))).square().mean()
+
+
+def test_what_eager_code_between_graphs_saves_is_counted_against_the_graphs_after_it():
+    allowances = {}
+    for saving in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = TwoHalves(saving), torch.randn(64, 32)
+        backend = memplan.backend(budget="1GB", time_limit=2)
+        _train(model, torch.compile(model, backend=backend), (x,), steps=0, learning_steps=2)
+        allowances[saving] = [g.last_allowance for g in backend.graphs if g.levels]
+    first_graph, second_graph = zip(allowances[False], allowances[True])
+    assert first_graph[0] == first_graph[1]
+    # exp(h), 64 x 32 fp32, is new memory the eager code keeps; h itself is the first graph's output
+    assert second_graph[0] - second_graph[1] == 64 * 32 * 4

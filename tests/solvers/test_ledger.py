@@ -75,3 +75,16 @@ def test_releasing_twice_and_a_step_that_never_ran_backward():
     assert not ledger.live
     again = ledger.begin({}, {}, {}, frozenset())
     assert again.position == 0 and ledger.steps_seen == 1
+
+
+def test_what_code_between_plans_keeps_counts_with_the_plan_before_it():
+    ledger = StepLedger(1000)
+    a = ledger.begin({"wa": 100}, {}, {}, frozenset())
+    token = ledger.hold(a, 50)
+    ledger.hold_with_last({"e": 200, "wa": 100})  # a parameter it saved is counted once, as resident
+    b = ledger.begin({}, {}, {}, frozenset())
+    assert ledger.allowance(b) == 1000 - 100 - 50 - 200
+    c = ledger.begin({}, {}, {}, frozenset({"e"}))  # a plan that reads it has it in its own plan
+    assert ledger.allowance(c) == 1000 - 100 - 50
+    ledger.release(token)  # gone with the plan before it: its backward runs after that code's
+    assert ledger.allowance(c) == 1000 - 100
