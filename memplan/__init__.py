@@ -14,15 +14,17 @@ The modules, in pipeline order (a stage imports only from the stages above it;
 * ``analysis``: costs, Problem and store-all baseline of one step;
 * ``runtime``: a schedule as straight-line code;
 * ``planformat`` (the saved-plan file), ``plan`` (solve and predict), ``planio`` (reuse saved plans);
-* ``api``: ``optimize``; ``dynamo`` (the ``torch.compile`` backend: one plan per dynamo
-  graph, the step's budget shared); then ``viz`` and ``cli`` on top.
+* ``api``: ``OptimizedModule``; ``dynamo`` (the ``torch.compile`` backend: one plan per dynamo
+  graph, the step's budget shared); ``front``: ``optimize``, which picks between them;
+  then ``viz`` and ``cli`` on top.
 
 ``memplan.models`` (the built-in model zoo and ``make demo``) is no part of the
 pipeline: nothing above imports it but the CLI.
 """
 from memplan.analysis import Analysis, analyze
 from memplan.dynamo import MemplanBackend, backend
-from memplan.api import LossOutsideWarning, OptimizedModule, WithLoss, optimize, parse_budget
+from memplan.api import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss, parse_budget
+from memplan.front import optimize
 from memplan.capture import CaptureError
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.measure import measure_peak
@@ -33,6 +35,7 @@ __all__ = [
     "Analysis",
     "CaptureError",
     "DeviceProfile",
+    "GraphBreakWarning",
     "InfeasibleBudgetError",
     "LossOutsideWarning",
     "MemplanBackend",

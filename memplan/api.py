@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memplan.capture import InputSignature
+from memplan.capture import DataDependentPython, InputSignature
 from memplan.analysis import replay_eager_peak
 from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
@@ -103,6 +103,10 @@ def held_gradient_bytes(model: nn.Module) -> int:
 LOSS_OUTSIDE_FRACTION = 0.05
 
 
+class GraphBreakWarning(UserWarning):
+    """``optimize`` could not trace the model as one graph and runs it split at its graph breaks."""
+
+
 class LossOutsideWarning(UserWarning):
     """The loss is computed outside the optimized module, from outputs large enough that its
     memory (not in the plan) can take the step over the budget."""
@@ -130,9 +134,14 @@ class OptimizedModule(nn.Module):
     ):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
-                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit"}
+                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit",
+                                  "graph_breaks"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
+        # graph_breaks=factory: where the forward's Python reads tensor values, the model runs as
+        # factory() returns it (torch.compile with memplan's backend: `memplan.front.optimize`).
+        self.split_factory = options.pop("graph_breaks", None)
+        self.split: Any = None  # (the compiled model, its backend) once the model runs split
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
         saved = options.pop("plan", None)
         self.saved_plan = as_saved(saved) if saved is not None else None
@@ -207,6 +216,7 @@ class OptimizedModule(nn.Module):
         state = self.__dict__.copy()
         state["_plans"] = {}
         state["_last_signature"] = None
+        state["split"] = None  # a compiled model is not copied: the copy splits again on its first call
         return state
 
     # -- state shared with the original module -------------------------------
@@ -218,6 +228,9 @@ class OptimizedModule(nn.Module):
     @property
     def plan(self) -> Plan:
         """The plan of the most recent input signature."""
+        if self.split is not None:
+            raise RuntimeError("this model runs split at its graph breaks, a plan per graph: see "
+                               ".split[1].report() and .split[1].plans")
         if self._last_signature is None:
             raise RuntimeError("no plan yet: call the module once, or pass example_inputs to memplan.optimize")
         return self._plans[self._last_signature][0]
@@ -235,12 +248,42 @@ class OptimizedModule(nn.Module):
     def plans(self) -> dict[InputSignature, Plan]:
         return {sig: entry[0] for sig, entry in self._plans.items()}
 
-    def prepare(self, *args: Any, **kwargs: Any) -> Plan:
+    def prepare(self, *args: Any, **kwargs: Any) -> Plan | None:
         """Plan for these inputs now (without running a step), for a step that starts without
         gradients (after ``zero_grad()``), whatever ``.grad`` holds at this moment: a step that
-        starts with gradients held gets its own plan on its first call."""
-        self._entry(args, kwargs, 0)
+        starts with gradients held gets its own plan on its first call. None where the model
+        runs split at graph breaks (its graphs are planned as they run)."""
+        if self.split is not None:
+            return None
+        try:
+            self._entry(args, kwargs, 0)
+        except DataDependentPython as exc:
+            self._split_at_graph_breaks(exc)
+            return None
         return self.plan
+
+    def _split_at_graph_breaks(self, exc: DataDependentPython) -> None:
+        """The model's Python reads tensor values: run it through ``torch.compile`` with memplan's
+        backend, which splits it there and plans each graph (the step's budget shared), where that
+        keeps what this module promises; else re-raise."""
+        if self.split_factory is None:
+            raise exc
+        blocked = [name for name, on in (("optimizer=", self.optimizer is not None),
+                                         ("plan=", self.saved_plan is not None),
+                                         ("a budget relative to the eager peak", self.budget_fraction is not None))
+                   if on]
+        if blocked:
+            raise DataDependentPython(
+                f"{exc}. memplan can split such a model at its graph breaks (torch.compile with memplan's backend), "
+                f"but not with {', '.join(blocked)}, which need the step as one graph") from exc
+        warnings.warn(
+            f"memplan: {exc.args[0].split(';')[0]}. One graph cannot follow this model's Python: it now runs "
+            "through torch.compile with memplan's backend, split where the Python reads tensor values, each "
+            "graph planned, the step's budget shared (memplan.backend; the first step may go over the budget).",
+            GraphBreakWarning,
+            stacklevel=4,
+        )
+        self.split = self.split_factory()
 
     def _entry(self, args: tuple, kwargs: dict, held: int) -> tuple[Plan, Program, list[str], list[str]]:
         """The plan for these inputs (made now if there is none yet); it becomes :attr:`plan`."""
@@ -452,7 +495,13 @@ class OptimizedModule(nn.Module):
         # accumulation buffers), not an earlier step's to plan around.
         own = self.optimizer is not None and self.accumulation.steps > 1
         held = 0 if own else held_gradient_bytes(model)
-        plan, program, param_names, buffer_names = self._entry(args, kwargs, held)
+        if self.split is None:
+            try:
+                plan, program, param_names, buffer_names = self._entry(args, kwargs, held)
+            except DataDependentPython as exc:
+                self._split_at_graph_breaks(exc)
+        if self.split is not None:
+            return self.split[0](*args, **kwargs)
         params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())
         buffers = [buffers_by_name[n] for n in buffer_names]
@@ -495,38 +544,3 @@ class WithLoss(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.loss_fn(self.model(*args, **kwargs))
-
-
-def optimize(
-    model: nn.Module,
-    budget: int | str | None = None,
-    *,
-    example_inputs: Any = None,
-    example_kwargs: dict | None = None,
-    solver: str = "auto",
-    time_limit: float | None = None,
-    device_profile: str | DeviceProfile | None = None,
-    **options: Any,
-) -> OptimizedModule:
-    """Wrap ``model`` so that its training step's peak memory stays within ``budget``.
-
-    ``budget`` is bytes (int), a string such as ``"16GB"``, or a share of the
-    eager step's forward+backward peak such as ``"50%"`` (per input signature); it bounds the
-    peak that :func:`memplan.measure_peak` reports for one forward+backward:
-    parameters, buffers, inputs, activations, gradients and temporaries.
-    Plans are made on the first call per input signature, or immediately
-    for ``example_inputs``. ``profile=True`` times every op of the step on the
-    model's device instead of estimating it from ``device_profile``. ``offload=True``
-    lets the plan page activations to host memory over the device's host link as
-    well as recompute them (default: on for CUDA models, off on CPU, where it is
-    a real copy into host-counted memory, for testing). Raises :class:`memplan.InfeasibleBudgetError`
-    when no plan fits. ``plan=path`` reuses a plan written by ``Plan.save``
-    (budget defaults to the saved one) after checking it was made for this
-    model and these inputs and validating it under the budget.
-    """
-    opt = OptimizedModule(model, budget, solver=solver, time_limit=time_limit, device_profile=device_profile, **options)
-    if example_inputs is not None:
-        if not isinstance(example_inputs, tuple):
-            example_inputs = (example_inputs,)
-        opt.prepare(*example_inputs, **(example_kwargs or {}))
-    return opt

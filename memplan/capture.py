@@ -44,6 +44,11 @@ class CaptureError(RuntimeError):
     """The model could not be traced into a joint graph; the message says where and why."""
 
 
+class DataDependentPython(CaptureError):
+    """The forward's Python reads tensor values (a branch, ``.item()``, a shape that depends on
+    data): one graph cannot follow it, and ``torch.compile`` splits the model there instead."""
+
+
 class NothingToDifferentiate(CaptureError):
     """No output of the step requires grad: there is no backward to plan."""
 
@@ -1083,11 +1088,14 @@ def _capture_error(model: torch.nn.Module, exc: BaseException) -> CaptureError:
         # The op name alone (aten._local_scalar_dense) does not tell a user what their code did.
         hint = ("; the forward reads a tensor's value in Python (.item(), float(t), bool(t), `if t > 0:`; "
                 "also nn.BatchNorm with momentum=None), which one planned graph cannot follow: "
-                "keep the value a tensor (torch.where, masks) or compute it outside the model")
+                "keep the value a tensor (torch.where, masks), compute it outside the model, or let torch.compile "
+                "split the model there (memplan.optimize does, unless graph_breaks=False; or memplan.backend)")
     elif type(exc).__name__ == "DynamicOutputShapeException":
         # The op name (aten.nonzero) names neither the user's construct nor a way out.
         hint = ("; an op's output shape depends on tensor values (x[bool_mask], nonzero, masked_select, "
                 "unique, repeat_interleave by a tensor), and a plan is made for fixed shapes: keep shapes "
                 "fixed (torch.where, multiply or masked_fill by the mask, a masked sum/mean), or compute the "
-                "indices outside the model and pass them in as a tensor")
-    return CaptureError(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}{hint}")
+                "indices outside the model and pass them in as a tensor, or let torch.compile split the model there "
+                "(memplan.optimize does, unless graph_breaks=False; or memplan.backend)")
+    kind = DataDependentPython if hint else CaptureError
+    return kind(f"cannot trace {type(model).__name__}{where}: {type(exc).__name__}: {reason}{hint}")

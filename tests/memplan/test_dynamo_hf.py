@@ -73,3 +73,20 @@ def test_the_trainer_trains_a_model_compiled_with_the_backend_to_eager_losses():
     eager = train(False)
     planned = train(True)
     assert len(eager) == 3 and planned == pytest.approx(eager, rel=1e-6)
+
+
+def test_optimize_splits_gpt2_configured_for_training_at_its_graph_breaks():
+    """One graph cannot follow transformers' mask code with use_cache=False; optimize says so and
+    hands the model to the backend: gradients as eager's."""
+    model = _gpt2()
+    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    opt = memplan.optimize(model, budget="1GB", time_limit=2)
+    with pytest.warns(memplan.GraphBreakWarning):
+        torch.manual_seed(1)
+        opt(input_ids=ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -303,14 +303,35 @@ def test_a_differentiable_output_the_loss_leaves_out_gets_eager_gradients():
 
 
 def test_untraceable_model_error_from_optimize():
-    opt = memplan.optimize(DataDependent(), "1GB")
+    opt = memplan.optimize(DataDependent(), "1GB", graph_breaks=False)
     with pytest.raises(memplan.CaptureError, match=r"DataDependent.*reads a tensor's value in Python"):
         opt(torch.randn(2, 4))
     # The same, one level down in library code: a cumulative-average BatchNorm turns its step
     # count into a Python float; the message points at the user's line that called it.
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
     with pytest.raises(memplan.CaptureError, match=r"Sequential.*momentum=None"):
-        memplan.optimize(model, "1GB")(torch.randn(2, 4))
+        memplan.optimize(model, "1GB", graph_breaks=False)(torch.randn(2, 4))
+
+
+def test_a_model_that_reads_tensor_values_runs_split_at_its_graph_breaks():
+    """By default optimize hands such a model to torch.compile with memplan's backend: same gradients."""
+    torch._dynamo.reset()
+    model, x = DataDependent(), torch.randn(3, 4)
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, "1GB")
+    with pytest.warns(memplan.GraphBreakWarning, match="cannot trace DataDependent.*split where the Python reads"):
+        opt(x).sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert opt.split is not None and any(g.levels for g in opt.split[1].graphs)
+    with pytest.raises(RuntimeError, match="split at its graph breaks"):
+        opt.plan
+    # What needs the step as one graph says so instead of splitting.
+    other = DataDependent()
+    with pytest.raises(memplan.CaptureError, match="not with optimizer="):
+        memplan.optimize(other, "1GB", optimizer=torch.optim.SGD(other.parameters(), lr=0.1))(x)
+    torch._dynamo.reset()
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess:
