@@ -417,7 +417,18 @@ class _BoolMaskIndex(nn.Module):
 
 def test_data_dependent_shape_error_says_what_to_do():
     with pytest.raises(memplan.CaptureError, match=r"output shape depends on tensor values.*torch.where"):
-        memplan.optimize(_BoolMaskIndex(), 10**12)(torch.randn(6, 4), torch.rand(6) > 0.5)
+        memplan.optimize(_BoolMaskIndex(), 10**12, graph_breaks=False)(torch.randn(6, 4), torch.rand(6) > 0.5)
+    # By default the model runs split at the mask, through torch.compile with memplan's backend.
+    torch._dynamo.reset()
+    model, x, mask = _BoolMaskIndex(), torch.randn(6, 4), torch.rand(6, generator=torch.Generator().manual_seed(0)) > 0.5
+    model(x, mask).backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(memplan.GraphBreakWarning, match="DynamicOutputShapeException"):
+        memplan.optimize(model, 10**12)(x, mask).backward()
+    for p, g in zip(model.parameters(), ref):
+        torch.testing.assert_close(p.grad, g)
+    torch._dynamo.reset()
 
 
 class _Resample(nn.Module):
