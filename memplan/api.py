@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.capture import DataDependentPython, InputSignature
@@ -297,7 +298,8 @@ class OptimizedModule(nn.Module):
             # Planning is compile-time work, not part of the step: a MemoryTracker
             # around the first call must see neither the capture's fake tensors
             # (refusing one inside a dispatch callback aborts the process) nor
-            # the planner's own real work (profiling runs, meta-model constants).
+            # the planner's own real work (profiling runs, meta-model constants);
+            # any other dispatch mode of the caller is set aside for the same reason.
             self._warn_hooks()
             with unmeasured(), _disable_current_modes():
                 try:
@@ -323,7 +325,6 @@ class OptimizedModule(nn.Module):
         self._warned_hooks = True
         hooked = [name or "(the model)" for name, m in self._orig_mod.named_modules()
                   if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
-        from torch.nn.modules import module as nn_module
         if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
                 or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
             hooked.append("(global module hooks)")

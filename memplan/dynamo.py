@@ -107,13 +107,19 @@ class CompiledGraph:
             # step on (`StepLedger.short`); this call runs its smallest plan, over the budget.
             least = self.min_budget.get(_shape_key(args), allowance)
             ledger.short(call, least - allowance)
-            self.backend.warn_over(self.index, least - allowance, ledger.steps_seen)
+            self.backend.warn_over(self.index, least - allowance)
             module = self._planned(least, None, args, exact=True)
             if module is None:
                 raise InfeasibleBudgetError(self.backend.budget, least + ledger.held_by_others(call))
         out = module(*args)
         self._hold_until_backward(call, module.plan, tensors, out)
         return out
+
+    @property
+    def latest_plan(self) -> Plan | None:
+        """The plan of the module used last (every module kept in :attr:`levels` has one); None
+        before the graph was planned."""
+        return next(reversed(self.levels.values())).plan if self.levels else None
 
     def _run_unplanned(self, exc: CaptureError, args: tuple) -> Any:
         """This graph cannot be planned: from now on it runs as dynamo handed it over (its memory
@@ -312,10 +318,10 @@ class MemplanBackend:
         self.graphs.append(graph)
         return graph
 
-    def warn_over(self, graph: int, over: int, steps_seen: int) -> None:
+    def warn_over(self, graph: int, over: int) -> None:
         """Say that a step runs over the budget while the ledger learns the split."""
         self.overruns += 1
-        if self.overruns > 1 and steps_seen > 0 and self.overruns % 10:
+        if self.overruns > 1 and self.ledger.steps_seen > 0 and self.overruns % 10:
             return  # once while learning, then every tenth time: a split that never settles
         warnings.warn(
             f"memplan backend: graph {graph} needs {format_bytes(over)} more than the step budget leaves it "
@@ -334,16 +340,16 @@ class MemplanBackend:
     @property
     def plans(self) -> list[Plan]:
         """The most recent plan of each graph that has one, in compile order."""
-        return [m.plan for g in self.graphs for m in list(g.levels.values())[-1:] if m._last_signature is not None]
+        return [g.latest_plan for g in self.graphs if g.latest_plan is not None]
 
     def report(self) -> str:
         """One line per graph: its last allowance and its plan's predicted peak and carried bytes."""
         lines = [f"memplan backend: {len(self.graphs)} graph(s), step budget {format_bytes(self.budget)}"]
         for g in self.graphs:
-            if not g.levels:
+            plan = g.latest_plan
+            if plan is None:
                 lines.append(f"  graph {g.index}: not planned (no gradient needed)")
                 continue
-            plan = list(g.levels.values())[-1].plan
             lines.append(f"  graph {g.index}: allowance {format_bytes(g.last_allowance or 0)}, planned peak "
                          f"{format_bytes(plan.predicted_peak)}, carried to backward {format_bytes(plan.carried_bytes)}")
         return "\n".join(lines)

@@ -255,7 +255,7 @@ def test_one_graph_plans_as_optimize_does():
     compiled = torch.compile(step_module, backend=backend)
     peaks = _train(step_module, compiled, (x,), steps=1)
     (graph,) = [g for g in backend.graphs if g.levels]
-    plan = next(iter(graph.levels.values())).plan
+    plan = graph.latest_plan
     assert plan.predicted_peak == opt.plan.predicted_peak
     assert plan.predicted_time == pytest.approx(opt.plan.predicted_time, rel=1e-6)
     measured_opt = measure_peak(lambda: opt(x).backward(), resident=list(model.parameters()))
