@@ -24,6 +24,7 @@ from benchmarks.steps import (
     GradCheck,
     StepInputs,
     clear_grads,
+    closure_tensors,
     collect_grads,
     compare_grads,
     measure_step_peak,
@@ -91,7 +92,9 @@ class ModelUnderTest:
             name=spec.name,
             description=zm.description,
             step=step,
-            inputs=StepInputs(tuple(zm.example_inputs), dict(zm.example_kwargs), torch.device(device)),
+            inputs=StepInputs(
+                tuple(zm.example_inputs), dict(zm.example_kwargs), torch.device(device), closure_tensors(zm.loss_fn)
+            ),
             layout=layout_for(spec.name, zm.model),
             eager_params=list(step.named_parameters()),
         )

@@ -6,10 +6,13 @@ stepped as ``module(*args, **kwargs).backward()``. This module measures such a
 step three ways:
 
 * **peak**: ``memplan.measure_peak`` (the CPU storage tracker, or CUDA
-  allocator statistics). On CPU, steps run by ``torch.compile`` are measured
-  with the same tracker marked ``ignore_compile_internals``: dynamo skips
-  compiled code while an ordinary dispatch mode is active, so the plain
-  tracker would measure an eager step instead. On CUDA the bytes allocated
+  allocator statistics). On CPU, steps run by ``torch.compile`` (Inductor) are
+  measured with ``memplan.measure.profiled_peak`` instead, the profiler's
+  allocation events plus the step's state (parameters, buffers, inputs):
+  dynamo runs a frame eagerly while a dispatch mode is active, and Inductor's
+  CPU wrapper allocates its buffers outside the dispatcher
+  (``empty_strided_cpu``), so the tracker would measure an eager step or miss
+  the compiled code's buffers. On CUDA the bytes allocated
   before the step that are not this step's own state (other configurations'
   parameters, saved reference gradients) are subtracted, so that every
   configuration is charged only for what it touches, as on CPU.
@@ -29,17 +32,9 @@ import torch
 from torch import nn
 
 import memplan
-from memplan.measure import MemoryTracker
+from memplan.measure import profiled_peak
 
 SEED = 0
-
-
-class CompileAwareTracker(MemoryTracker):
-    """memplan's storage tracker, left active inside ``torch.compile``'d code."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
 
 
 @dataclass
@@ -65,6 +60,9 @@ class StepInputs:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     device: torch.device
+    # Tensors the step reads that are neither inputs nor module state: a loss
+    # closure's targets. The profiler counts only what it is told was resident.
+    constants: tuple[torch.Tensor, ...] = ()
 
     def step_fn(self, module: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -72,20 +70,38 @@ class StepInputs:
 
         return run
 
-    def state_bytes(self, params: list[tuple[str, nn.Parameter]], module: nn.Module) -> int:
-        """Bytes of parameters, buffers and inputs: what a step touches before it starts."""
+    def state_tensors(self, params: list[tuple[str, nn.Parameter]], module: nn.Module) -> list[torch.Tensor]:
+        """Parameters, buffers and inputs: what a step touches before it starts."""
         tensors = [p for _, p in params] + list(module.buffers())
         tensors += [x for x in self.args if isinstance(x, torch.Tensor)]
         tensors += [x for x in self.kwargs.values() if isinstance(x, torch.Tensor)]
+        return tensors + list(self.constants)
+
+    def state_bytes(self, params: list[tuple[str, nn.Parameter]], module: nn.Module) -> int:
+        """Bytes of the distinct storages of :meth:`state_tensors`."""
         seen: set[int] = set()
         total = 0
-        for t in tensors:
+        for t in self.state_tensors(params, module):
             st = t.untyped_storage()
             key = st.data_ptr()
             if key not in seen:
                 seen.add(key)
                 total += st.nbytes()
         return total
+
+
+def closure_tensors(fn: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+    """The tensors a function holds in its closure (a loss function's targets)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    found = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    return tuple(found)
 
 
 def clear_grads(params: list[tuple[str, nn.Parameter]]) -> None:
@@ -116,9 +132,7 @@ def measure_step_peak(
         own = inputs.state_bytes(params, module)
         return memplan.measure_peak(step, inputs.device) - before + own
     if compiled:
-        with CompileAwareTracker(inputs.device, record_timeline=False) as tracker:
-            step()
-        return tracker.peak
+        return profiled_peak(step, resident=inputs.state_tensors(params, module))
     return memplan.measure_peak(step, inputs.device)
 
 
