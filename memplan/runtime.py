@@ -78,6 +78,8 @@ class Program:
     # calls, and per update slot the tangent indices its gradient depends on (as grad_tangents).
     updater: UpdateRunner | None = None
     update_tangents: list[frozenset[int]] = field(default_factory=list)
+    # With compile=True: what memplan.compiled compiled of the two segments (its CompileReport).
+    compile_report: Any = None
 
 
 HOST_PREFIX = "host:"
@@ -222,13 +224,16 @@ def _build_segment(
     constants: torch.nn.Module,
     computed: set[str],
     updater: UpdateRunner | None = None,
+    first_step: int = 0,
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
     Only inputs that are read are unpacked. ``free`` steps need no code: fx's
     codegen drops each value after its last use, which is never later than
     the schedule's own free. ``computed`` holds the random ops already run
-    (by an earlier segment); it is updated.
+    (by an earlier segment); it is updated. Each node made for a step records that step's index in
+    the whole schedule (``steps[0]`` is step ``first_step``) as ``meta["memplan_step"]``: where the
+    simulator's timeline says how much memory the step runs beside (`memplan.compiled`).
     """
     fx_nodes = low.fx_nodes
     root = torch.nn.Module()
@@ -240,6 +245,7 @@ def _build_segment(
         if name in needed:
             # named after the value, so the generated code reads like the joint graph
             env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=_identifier(name))
+            _copy_meta(env[name], name, low)
     graph.call_function(_clear_box, (box,))
 
     arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
@@ -252,6 +258,7 @@ def _build_segment(
     def value(name: str) -> fx.Node:
         if name in arriving:  # the first read waits for the copy
             env[name] = graph.call_function(arrive, (arriving.pop(name),), name=_identifier(name))
+            _copy_meta(env[name], name, low)
         return env[name]
 
     def arg(n: fx.Node) -> fx.Node:
@@ -268,7 +275,8 @@ def _build_segment(
                                           else grad)
                  for slot, (update, grad, _) in enumerate(low.updates)} if low.norm_pass else {}
 
-    for op, name in steps:
+    for k, (op, name) in enumerate(steps, start=first_step):
+        _mark_step(graph, k)
         if op in ("offload", "prefetch"):
             if name not in fx_nodes:  # bookkeeping values have no tensor to copy
                 raise ValueError(f"memplan runtime: cannot {op} {name!r}: it is not a value of the graph")
@@ -314,9 +322,26 @@ def _build_segment(
             setattr(root, replay, _Replay(node.target, str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
+    _mark_step(graph, first_step + len(steps))
     graph.output(tuple(value(name) for name in outputs))
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
+
+
+def _mark_step(graph: fx.Graph, step: int) -> None:
+    """Record on the nodes made since the last mark that they were made for schedule step ``step - 1``."""
+    node = graph._root.prev  # the newest node
+    while node.op != "root" and "memplan_step" not in node.meta:
+        node.meta["memplan_step"] = step - 1
+        node = node.prev
+
+
+def _copy_meta(node: fx.Node, name: str, low: Lowered) -> None:
+    """Give a segment's input (or an arrived copy) the joint graph's metadata of its value (its
+    fake ``val``), as ``node_copy`` gives computed nodes: `memplan.compiled` reads layouts from it."""
+    source = low.fx_nodes.get(name.removeprefix(NORM_PASS_PREFIX))
+    if source is not None:
+        node.meta.update(source.meta)
 
 
 def _identifier(name: str) -> str:
@@ -399,7 +424,8 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
     constants = cap.graph_module
     forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed)
     bw_outputs = [g for g in grad_outputs if g is not None]
-    backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater)
+    backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater,
+                              first_step=len(fw_steps) + 1)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]

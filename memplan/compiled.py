@@ -1,0 +1,408 @@
+"""Compile a program's segments with Inductor, keeping the plan's memory decisions.
+
+A segment (`memplan.runtime.Segment`) is straight-line fx code in schedule
+order. Most of it is plain ATen ops; between them sit Python steps that
+Inductor must not see: random ops and their replays (their generator state is
+the plan's), offload / prefetch / arrive, optimizer updates, gradient
+clipping. This module cuts a segment's nodes into *runs*: maximal stretches
+of pure, deterministic ATen ops (a run never crosses a Python step, so no
+value moves across one). Each run long enough to gain from fusion is
+decomposed with Inductor's table and compiled by Inductor
+(``compile_fx_inner``) on fake inputs; everything else runs as generated fx
+code, as in the eager runtime.
+
+Memory decisions do not move. A run takes its inputs boxed: the executor
+hands over the only reference to a value whose last use is in that run, and
+Inductor's code frees each input and buffer after its last use inside the
+run. Inductor may still reorder inside a run, add buffers its
+decompositions need, or return an output that views a larger buffer; so
+every compiled run is checked when it is built: run on zero inputs, compiled
+and eager, its peak (allocator events, `memplan.measure.profiled_peak`, or
+CUDA allocator stats) and the bytes its outputs keep alive must not exceed
+the eager run's. A run that fails the check, or fails to compile, runs
+eagerly (a warning names it). The eager runtime's peaks are what the plan
+predicts, so the compiled step stays within the planned peak.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from memplan.measure import profiled_peak
+from memplan.runtime import _clear_box
+from memplan.storage import storage_key
+
+# Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
+MIN_RUN_OPS = 3
+Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Callable[[list], Any]]
+
+
+class CompileWarning(UserWarning):
+    """A run of a plan could not be compiled, or compiled to more memory than planned: it runs eagerly."""
+
+
+@dataclass
+class RunReport:
+    """What happened to one run of ATen ops."""
+
+    segment: str  # "forward" or "backward"
+    first: str  # the name of its first node
+    ops: int
+    compiled: bool
+    reason: str = ""  # why it runs eagerly
+    compiled_peak: int | None = None  # measured when checked, bytes above what was live before the run
+    eager_peak: int | None = None
+    compile_s: float = 0.0
+
+
+@dataclass
+class CompileReport:
+    """How a program's segments were compiled."""
+
+    runs: list[RunReport] = field(default_factory=list)
+    refused: int = 0  # compiled runs the memory check refused (each then tried as two halves)
+    compile_s: float = 0.0  # Inductor's time, refused runs included
+    # The plan's predicted peak with the compiled runs' measured differences from eager added.
+    predicted_peak: int = 0
+
+    @property
+    def compiled_ops(self) -> int:
+        return sum(r.ops for r in self.runs if r.compiled)
+
+    @property
+    def eager_ops(self) -> int:
+        return sum(r.ops for r in self.runs if not r.compiled)
+
+    def summary(self) -> str:
+        n = sum(r.compiled for r in self.runs)
+        rejected = [r for r in self.runs if not r.compiled and r.reason]
+        text = (f"{n} of {len(self.runs)} runs compiled ({self.compiled_ops} ops; {self.eager_ops} ops eager), "
+                f"Inductor {self.compile_s:.1f} s, {self.refused} compiled runs refused by the memory check")
+        if rejected:
+            text += "; eager: " + ", ".join(f"{r.segment} run at {r.first} ({r.reason})" for r in rejected)
+        return text
+
+
+@dataclass
+class Stage:
+    """One call of the compiled segment: a run (compiled or generated fx code) with boxed inputs."""
+
+    fn: Callable[[list], Any]
+    reads: list[str]
+    last: frozenset[str]  # reads whose last use this is: handed over, not kept
+    writes: list[str]
+
+
+class CompiledSegment:
+    """A segment run as stages; same calling convention as `memplan.runtime.Segment`."""
+
+    def __init__(self, source: Any, unpack: list[tuple[int, str]], constants: dict[str, Any],
+                 stages: list[Stage], outputs: list[str]):
+        self.source = source  # the eager Segment it was made from
+        self.inputs, self.outputs = source.inputs, source.outputs
+        self.unpack, self.constants, self.stages, self.output_names = unpack, constants, stages, outputs
+
+    def __call__(self, args: list[Any]) -> tuple[Any, ...]:
+        env = dict(self.constants)
+        for i, name in self.unpack:
+            env[name] = args[i]
+        args.clear()
+        for stage in self.stages:
+            box = [env.pop(n) if n in stage.last else env[n] for n in stage.reads]
+            results = stage.fn(box)
+            del box
+            env.update(zip(stage.writes, results))
+            del results
+        out = tuple(env[n] for n in self.output_names)
+        env.clear()
+        return out
+
+
+def _is_header(node: fx.Node, box: fx.Node) -> bool:
+    """The boxed calling convention's own nodes: the argument list, its unpacking, its clearing."""
+    if node.op == "placeholder":
+        return True
+    if node.op == "call_function" and node.target is operator.getitem and node.args[0] is box:
+        return True
+    return node.op == "call_function" and node.target is _clear_box
+
+
+def _compilable(node: fx.Node, group: set[fx.Node]) -> bool:
+    """A node Inductor may take: a pure, deterministic ATen op, or an item of one in the same run."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return node.args[0] in group
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    # Random ops stay eager: the plan saves and replays their generator state.
+    return torch.Tag.nondeterministic_seeded not in op.tags and not op._schema.is_mutable
+
+
+def _tensor_valued(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
+    """Cut ``nodes`` (schedule order) into maximal runs: (compilable, nodes)."""
+    groups: list[tuple[bool, list[fx.Node]]] = []
+    members: set[fx.Node] = set()
+    for node in nodes:
+        kind = _compilable(node, members)
+        if groups and groups[-1][0] == kind:
+            groups[-1][1].append(node)
+        else:
+            groups.append((kind, [node]))
+            members = set()
+        members.add(node)
+    return groups
+
+
+def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], writes: list[str],
+                boxed: bool) -> fx.GraphModule:
+    """``nodes`` as their own GraphModule: inputs ``reads`` (boxed or positional), outputs ``writes``."""
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    if boxed:
+        box = graph.placeholder("args_list")
+        for i, name in enumerate(reads):
+            env[name] = graph.call_function(operator.getitem, (box, i))
+        graph.call_function(_clear_box, (box,))
+    else:
+        for name in reads:
+            env[name] = graph.placeholder(name)
+    for node in nodes:
+        env[node.name] = graph.node_copy(node, lambda n: env[n.name])
+    graph.output(tuple(env[n] for n in writes))
+    graph.lint()
+    return fx.GraphModule(root, graph)
+
+
+def _example(val: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """Zeros laid out like ``val`` (zeros: valid as indices, so gathers stay in range)."""
+    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device or val.device).zero_()
+
+
+def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Callable[[list], Any]:
+    """Decompose ``gm`` (ATen) with Inductor's table on fake inputs laid out like ``examples`` (any
+    tensors, fake ones included: only their layout is read) and compile it; the result takes its
+    inputs boxed."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
+        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
+    # Moving nodes for locality may hold a buffer past the point the plan frees it.
+    with inductor_config.patch(reorder_for_locality=False):
+        return compile_fx_inner(decomposed, fakes)
+
+
+def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int]:
+    """(peak bytes allocated while ``fn`` runs, bytes its result keeps alive), from the allocator."""
+    kept: list[int] = []
+
+    def call() -> None:
+        result = fn()
+        kept.append(sum({storage_key(t): t.untyped_storage().nbytes()
+                         for t in result if isinstance(t, torch.Tensor)}.values()))
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        call()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base, kept[0]
+    return profiled_peak(call), kept[0]
+
+
+def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[torch.Tensor], keep: list[bool],
+           device: torch.device) -> tuple[int, int, str]:
+    """Run both on zero inputs (those marked in ``keep`` stay referenced, as values read later
+    do in the step): (compiled peak, eager peak, why the compiled run is refused, or "")."""
+
+    def call(fn: Callable[[list], Any]) -> Callable[[], Any]:
+        held: list[torch.Tensor] = []
+
+        def run() -> Any:
+            box = [_example(v, device) for v in vals]
+            held.extend(t for t, k in zip(box, keep) if k)
+            return fn(box)
+        return run
+
+    c_peak, c_kept = _peak_of(call(compiled), device)
+    e_peak, e_kept = _peak_of(call(eager), device)
+    if c_kept > e_kept:
+        return c_peak, e_peak, f"outputs keep {c_kept} B > eager {e_kept} B"
+    return c_peak, e_peak, ""
+
+
+@dataclass
+class _Segmenting:
+    """What cutting one segment into stages needs to know about it."""
+
+    root: torch.nn.Module
+    name: str  # "forward" or "backward"
+    position: dict[fx.Node, int]  # body node -> its index
+    last_use: dict[str, int]  # value -> index of the last body node that reads it (len(body): the output)
+    constants: dict[str, Any]
+    device: torch.device
+    report: CompileReport
+    compiler: Compiler
+    check: bool
+    timeline: Any  # memory after each schedule step (for a compute: during it), the simulator's
+    budget: int
+
+    def planned_bytes(self, members: list[fx.Node]) -> int:
+        """The most memory the plan has in use during ``members``' steps."""
+        steps = [n.meta["memplan_step"] for n in members if "memplan_step" in n.meta]
+        return int(max(self.timeline[k] for k in steps)) if steps else self.budget
+
+    def escaping(self, members: list[fx.Node]) -> list[str]:
+        """The values of ``members`` read after the last of them."""
+        end = self.position[members[-1]]
+        return [n.name for n in members if self.last_use.get(n.name, -1) > end]
+
+    def last_of(self, members: list[fx.Node], reads: list[str]) -> frozenset[str]:
+        """The ``reads`` whose last use is in ``members``: handed over to the run, not kept."""
+        end = self.position[members[-1]]
+        return frozenset(r for r in reads if self.last_use[r] <= end and r not in self.constants)
+
+    def stages(self, members: list[fx.Node], compile_it: bool) -> list[Stage]:
+        """``members`` as one stage, compiled where asked and accepted; a compiled run the check
+        refuses is tried again as two halves before it falls back to eager code."""
+        inside = {n.name for n in members}
+        end = self.position[members[-1]]
+        reads = list(dict.fromkeys(i.name for n in members for i in n.all_input_nodes if i.name not in inside))
+        writes = self.escaping(members)
+        last = self.last_of(members, reads)
+        eager = _run_module(self.root, members, reads, writes, boxed=True)
+        entry = RunReport(self.name, members[0].name, sum(n.op == "call_function" for n in members), compiled=False)
+        if compile_it:
+            compiled = self.compile_run(members, reads, writes, eager, entry)
+            if compiled is not None:
+                return [Stage(compiled, reads, last, writes)]
+            cut = _cut(members, self) if entry.compiled_peak is not None else None
+            if cut is not None:
+                return self.stages(members[:cut], True) + self.stages(members[cut:], True)
+            self.report.runs.append(entry)
+            warnings.warn(f"memplan: {self.name} run at {members[0].name!r} ({len(members)} ops) runs eagerly: "
+                          f"{entry.reason}", CompileWarning, stacklevel=5)
+        else:
+            self.report.runs.append(entry)
+        return [Stage(eager, reads, last, writes)]
+
+    def compile_run(self, members: list[fx.Node], reads: list[str], writes: list[str], eager: fx.GraphModule,
+                    entry: RunReport) -> Callable[[list], Any] | None:
+        """The compiled run, accepted by the check; None (and ``entry.reason``) when not."""
+        by_name = {i.name: i for n in members for i in n.all_input_nodes}
+        vals = [self.constants[r] if r in self.constants else by_name[r].meta.get("val") for r in reads]
+        if not all(isinstance(v, torch.Tensor) for v in vals):
+            entry.reason = "an input is not a tensor (" + ", ".join(
+                f"{r}: {type(v).__name__}" for r, v in zip(reads, vals) if not isinstance(v, torch.Tensor)) + ")"
+            return None
+        positional = _run_module(self.root, members, reads, writes, boxed=False)
+        started = time.perf_counter()
+        try:
+            with torch.no_grad():
+                compiled = self.compiler(positional, vals)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure leaves the eager run in place
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            entry.reason = f"it did not compile ({type(exc).__name__}: {first[:200]})"
+            return None
+        finally:
+            entry.compile_s = time.perf_counter() - started
+            self.report.compile_s += entry.compile_s
+        if self.check:
+            keep = [r not in self.last_of(members, reads) for r in reads]
+            with torch.no_grad():
+                entry.compiled_peak, entry.eager_peak, why = _check(compiled, eager, vals, keep, self.device)
+            # The plan runs this stretch beside `planned - eager_peak` bytes; compiled, it must still fit.
+            planned = self.planned_bytes(members) + entry.compiled_peak - entry.eager_peak
+            if not why and planned > self.budget:
+                why = (f"peak {entry.compiled_peak} B against eager's {entry.eager_peak} B, "
+                       f"{planned - self.budget} B over the budget there")
+            if why:
+                entry.reason = f"compiled, it takes more memory than planned ({why})"
+                self.report.refused += 1
+                return None
+            self.report.predicted_peak = max(self.report.predicted_peak, planned)
+        entry.compiled = True
+        self.report.runs.append(entry)
+        return compiled
+
+
+def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:
+    """Where to halve a refused run: near its middle, both halves long enough to compile, and no
+    multi-output value (a tuple) crossing the cut. None when there is no such place."""
+    if len(members) < 2 * MIN_RUN_OPS:
+        return None
+    middle = len(members) // 2
+    for offset in range(len(members)):
+        for cut in (middle + offset, middle - offset):
+            if MIN_RUN_OPS <= cut <= len(members) - MIN_RUN_OPS and all(
+                    _tensor_valued(n) for n in members[:cut] if n.name in seg.escaping(members[:cut])):
+                return cut
+    return None
+
+
+def compile_segment(segment: Any, name: str, device: torch.device, report: CompileReport, timeline: Any,
+                    budget: int, compiler: Compiler = inductor_compiler, check: bool = True) -> CompiledSegment:
+    """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring)."""
+    root = segment.module
+    nodes = list(root.graph.nodes)
+    box, output = nodes[0], nodes[-1]
+    unpack = [(n.args[1], n.name) for n in nodes if n.op == "call_function" and n.target is operator.getitem
+              and n.args[0] is box]
+    constants = {n.name: getattr(root, n.target) for n in nodes if n.op == "get_attr"}
+    body = [n for n in nodes[1:-1] if not _is_header(n, box) and n.op != "get_attr"]
+    position = {n: i for i, n in enumerate(body)}
+    last_use: dict[str, int] = {}
+    for n in body:
+        for i in n.all_input_nodes:
+            last_use[i.name] = position[n]
+    for i in output.all_input_nodes:
+        last_use[i.name] = len(body)
+    seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget)
+
+    # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
+    plan: list[tuple[bool, list[fx.Node]]] = []
+    for kind, members in _groups(body):
+        kind = kind and len(members) >= MIN_RUN_OPS and all(
+            _tensor_valued(n) for n in members if n.name in seg.escaping(members))
+        if plan and not kind and not plan[-1][0]:
+            plan[-1][1].extend(members)
+        else:
+            plan.append((kind, list(members)))
+    stages = [stage for kind, members in plan for stage in seg.stages(members, kind)]
+    outputs = [n.name for n in output.args[0]]
+    return CompiledSegment(segment, unpack, constants, stages, outputs)
+
+
+def compile_program(program: Any, plan: Any, device: torch.device, compiler: Compiler = inductor_compiler,
+                    check: bool = True) -> Any:
+    """``program`` (`memplan.runtime.Program`, built from ``plan``) with both segments compiled; its
+    ``compile_report`` says what was, and the peak the plan now predicts."""
+    import solvers
+
+    timeline = solvers.simulate(plan.analysis.lowered.problem, list(plan.schedule)).timeline
+    held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them
+    report = CompileReport(predicted_peak=plan.predicted_peak - held)
+    budget = plan.budget - held
+    forward = compile_segment(program.forward, "forward", device, report, timeline, budget, compiler, check)
+    backward = compile_segment(program.backward, "backward", device, report, timeline, budget, compiler, check)
+    report.predicted_peak += held
+    return dataclasses.replace(program, forward=forward, backward=backward, compile_report=report)
