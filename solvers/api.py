@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from .core.method import stopping_at
 from .core.problem import Problem
 from .core.solution import Infeasible, Solution
 from .methods.memory_bounds import memory_lower_bound
@@ -12,8 +13,11 @@ from .strategies.min_budget import min_budget_cached
 from .strategies.remat import from_min_budget_search
 
 
-def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None) -> Solution:
+def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None,
+          gap: Optional[float] = None) -> Solution:
     """Solve ``problem`` with ``method`` (a key of `METHODS`) within ``time_limit`` seconds.
+    ``gap``: a search may stop before ``time_limit`` once its plan is proven within this share of
+    optimal (`Solution.gap`; None: the strategy's own, `hierarchical.EARLY_GAP`).
 
     Raises `Infeasible` (with ``min_budget``) when the budget is below the
     smallest budget at which a schedule is found. Otherwise returns the
@@ -25,7 +29,8 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
     if problem.budget < lower:
         raise Infeasible(problem.budget, min_budget_cached(problem)[0], lower)
     started = time.perf_counter()
-    sol = METHODS[method](problem, time_limit)
+    with stopping_at(gap):
+        sol = METHODS[method](problem, time_limit)
     if not sol.fits:
         needed, schedule = min_budget_cached(problem)
         if problem.budget < needed:

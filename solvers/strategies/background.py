@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -63,6 +64,11 @@ class BackgroundBound:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "solvers.strategies.background", str(path), repr(float(time_limit))],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, text=True)
+        # Every line the child has printed so far, read by a thread so that the search can ask for
+        # the bound proved so far (`proved`) without waiting: it stops once its plan is close to it.
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=_read_lines, args=(self._proc.stdout, self._lines), daemon=True)
+        self._reader.start()
         # A caller that fails before `result` must not leave the child running or the file behind.
         self._finalizer = weakref.finalize(self, _stop, self._proc, self._dir)
 
@@ -79,16 +85,29 @@ class BackgroundBound:
         the child is not done by then, the best bound it has printed so far (every one it prints
         is valid); None when it printed none. The child is gone afterwards."""
         try:
-            out, _ = self._proc.communicate(timeout=max(0.0, until - time.perf_counter()))
+            self._proc.wait(timeout=max(0.0, until - time.perf_counter()))
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            out, _ = self._proc.communicate()
+            self._proc.wait()
+        self._reader.join()  # the pipe is closed once the child is gone: every line is in
         self.close()
-        return best_printed(out or "")
+        return self.proved()
+
+    def proved(self) -> Optional[float]:
+        """The best bound the child has printed so far (None: none yet), without waiting."""
+        return best_printed("".join(self._lines))
 
     def close(self) -> None:
         """Stop the child (if it still runs) and remove its file."""
         self._finalizer()
+
+
+def _read_lines(stream, lines: list[str]) -> None:
+    """Append each line of ``stream`` to ``lines`` as it arrives, until the stream ends (the last
+    one may be cut short by a kill: `best_printed` reads whole lines only); then close it."""
+    with stream:
+        for line in stream:
+            lines.append(line)
 
 
 def best_printed(out: str) -> Optional[float]:
@@ -107,9 +126,7 @@ def best_printed(out: str) -> Optional[float]:
 def _stop(proc: subprocess.Popen, directory: tempfile.TemporaryDirectory) -> None:
     if proc.poll() is None:
         proc.kill()
-    proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+    proc.wait()  # the reader thread then sees the pipe end and closes it
     directory.cleanup()
 
 

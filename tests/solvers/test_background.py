@@ -71,3 +71,30 @@ def test_a_bound_cut_short_by_the_kill_is_not_read():
     assert best_printed("1.1e-05\n1.2e-05\n1.25") == 1.2e-05
     assert best_printed("1.1e-05\n1.2e-05\n") == 1.2e-05
     assert best_printed("1.2") is None and best_printed("") is None
+
+
+def test_the_bound_proved_so_far_is_read_without_waiting():
+    p = _at(0.5)
+    child = BackgroundBound(p, 30.0)
+    assert child.proved() is None or child.proved() >= p.total_cost()  # asked at once: nothing, or a bound
+    give_up = time.perf_counter() + 120
+    while child.proved() is None and time.perf_counter() < give_up:
+        time.sleep(0.05)
+    early = child.proved()
+    final = child.result(time.perf_counter() + 120)
+    assert early is not None and p.total_cost() <= early <= final
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="the bound runs in the background only with a second core")
+def test_the_search_stops_once_the_childs_bound_certifies_its_plan(monkeypatch):
+    """A search asked to stop at a gap (`solvers.solve`'s ``gap``) stops as soon as the child has
+    proved a bound that close to its plan, not at its time limit."""
+    import solvers
+    from solvers.strategies.hierarchical import strategy
+
+    monkeypatch.setattr(strategy, "EARLY_STOP_MAX_VALUES", 0)  # no quick bound here: only the child's
+    p = _at(0.5)
+    sol = solvers.solve(p, "hierarchical", 30.0, gap=0.25)
+    assert sol.fits and sol.info["bound_in_background"]
+    assert sol.info["bound_from"] == "lower_bounds.lower_bound (background)"
+    assert sol.info["certified_at"] < 25.0 and sol.gap <= 0.25

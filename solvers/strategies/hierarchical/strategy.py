@@ -22,7 +22,8 @@ stop at the first whose plan is not faster than the best plan so far (plans made
 for every schedule), else the sum of all costs (`_bound` is the plug-in point), computed in a
 child process on a second core while the search runs (`background`, limits of
 `BACKGROUND_MIN_LIMIT` seconds or more), else in the last tenth of the limit. The search ends
-early once its best plan is within `EARLY_GAP` of a quick bound.
+early once its best plan is within `EARLY_GAP` (or `solvers.solve`'s ``gap``) of a bound proved
+so far: a quick bound on graphs up to `EARLY_STOP_MAX_VALUES` values, or what the child has printed.
 
 How the time limit is split: `settings.TimeShares`.
 """
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ...core.method import RACE, portfolio
+from ...core.method import RACE, portfolio, stop_gap, within_gap
 from ...core.problem import Problem
 from ...core.schedule import Schedule, simulate
 from ...core.solution import FEASIBLE, MethodFailed, Solution, finish
@@ -128,17 +129,25 @@ class SolveState:
         """Record that ``phase`` ends now (``info["clock"]``: where the time went)."""
         self.clock[phase] = round(time.perf_counter() - self.started, 3)
 
-    def near_quick_bound(self, cost: float) -> bool:
-        return self.quick_bound is not None and cost <= self.quick_bound * (1 + EARLY_GAP)
+    @property
+    def gap(self) -> float:
+        """How close to a proven bound the best plan must be for the search to stop
+        (`solvers.solve`'s ``gap``, else `EARLY_GAP`)."""
+        return stop_gap(EARLY_GAP)
 
-    def certified(self) -> bool:
-        """Whether the best plan is within `EARLY_GAP` of a lower bound: the search can stop."""
-        if self.best.schedule is None or self.problem.n > EARLY_STOP_MAX_VALUES:
-            return False
-        if self.quick_bound is None:
+    def proved_bound(self) -> Optional[float]:
+        """The best lower bound proved so far, without waiting: the quick bound (computed here
+        once, on graphs up to `EARLY_STOP_MAX_VALUES` values) and what the child has printed."""
+        if self.quick_bound is None and self.problem.n <= EARLY_STOP_MAX_VALUES:
             self.quick_bound = _bound(self.problem, SHARES.quick_bound_share * self.limit, milp=False)[0]
             self.info["quick_bound"] = self.quick_bound
-        if not self.near_quick_bound(self.best.time):
+        child = None if self.background is None else self.background.proved()
+        proved = [b for b in (self.quick_bound, child) if b is not None and math.isfinite(b)]
+        return max(proved) if proved else None
+
+    def certified(self) -> bool:
+        """Whether the best plan is within `gap` of a proven lower bound: the search can stop."""
+        if self.best.schedule is None or not within_gap(self.best.time, self.proved_bound(), self.gap):
             return False
         self.info.setdefault("certified_at", round(time.perf_counter() - self.started, 3))
         return True
@@ -151,7 +160,8 @@ class SolveState:
 
 def solve_hierarchical(problem: Problem, time_limit: Optional[float] = None, *, exact: bool = True,
                        seeds: Sequence[tuple[Schedule, str]] = ()) -> Solution:
-    """The search ends early once its best plan is within `EARLY_GAP` of a quick lower bound.
+    """The search ends early once its best plan is within `EARLY_GAP` (`solvers.solve`'s ``gap``)
+    of a bound proved so far (`SolveState.certified`).
     ``exact=False`` leaves out the exact phase for small graphs (to measure the drop search alone).
     ``seeds``: plans made elsewhere (`offload.solve_offload`'s paged descents), each with a label;
     those that fit join the baselines, so that the search is measured against them."""
@@ -470,12 +480,14 @@ def polish_winner(state: SolveState, schedule: Schedule, cost: float) -> Schedul
 
 
 def compute_bound(state: SolveState, cost: float) -> tuple[float, str]:
-    """The lower bound and where it comes from: the quick bound when it certifies ``cost``, else
-    the child's (`background`) or one computed here, whichever is higher."""
+    """The lower bound and where it comes from: a bound already proved (the quick one, or the
+    child's so far) when it certifies ``cost``, else the child's (`background`) or one computed
+    here, whichever is higher."""
     problem, background = state.problem, state.background
     t0 = time.perf_counter()
-    if state.near_quick_bound(cost):
-        bound, bound_source = state.quick_bound, "lower_bounds.lower_bound (quick)"  # certified: done
+    certifying = _certifying_bound(state, cost)
+    if certifying is not None:
+        bound, bound_source = certifying  # certified: done
         if background is not None:
             background.close()
     else:
@@ -499,6 +511,19 @@ def compute_bound(state: SolveState, cost: float) -> tuple[float, str]:
     state.lap("bound")
     state.info["clock"] = state.clock
     return bound, bound_source
+
+
+def _certifying_bound(state: SolveState, cost: float) -> Optional[tuple[float, str]]:
+    """The highest bound proved so far (quick, or the child's), with its source, when it puts
+    ``cost`` within the stop gap; None otherwise. Nothing new is computed or waited for."""
+    child = None if state.background is None else state.background.proved()
+    proved = [(b, f"lower_bounds.lower_bound ({source})")
+              for b, source in ((state.quick_bound, "quick"), (child, "background"))
+              if b is not None and math.isfinite(b)]
+    if not proved:
+        return None
+    bound, source = max(proved)
+    return (max(bound, state.problem.total_cost()), source) if within_gap(cost, bound, state.gap) else None
 
 
 def checked_bound(state: SolveState, schedule: Schedule, bound: float, bound_source: str) -> float:
