@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 import warnings
 import weakref
 from typing import Any
@@ -420,9 +421,12 @@ class OptimizedModule(nn.Module):
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
         for what they leave of the budget, and the plan's peak counts them. ``use``: what the plan
         assumes about the outputs (``memplan.output_use``)."""
-        budget = self._budget_for(args, kwargs)
+        started = time.perf_counter()  # time_limit bounds the whole planning call, this replay included
+        budget, eager = self._budget_for(args, kwargs)
         try:
-            plan, program = self._plan_graph(args, kwargs, budget - held, use)
+            # the replay for the budget assumed nothing about the outputs: the plan reuses it then
+            plan, program = self._plan_graph(args, kwargs, budget - held, use, started=started,
+                                             eager_peak=None if use else eager)
         except InfeasibleBudgetError as exc:
             if not held:
                 raise
@@ -440,16 +444,18 @@ class OptimizedModule(nn.Module):
         cap = plan.analysis.capture
         return plan, program, cap.param_names, cap.buffer_names
 
-    def _budget_for(self, args: tuple, kwargs: dict) -> int:
-        """The budget in bytes for a step on these inputs: the given one, or its share of their eager peak."""
+    def _budget_for(self, args: tuple, kwargs: dict) -> tuple[int, int | None]:
+        """The budget in bytes for a step on these inputs: the given one, or its share of their eager
+        peak; and that peak (None when the budget is given in bytes: nothing was replayed)."""
         if self.budget_fraction is None:
-            return self.budget
+            return self.budget, None
         eager = replay_eager_peak(self._orig_mod, args, kwargs)
         self.budget = max(1, int(self.budget_fraction * eager))
-        return self.budget
+        return self.budget, eager
 
-    def _plan_graph(self, args: tuple, kwargs: dict, budget: int, use: OutputUse) -> tuple[Plan, Program]:
-        """The plan and program of the step's graph under ``budget``."""
+    def _plan_graph(self, args: tuple, kwargs: dict, budget: int, use: OutputUse, *, started: float | None = None,
+                    eager_peak: int | None = None) -> tuple[Plan, Program]:
+        """The plan and program of the step's graph under ``budget`` (`make_plan`'s ``started`` and ``eager_peak``)."""
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         profile = get_profile(self.device_profile, device)
@@ -483,6 +489,8 @@ class OptimizedModule(nn.Module):
             accumulation=self.accumulation,
             clip_by=self.clip_by,
             carry_limit=self.options.get("carry_limit"),
+            started=started,
+            eager_peak=eager_peak,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,59 @@ class InfeasibleBudgetError(ValueError):
             f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
         )
+
+
+# optimize() without a time_limit plans within DEFAULT_TIME_LIMIT seconds, whole call (the eager
+# replay of a relative budget, capture, costs, solve, runtime), and the search stops as soon as its
+# plan is proven within DEFAULT_GAP of optimal: a model reaches its first planned step in seconds.
+# A time_limit given bounds the whole call the same way, and the search then goes on until its
+# plan is within the strategy's own, tighter gap (`solvers.strategies.hierarchical.EARLY_GAP`).
+DEFAULT_TIME_LIMIT = 8.0
+DEFAULT_GAP = 0.03
+# The solver gets at least this many seconds, whatever capture took: a plan is still needed.
+MIN_SOLVE_TIME = 1.0
+
+
+class PlanningTimeWarning(UserWarning):
+    """Capturing and analyzing the step took longer than optimize()'s time_limit."""
+
+
+@dataclass(frozen=True)
+class PlanningClock:
+    """The time limit of one planning call, counted from its start (`time.perf_counter`), and the
+    gap at which its search stops (None: the solver's own)."""
+
+    started: float
+    limit: float
+    gap: float | None
+
+    @classmethod
+    def begin(cls, time_limit: float | None, started: float | None = None) -> "PlanningClock":
+        """The clock of a call that started at ``started`` (default: now) with ``time_limit``
+        (None: `DEFAULT_TIME_LIMIT`, stopping at `DEFAULT_GAP`)."""
+        started = time.perf_counter() if started is None else started
+        if time_limit is None:
+            return cls(started, DEFAULT_TIME_LIMIT, DEFAULT_GAP)
+        return cls(started, float(time_limit), None)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def solve_limit(self) -> float:
+        """Seconds the solver may take now: what is left of the limit, at least `MIN_SOLVE_TIME`."""
+        return max(MIN_SOLVE_TIME, self.limit - self.elapsed())
+
+    def warn_if_spent(self, what: str) -> None:
+        """Warn when ``what`` (the work before the solver) has taken the whole limit already."""
+        took = self.elapsed()
+        if took >= self.limit:
+            warnings.warn(
+                f"memplan: {what} took {took:.1f} s, more than the planning time limit of {self.limit:g} s; "
+                f"the solver still gets {MIN_SOLVE_TIME:g} s to find a plan. Raise time_limit= to let it search "
+                "longer, or save the plan (Plan.save, optimize(plan=...)) to skip planning next time.",
+                PlanningTimeWarning,
+                stacklevel=2,
+            )
 
 
 @dataclass
@@ -266,8 +320,15 @@ def make_plan(
     accumulation: Accumulation | None = None,
     clip_by: str = "auto",
     carry_limit: int | None = None,
+    started: float | None = None,
+    eager_peak: int | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
+
+    ``time_limit`` bounds the whole call, from ``started`` (a `time.perf_counter` reading; default:
+    now) when the caller did work of its own first (`PlanningClock`; None: `DEFAULT_TIME_LIMIT`,
+    stopping at `DEFAULT_GAP`). ``eager_peak``: the eager step's peak when the caller has replayed
+    it already for this output use (it is replayed otherwise).
 
     ``measure_on``: time every op on that device instead of using the roofline.
     ``offload``: let the plan page values to host memory over the profile's host link.
@@ -289,10 +350,12 @@ def make_plan(
         raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: give one of {', '.join(OPTIMIZER_STATES)}")
+    clock = PlanningClock.begin(time_limit, started)
     cap = capture(model, args, kwargs, output_use=output_use)
     primal_names = [p.name for p in cap.primals]
     updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
-    eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
+    if eager_peak is None:
+        eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
     steps = accumulation.steps if accumulation is not None else 1
     clipping = max_grad_norm is not None
     forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
@@ -301,21 +364,29 @@ def make_plan(
                             accumulate_steps=steps, norm_pass=forced_pass)
     analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
                                carry_limit=None if carry_limit is None else (carry_limit, budget))
+    clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
-                            solver=solver, time_limit=time_limit, offload=offload)
+                            solver=solver, clock=clock, offload=offload)
     runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
     return plan, build_program(cap, plan.analysis.lowered, plan.schedule, runner)
 
 
 def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,
-                     **solve_options) -> Plan:
+                     clock: PlanningClock | None = None, **solve_options) -> Plan:
     """`solve_plan` for a step with optimizer updates: the first placement of them that fits
     (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
     lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
-    backward pass instead of holding the gradients. ``solve_options``: `solve_plan`'s."""
+    backward pass instead of holding the gradients. ``clock``: each solve gets what is left of
+    the planning call's time limit, and stops at its gap. ``solve_options``: `solve_plan`'s."""
+    def options() -> dict:
+        """``solve_options``, with what is left of the clock's limit when one is given (read per solve)."""
+        if clock is None:
+            return solve_options
+        return {**solve_options, "time_limit": clock.solve_limit(), "gap": clock.gap}
+
     if not analysis.updates:
-        return solve_plan(analysis, budget, **solve_options)
+        return solve_plan(analysis, budget, **options())
 
     def solve_for(placement: UpdatePlacement) -> Plan:
         if placement == analysis.lowered.placement:
@@ -323,7 +394,7 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         else:
             again = analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
                                     placement, costs=analysis.costs)
-        return solve_plan(again, budget, **solve_options)
+        return solve_plan(again, budget, **options())
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
                            norm_pass)
@@ -405,16 +476,18 @@ def problem_for(analysis: Analysis, budget: int, offload: bool) -> "solvers.Prob
 
 
 def solve_plan(
-    analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None, offload: bool = False
+    analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None,
+    offload: bool = False, gap: float | None = None,
 ) -> Plan:
     """Solve an analyzed step for one budget (a sweep solves one analysis many times).
 
     ``offload=True`` gives the solver the profile's host link: values may be
-    paged to host memory and back as well as kept or recomputed."""
+    paged to host memory and back as well as kept or recomputed. ``gap``: the search may stop
+    once its plan is proven within that share of optimal (`solvers.solve`)."""
     problem = problem_for(analysis, budget, offload)
     start = time.perf_counter()
     try:
-        sol = solvers.solve(problem, method=solver, time_limit=time_limit)
+        sol = solvers.solve(problem, method=solver, time_limit=time_limit, gap=gap)
     except solvers.Infeasible as exc:
         raise InfeasibleBudgetError(budget, int(exc.min_budget),
                                     addend_only_outputs=analysis.capture.addend_only_outputs) from None

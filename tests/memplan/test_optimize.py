@@ -432,3 +432,14 @@ def test_a_pickled_module_made_from_a_saved_plan_reuses_that_plan(tmp_path, monk
     monkeypatch.setattr(solvers, "solve", no_solving)
     loaded(x).sum().backward()
     assert loaded.plan.schedule == made.plan.schedule
+
+
+def test_time_limit_bounds_the_whole_call_and_says_when_capture_took_it_all():
+    """``time_limit`` counts from the start of planning; when capturing the step takes all of it,
+    a warning says how long that took, and the solver still gets `MIN_SOLVE_TIME` to find a plan."""
+    from memplan.plan import PlanningTimeWarning
+
+    module, args, kwargs = build_step("cnn")
+    with pytest.warns(PlanningTimeWarning, match=r"took \d+\.\d s"):
+        opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=1e-3)
+    assert_measured_peak(opt, module, args, kwargs, opt.plan.budget)
