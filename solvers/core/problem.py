@@ -171,7 +171,10 @@ class Problem:
 
     def with_host(self, bandwidth: float, capacity: Optional[int] = None) -> "Problem":
         """The same graph and budget with a host link of ``bandwidth`` bytes per
-        time unit (0 removes it) and ``capacity`` bytes of host memory."""
+        time unit (0 removes it) and ``capacity`` bytes of host memory. The same link shares this
+        problem's budget-free results (`with_budget`)."""
+        if float(bandwidth) == self.host_bandwidth and capacity == self.host_capacity:
+            return self.with_budget(self.budget)
         return replace(self, host_bandwidth=bandwidth, host_capacity=capacity)
 
     @property
