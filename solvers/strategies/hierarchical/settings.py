@@ -16,7 +16,9 @@ class TimeShares:
     # Baselines
     race: float = 0.1  # of the limit, for each method of the baseline race (at least 0.5 s)
     baseline_polish_end: float = 0.2  # the baselines' `keep_recomputed` polish ends by then
-    descent_end: float = 0.25  # store-all's descent to the budget by recomputation ends by then
+    # store-all's descent to the budget by recomputation ends by then (sooner when done: a second or
+    # two on thousands of values, which a short limit must leave it: gpt2 12 layers at 50% in 5 s)
+    descent_end: float = 0.4
     # The search
     search_deadline: float = 0.85  # the search ends by then, leaving the lower bound its tenth
     # ... or by then when the bound runs in a child process (`background`), which then has the
@@ -64,10 +66,10 @@ EARLY_GAP = 0.005
 EARLY_STOP_MAX_VALUES = 1000
 
 # The lower bound in a child process (`background`): only when a second core is free, the limit
-# is at least BACKGROUND_MIN_LIMIT seconds (the child's start takes `BACKGROUND_START`; from 4 s on
-# it still has time to prove a bound that stops the search: gpt2 12 layers at 50%, 1.0444 of the
-# total in 2 s) ...
-BACKGROUND_MIN_LIMIT = 4.0
+# is at least BACKGROUND_MIN_LIMIT seconds (the child's start takes `BACKGROUND_START`; from 3 s on
+# it still proves more than the tenth of the limit left to a bound computed here: gpt2 12 layers
+# at 50%, 1.0345 of the total in 0.7 s and 1.0444 in 2 s, against 1.0198 in 0.35 s) ...
+BACKGROUND_MIN_LIMIT = 3.0
 # ... and the graph has more than this many values to compute: on smaller ones the bound takes
 # milliseconds here and the exact phase answers, while a child costs a core its interpreter's start.
 BACKGROUND_MIN_VALUES = CHECKMATE_NODES
