@@ -19,6 +19,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.capture import DataDependentPython, InputSignature
+from memplan.compiled import CompileReport, compile_program, inductor_compiler
 from memplan.analysis import replay_eager_peak
 from memplan.costs import DeviceProfile, get_profile, output_bytes
 from memplan.measure import storages_of, unmeasured
@@ -137,13 +138,19 @@ class OptimizedModule(nn.Module):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
                                   "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit",
-                                  "graph_breaks"}
+                                  "graph_breaks", "compile"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # graph_breaks=factory: where the forward's Python reads tensor values, the model runs as
         # factory() returns it (torch.compile with memplan's backend: `memplan.front.optimize`).
         self.split_factory = options.pop("graph_breaks", None)
         self.split: Any = None  # (the compiled model, its backend) once the model runs split
+        # compile=True: each plan's runs of ATen ops are compiled by Inductor (memplan.compiled),
+        # its memory decisions kept (`compile_report` says what was compiled); compile=fn: by
+        # fn(graph_module, example_inputs) -> a callable taking its inputs boxed.
+        self.compile = options.pop("compile", False)
+        if not (isinstance(self.compile, bool) or callable(self.compile)):
+            raise TypeError(f"memplan.optimize: compile={self.compile!r}; give True, False or a compiler")
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
         saved = options.pop("plan", None)
         self.saved_plan = as_saved(saved) if saved is not None else None
@@ -245,6 +252,13 @@ class OptimizedModule(nn.Module):
             return None
         updater = self._plans[self._last_signature][1].updater
         return updater.grad_norm if updater is not None else None
+
+    @property
+    def compile_report(self) -> CompileReport | None:
+        """What ``compile=True`` compiled for the last step's plan (None without compile=True)."""
+        if self._last_signature is None:
+            return None
+        return self._plans[self._last_signature][1].compile_report
 
     @property
     def plans(self) -> dict[InputSignature, Plan]:
@@ -442,6 +456,11 @@ class OptimizedModule(nn.Module):
             plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + held,
                                        held_gradient_bytes=held)
         cap = plan.analysis.capture
+        if self.compile:
+            device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
+            compiler = inductor_compiler if self.compile is True else self.compile
+            program = compile_program(program, plan, device, compiler)
+            plan = dataclasses.replace(plan, predicted_peak=program.compile_report.predicted_peak)
         return plan, program, cap.param_names, cap.buffer_names
 
     def _budget_for(self, args: tuple, kwargs: dict) -> tuple[int, int | None]:

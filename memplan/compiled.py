@@ -134,12 +134,10 @@ def _is_header(node: fx.Node, box: fx.Node) -> bool:
     return node.op == "call_function" and node.target is _clear_box
 
 
-def _compilable(node: fx.Node, group: set[fx.Node]) -> bool:
-    """A node Inductor may take: a pure, deterministic ATen op, or an item of one in the same run."""
+def _compilable(node: fx.Node) -> bool:
+    """A node Inductor may take: a pure, deterministic ATen op."""
     if node.op != "call_function":
         return False
-    if node.target is operator.getitem:
-        return node.args[0] in group
     op = node.target
     if not isinstance(op, torch._ops.OpOverload):
         return False
@@ -156,7 +154,8 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     groups: list[tuple[bool, list[fx.Node]]] = []
     members: set[fx.Node] = set()
     for node in nodes:
-        kind = _compilable(node, members)
+        # an item of a multi-output value stays with the op that made it, compiled or not
+        kind = groups[-1][0] if node.target is operator.getitem and node.args[0] in members else _compilable(node)
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(node)
         else:
