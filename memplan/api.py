@@ -460,7 +460,9 @@ class OptimizedModule(nn.Module):
             device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
             compiler = inductor_compiler if self.compile is True else self.compile
             program = compile_program(program, plan, device, compiler)
-            plan = dataclasses.replace(plan, predicted_peak=program.compile_report.predicted_peak)
+            report = program.compile_report
+            plan = dataclasses.replace(plan, predicted_peak=report.predicted_peak,
+                                       predicted_time=plan.predicted_time - report.predicted_saving)
         return plan, program, cap.param_names, cap.buffer_names
 
     def _budget_for(self, args: tuple, kwargs: dict) -> tuple[int, int | None]:

@@ -60,6 +60,8 @@ class RunReport:
     compiled_peak: int | None = None  # measured when checked, bytes above what was live before the run
     eager_peak: int | None = None
     compile_s: float = 0.0
+    compiled_s: float | None = None  # measured on zero inputs when checked
+    eager_s: float | None = None
 
 
 @dataclass
@@ -71,6 +73,8 @@ class CompileReport:
     compile_s: float = 0.0  # Inductor's time, refused runs included
     # The plan's predicted peak with the compiled runs' measured differences from eager added.
     predicted_peak: int = 0
+    # Predicted time the compiled runs save: each run's predicted time times its measured speed-up.
+    predicted_saving: float = 0.0
 
     @property
     def compiled_ops(self) -> int:
@@ -249,6 +253,22 @@ def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[to
     return c_peak, e_peak, ""
 
 
+def _seconds(fn: Callable[[list], Any], vals: list[torch.Tensor], device: torch.device, reps: int = 2) -> float:
+    """The best of ``reps`` timed calls of ``fn`` on zero inputs (the inputs made outside the timing)."""
+    best = float("inf")
+    for _ in range(reps):
+        box = [_example(v, device) for v in vals]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        out = fn(box)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+        del out
+    return best
+
+
 @dataclass
 class _Segmenting:
     """What cutting one segment into stages needs to know about it."""
@@ -264,6 +284,7 @@ class _Segmenting:
     check: bool
     timeline: Any  # memory after each schedule step (for a compute: during it), the simulator's
     budget: int
+    step_cost: list[float]  # each schedule step's predicted time (the cost model's units; 0 but for computes)
 
     def planned_bytes(self, members: list[fx.Node]) -> int:
         """The most memory the plan has in use during ``members``' steps."""
@@ -339,6 +360,13 @@ class _Segmenting:
                 self.report.refused += 1
                 return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
+            # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
+            with torch.no_grad():
+                entry.compiled_s = _seconds(compiled, vals, self.device)
+                entry.eager_s = _seconds(eager, vals, self.device)
+            steps = {n.meta["memplan_step"] for n in members if "memplan_step" in n.meta}
+            planned_s = sum(self.step_cost[k] for k in steps)
+            self.report.predicted_saving += planned_s * (1 - entry.compiled_s / max(entry.eager_s, 1e-9))
         entry.compiled = True
         self.report.runs.append(entry)
         return compiled
@@ -359,7 +387,8 @@ def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:
 
 
 def compile_segment(segment: Any, name: str, device: torch.device, report: CompileReport, timeline: Any,
-                    budget: int, compiler: Compiler = inductor_compiler, check: bool = True) -> CompiledSegment:
+                    budget: int, step_cost: list[float], compiler: Compiler = inductor_compiler,
+                    check: bool = True) -> CompiledSegment:
     """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring)."""
     root = segment.module
     nodes = list(root.graph.nodes)
@@ -375,7 +404,8 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
             last_use[i.name] = position[n]
     for i in output.all_input_nodes:
         last_use[i.name] = len(body)
-    seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget)
+    seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
+                      step_cost)
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
@@ -397,11 +427,17 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     ``compile_report`` says what was, and the peak the plan now predicts."""
     import solvers
 
-    timeline = solvers.simulate(plan.analysis.lowered.problem, list(plan.schedule)).timeline
+    problem = plan.analysis.lowered.problem
+    steps = list(plan.schedule)
+    timeline = solvers.simulate(problem, steps).timeline
+    step_cost = [float(problem.cost[problem.index[node]]) if op == "compute" and node in problem.index else 0.0
+                 for op, node in steps]
     held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them
     report = CompileReport(predicted_peak=plan.predicted_peak - held)
     budget = plan.budget - held
-    forward = compile_segment(program.forward, "forward", device, report, timeline, budget, compiler, check)
-    backward = compile_segment(program.backward, "backward", device, report, timeline, budget, compiler, check)
+    for segment in ("forward", "backward"):
+        compiled = compile_segment(getattr(program, segment), segment, device, report, timeline, budget, step_cost,
+                                   compiler, check)
+        program = dataclasses.replace(program, **{segment: compiled})
     report.predicted_peak += held
-    return dataclasses.replace(program, forward=forward, backward=backward, compile_report=report)
+    return dataclasses.replace(program, compile_report=report)
