@@ -4,11 +4,20 @@ Writes ``benchmarks/results/``: ``README.md`` (summary and one table per
 model), ``<model>.md``, ``<model>.png`` (time ratio against measured peak)
 and ``results.json``. ``--quick`` runs tiny models with fewer repetitions;
 ``--update-readme`` copies the summary into the project README between
-``<!-- bench:start -->`` and ``<!-- bench:end -->``.
+``<!-- bench:start -->`` and ``<!-- bench:end -->``. ``--from-results
+results.json`` runs nothing: it writes the Markdown (and the README summary)
+again from a finished run.
+
+Without ``--methods`` the rows are those of issue #28's tables: eager,
+checkpoint per block, checkpoint_sequential, Inductor + act. budget, memplan
+eager runtime, memplan compiled. Those tables::
+
+    python -m benchmarks --models gpt,vit,resnet50 --update-readme
 """
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 from pathlib import Path
@@ -18,7 +27,7 @@ import torch
 from benchmarks.config import DEFAULT_FRACTIONS, DEFAULT_MODELS, README, RESULTS_DIR, full_config, quick_config
 from benchmarks.methods import ALIASES
 from benchmarks.readme import update_readme
-from benchmarks.report import dump_json, full_report, model_section, summary_markdown
+from benchmarks.report import dump_json, from_json, full_report, model_section, summary_markdown
 from benchmarks.runner import ModelResult, run
 
 
@@ -41,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--update-readme", action="store_true", help="write the summary into README.md")
+    p.add_argument("--from-results", type=Path, default=None, metavar="JSON",
+                   help="run nothing: write the Markdown again from this results.json (into --out)")
     p.add_argument("--readme", type=Path, default=README, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -63,10 +74,13 @@ def build_config(ns: argparse.Namespace):
     return cfg.with_(**changes)
 
 
-def write_results(results: list[ModelResult], out: Path, total_s: float, plots: bool, env: str) -> None:
+def write_results(
+    results: list[ModelResult], out: Path, total_s: float, plots: bool, env: str, json_too: bool = True
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "README.md").write_text(full_report(results, total_s, env))
-    (out / "results.json").write_text(dump_json(results, total_s, env))
+    if json_too:
+        (out / "results.json").write_text(dump_json(results, total_s, env))
     for r in results:
         (out / f"{r.spec.name}.md").write_text(model_section(r))
         if plots:
@@ -75,14 +89,25 @@ def write_results(results: list[ModelResult], out: Path, total_s: float, plots: 
             plot_model(r, out / f"{r.spec.name}.png")
 
 
+def regenerate(source: Path, out: Path, plots: bool) -> tuple[list[ModelResult], float, str]:
+    """The Markdown (and plots) of ``out`` written again from the run saved in ``source``."""
+    results, total, env = from_json(json.loads(source.read_text()))
+    same = source.resolve() == (out / "results.json").resolve()
+    write_results(results, out, total, plots, env, json_too=not same)
+    return results, total, env
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     cfg = build_config(ns)
-    start = time.perf_counter()
-    results = run(cfg)
-    total = time.perf_counter() - start
-    env = environment(cfg.threads)
-    write_results(results, cfg.out_dir, total, cfg.plots, env)
+    if ns.from_results is not None:
+        results, total, env = regenerate(ns.from_results, cfg.out_dir, cfg.plots)
+    else:
+        start = time.perf_counter()
+        results = run(cfg)
+        total = time.perf_counter() - start
+        env = environment(cfg.threads)
+        write_results(results, cfg.out_dir, total, cfg.plots, env)
     summary = summary_markdown(results, total, env)
     print(summary)
     if ns.update_readme:

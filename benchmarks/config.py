@@ -39,7 +39,7 @@ class BenchConfig:
 
     models: tuple[ModelSpec, ...]
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
-    reps: int = 5  # interleaved timing repetitions per configuration
+    reps: int = 7  # interleaved timing repetitions per configuration (issue #28: median of at least 7)
     bisect_steps: int = 2  # activation_memory_budget bisection steps per budget
     memplan_time_limit: float = 15.0  # seconds per memplan solve ("auto" uses what it is given on large graphs)
     out_dir: Path = RESULTS_DIR
@@ -48,8 +48,11 @@ class BenchConfig:
     # barriers with a busy core stall for hundreds of milliseconds at random.
     threads: int = 1
     quick: bool = False
+    # Every method compiles into an empty Inductor cache, so its compile time is a
+    # user's first compile, not a hit on kernels an earlier run (or method) built.
+    cold_compile: bool = True
     plots: bool = True
-    methods: tuple[str, ...] = field(default_factory=tuple)  # empty: all
+    methods: tuple[str, ...] = field(default_factory=tuple)  # empty: benchmarks.methods.DEFAULT_METHODS
 
     def with_(self, **changes) -> "BenchConfig":
         return replace(self, **changes)
@@ -68,4 +71,5 @@ def quick_config(models: tuple[str, ...] = DEFAULT_MODELS) -> BenchConfig:
         bisect_steps=2,
         memplan_time_limit=10.0,
         quick=True,
+        cold_compile=False,  # a smoke run: warm caches keep it short
     )

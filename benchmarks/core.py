@@ -40,13 +40,15 @@ class Candidate:
     label: str  # what distinguishes it, e.g. "fraction 0.50" or "budget 70%"
     module: nn.Module  # call -> scalar loss
     params: list[tuple[str, nn.Parameter]]  # under eager's parameter names
-    plan_s: float = 0.0  # compile / solve / search time spent to get it
-    compiled: bool = False  # run by torch.compile (measured with the compile-aware tracker)
+    plan_s: float = 0.0  # planning: memplan's optimize() call (solve, capture, codegen)
+    compile_s: float | None = None  # compiling: Inductor's first step (None: nothing compiled)
+    compiled: bool = False  # runs compiled code: measured with the profiler (``profiled_peak``)
     note: str = ""
     peak: int | None = None
     grads: GradCheck | None = None
     time_ratio: float | None = None
     times: list[float] = field(default_factory=list)
+    ratio_spread: tuple[float, float] | None = None  # (min, max) of the per-round time ratios
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""The six methods of the comparison, each turned into table cells for one model.
+"""The methods of the comparison, each turned into table cells for one model.
 
 Every method is a function ``(model under test, budgets) -> list[Cell]``:
 one cell per budget plus one for the method's own minimum. Methods with a
 single configuration (eager, the checkpointing baselines) answer every budget
 with it; the configuration's measured peak is their minimum. The compiled
-peer searches ``activation_memory_budget`` per budget (own minimum: fraction
+peers search ``activation_memory_budget`` per budget (own minimum: fraction
 0). memplan plans each budget in bytes (own minimum: the ``min_budget`` of
-the ``InfeasibleBudgetError`` a 1-byte budget raises, then a plan at it).
+the ``InfeasibleBudgetError`` a 1-byte budget raises, then a plan at it), run
+by its eager runtime, or with ``compile=True`` by its compiled runtime.
+Compiled configurations (``Candidate.compiled``) are measured with the
+profiler, and their first step, where Inductor compiles, is timed apart.
 """
 from __future__ import annotations
 
@@ -16,14 +19,17 @@ from typing import Callable
 import memplan
 
 from benchmarks.checkpointing import checkpoint_blocks, checkpoint_chain
-from benchmarks.compile_budget import METHOD as COMPILE
-from benchmarks.compile_budget import FractionSearch
+from benchmarks.compile_budget import AOT_EAGER, INDUCTOR, FractionSearch, Peer
 from benchmarks.core import Candidate, Cell, ModelUnderTest
+from benchmarks.steps import clear_grads
 
 EAGER = "eager"
 CKPT_BLOCKS = "checkpoint per block"
 CKPT_SEQ = "checkpoint_sequential √n"
-MEMPLAN = "memplan remat"
+COMPILE = INDUCTOR.method
+COMPILE_EAGER = AOT_EAGER.method
+MEMPLAN = "memplan eager runtime"
+MEMPLAN_COMPILED = "memplan compiled"
 MEMPLAN_OFFLOAD = "memplan remat+offload"
 OWN_MIN = "own min"
 
@@ -65,26 +71,47 @@ def checkpoint_chain_cells(mut: ModelUnderTest, budgets: Budgets, **_) -> list[C
     return _single(CKPT_SEQ, cand, budgets)
 
 
-def compile_cells(mut: ModelUnderTest, budgets: Budgets, bisect_steps: int = 4, **_) -> list[Cell]:
-    search = FractionSearch(mut, bisect_steps)
+def _peer_cells(peer: Peer, mut: ModelUnderTest, budgets: Budgets, bisect_steps: int) -> list[Cell]:
+    """The fraction search per budget; the note gives what finding the fraction cost."""
+    search = FractionSearch(mut, bisect_steps, peer)
     cells = []
     for label, b in budgets:
         res = search.for_budget(b)
         if res.probe.candidate is None:
-            cells.append(Cell(label, b, COMPILE, None, "error", res.probe.error))
+            cells.append(Cell(label, b, peer.method, None, "error", res.probe.error))
             continue
-        note = f"{len(res.consulted)} probes, {res.cost_s:.0f} s"
-        cells.append(Cell(label, b, COMPILE, res.probe.candidate, note=note))
+        note = f"search: {len(res.consulted)} probes, {res.cost_s:.0f} s"
+        cells.append(Cell(label, b, peer.method, res.probe.candidate, note=note))
     lowest = search.probe(0.0)
     if lowest.candidate is None:
-        cells.append(Cell(OWN_MIN, None, COMPILE, None, "error", lowest.error))
+        cells.append(Cell(OWN_MIN, None, peer.method, None, "error", lowest.error))
     else:
-        cells.append(Cell(OWN_MIN, lowest.peak, COMPILE, lowest.candidate, note="fraction 0"))
+        cells.append(Cell(OWN_MIN, lowest.peak, peer.method, lowest.candidate, note="fraction 0"))
     return cells
 
 
+def compile_cells(mut: ModelUnderTest, budgets: Budgets, bisect_steps: int = 4, **_) -> list[Cell]:
+    """``torch.compile(model)`` with Inductor, ``activation_memory_budget`` searched."""
+    return _peer_cells(INDUCTOR, mut, budgets, bisect_steps)
+
+
+def compile_eager_cells(mut: ModelUnderTest, budgets: Budgets, bisect_steps: int = 4, **_) -> list[Cell]:
+    """The same search with ``aot_eager_decomp_partition``: the partitioner without Inductor's fusion."""
+    return _peer_cells(AOT_EAGER, mut, budgets, bisect_steps)
+
+
+def _first_step_s(cand: Candidate, mut: ModelUnderTest) -> float:
+    """Wall time of one unmeasured step: where a compiled runtime compiles, kept out of the measurement."""
+    clear_grads(cand.params)
+    start = time.perf_counter()
+    cand.module(*mut.args, **mut.kwargs).backward()
+    elapsed = time.perf_counter() - start
+    clear_grads(cand.params)
+    return elapsed
+
+
 def _memplan_candidate(
-    mut: ModelUnderTest, budget: int, time_limit: float, seen: dict[tuple, Candidate], **options
+    method: str, mut: ModelUnderTest, budget: int, time_limit: float, seen: dict[tuple, Candidate], **options
 ) -> Candidate:
     """Plan at ``budget`` and measure; a plan identical to one already measured reuses it."""
     start = time.perf_counter()
@@ -102,16 +129,23 @@ def _memplan_candidate(
     key = (plan.predicted_peak, plan.predicted_time, plan.method)
     if key in seen:
         return seen[key]
-    method = MEMPLAN_OFFLOAD if options.get("offload") else MEMPLAN
     cand = Candidate(
         method,
         f"{plan.method}, predicted {plan.predicted_peak / 1e6:.1f} MB, {plan.predicted_overhead:.2f}x",
         opt,
         mut.eager_params,
         plan_s=plan_s,
+        compiled=bool(options.get("compile")),
     )
+    if cand.compiled:
+        cand.compile_s = _first_step_s(cand, mut)
     seen[key] = mut.measure(cand)
     return cand
+
+
+def _compile_not_accepted(exc: TypeError, options: dict) -> bool:
+    """``optimize`` refused ``compile=`` (a memplan without the compiled runtime)."""
+    return "compile" in options and "compile" in str(exc)
 
 
 def _memplan_cells(
@@ -126,6 +160,10 @@ def _memplan_cells(
         minimum = 1
     except memplan.InfeasibleBudgetError as exc:
         minimum = exc.min_budget
+    except TypeError as exc:
+        if _compile_not_accepted(exc, options):
+            return _unavailable(method, budgets, "n/a", f"skipped: this memplan.optimize has no compile= ({exc})"[:200])
+        return _unavailable(method, budgets, "error", f"{type(exc).__name__}: {exc}"[:200])
     except Exception as exc:
         return _unavailable(method, budgets, "error", f"{type(exc).__name__}: {exc}"[:200])
     for label, b in budgets + [(OWN_MIN, minimum)]:
@@ -133,7 +171,7 @@ def _memplan_cells(
             cells.append(Cell(label, b, method, None, "infeasible", f"min {minimum / 1e6:.1f} MB"))
             continue
         try:
-            cand = _memplan_candidate(mut, b, time_limit, seen, **options)
+            cand = _memplan_candidate(method, mut, b, time_limit, seen, **options)
         except memplan.InfeasibleBudgetError as exc:
             cells.append(Cell(label, b, method, None, "infeasible", f"min {exc.min_budget / 1e6:.1f} MB"))
             continue
@@ -146,6 +184,13 @@ def _memplan_cells(
 
 def memplan_cells(mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_) -> list[Cell]:
     return _memplan_cells(MEMPLAN, mut, budgets, memplan_time_limit)
+
+
+def memplan_compiled_cells(
+    mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_
+) -> list[Cell]:
+    """memplan's plans run by its compiled runtime (``optimize(..., compile=True)``)."""
+    return _memplan_cells(MEMPLAN_COMPILED, mut, budgets, memplan_time_limit, compile=True)
 
 
 def memplan_offload_cells(
@@ -162,16 +207,25 @@ METHODS: dict[str, MethodFn] = {
     CKPT_BLOCKS: checkpoint_block_cells,
     CKPT_SEQ: checkpoint_chain_cells,
     COMPILE: compile_cells,
+    COMPILE_EAGER: compile_eager_cells,
     MEMPLAN: memplan_cells,
+    MEMPLAN_COMPILED: memplan_compiled_cells,
     MEMPLAN_OFFLOAD: memplan_offload_cells,
 }
+
+# What runs when no --methods are given: the six rows of issue #28's tables.
+# The eager-decomposition peer and offloading (a real copy on CPU) are asked for by name.
+DEFAULT_METHODS: tuple[str, ...] = (EAGER, CKPT_BLOCKS, CKPT_SEQ, COMPILE, MEMPLAN, MEMPLAN_COMPILED)
 
 # Short names for --methods.
 ALIASES: dict[str, str] = {
     "eager": EAGER,
     "ckpt": CKPT_BLOCKS,
     "ckpt_seq": CKPT_SEQ,
+    "inductor": COMPILE,
     "compile": COMPILE,
+    "compile_aot_eager": COMPILE_EAGER,
     "memplan": MEMPLAN,
+    "memplan_compiled": MEMPLAN_COMPILED,
     "offload": MEMPLAN_OFFLOAD,
 }

@@ -1,7 +1,10 @@
 """Write the summary into README.md between ``<!-- bench:start -->`` and ``<!-- bench:end -->``.
 
 Only the text between the markers is replaced. Without markers, a
-"Benchmarks" section holding them is appended at the end.
+"Benchmarks" section holding them is appended at the end. From a finished
+run, without running anything again::
+
+    python -m benchmarks --from-results benchmarks/results/results.json --update-readme
 """
 from __future__ import annotations
 

@@ -1,18 +1,25 @@
 """Markdown tables and JSON from :class:`~benchmarks.runner.ModelResult`.
 
 * :func:`model_table`: one row per (budget, method), the full detail.
+* :func:`speed_table`: one model, one row per method: the lowest budget met
+  and the step-time ratio (with its spread over rounds) at every budget.
 * :func:`summary_table`: one row per model, one column per method: the
   lowest budget the method met and its step-time ratio at the 50% budget.
 * :func:`minimum_table`: each method's own minimum, as a share of eager's peak.
+
+:func:`to_json` and :func:`from_json` write and read ``results.json``, so the
+Markdown can be regenerated from a finished run (``python -m benchmarks.readme``).
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from benchmarks.core import Cell
+from benchmarks.config import ModelSpec
+from benchmarks.core import Candidate, Cell
 from benchmarks.methods import OWN_MIN
 from benchmarks.runner import ModelResult
+from benchmarks.steps import GradCheck
 
 COLUMNS = (
     "budget",
@@ -22,7 +29,9 @@ COLUMNS = (
     "% of eager peak",
     "met budget",
     "time × eager",
+    "round spread",
     "plan s",
+    "compile s",
     "grads vs eager",
     "note",
 )
@@ -56,10 +65,19 @@ def _budget_text(cell: Cell, eager_peak: int) -> str:
     return f"{OWN_MIN} ({cell.budget / 1e6:.1f} MB, {cell.budget / eager_peak:.0%})"
 
 
+def spread_text(cand: Candidate) -> str:
+    """The smallest and largest per-round ratio, e.g. "0.97–1.08"."""
+    if cand.ratio_spread is None:
+        return "—"
+    lo, hi = cand.ratio_spread
+    return f"{lo:.2f}–{hi:.2f}"
+
+
 def cell_row(cell: Cell, eager_peak: int) -> list[str]:
     cand = cell.candidate
     if cand is None:
-        return [_budget_text(cell, eager_peak), cell.method, "—", "—", "—", met_text(cell), "—", "—", "—", cell.note]
+        dashes = ["—"] * (len(COLUMNS) - 7)
+        return [_budget_text(cell, eager_peak), cell.method, "—", "—", "—", met_text(cell), *dashes, cell.note]
     note = "; ".join(x for x in (cand.note, cell.note) if x)
     return [
         _budget_text(cell, eager_peak),
@@ -69,7 +87,9 @@ def cell_row(cell: Cell, eager_peak: int) -> list[str]:
         f"{cand.peak / eager_peak:.0%}" if cand.peak is not None else "—",
         met_text(cell),
         f"{cand.time_ratio:.2f}" if cand.time_ratio is not None else "—",
+        spread_text(cand),
         f"{cand.plan_s:.1f}",
+        f"{cand.compile_s:.1f}" if cand.compile_s is not None else "—",
         cand.grads.cell() if cand.grads else "—",
         note,
     ]
@@ -86,13 +106,21 @@ def model_table(res: ModelResult) -> str:
     return _table(COLUMNS, rows)
 
 
-def model_section(res: ModelResult) -> str:
-    head = (
-        f"### {res.spec.label}\n\n{res.description}. Eager step: measured peak "
-        f"{res.eager_peak / 1e6:.1f} MB, {res.eager_time_s:.3f} s (median). Model runtime "
-        f"in the harness: {res.runtime_s:.0f} s.\n\n"
+def _eager_line(res: ModelResult) -> str:
+    profiled = ""
+    if res.eager_profiled_peak is not None:
+        profiled = (
+            f" (profiler, the measurement of the compiled rows: {res.eager_profiled_peak / 1e6:.1f} MB, "
+            f"{res.eager_profiled_peak - res.eager_peak:+,} bytes)"
+        )
+    return (
+        f"{res.description}. Eager step: measured peak {res.eager_peak / 1e6:.1f} MB{profiled}, "
+        f"{res.eager_time_s:.3f} s (median). Model runtime in the harness: {res.runtime_s:.0f} s."
     )
-    return head + model_table(res) + "\n"
+
+
+def model_section(res: ModelResult) -> str:
+    return f"### {res.spec.label}\n\n{_eager_line(res)}\n\n{model_table(res)}\n"
 
 
 def _met_correctly(cell: Cell | None) -> bool:
@@ -108,14 +136,30 @@ def lowest_met(res: ModelResult, method: str) -> str:
     return min(met)[1]
 
 
-def ratio_at(res: ModelResult, method: str, label: str = "50%") -> str:
+def ratio_at(res: ModelResult, method: str, label: str = "50%", spread: bool = False) -> str:
+    """The time ratio of ``method`` at budget ``label`` (optionally with its spread); "—" if not met."""
     cell = res.cell(label, method)
     if cell is None or cell.status == "n/a":
         return "n/a"
     if not cell.met or cell.candidate is None or cell.candidate.time_ratio is None:
         return "—"
     grads = "" if cell.candidate.grads is None or cell.candidate.grads.ok else " (grads FAIL)"
-    return f"{cell.candidate.time_ratio:.2f}×{grads}"
+    rng = f" ({spread_text(cell.candidate)})" if spread else ""
+    return f"{cell.candidate.time_ratio:.2f}×{rng}{grads}"
+
+
+def speed_table(res: ModelResult) -> str:
+    """One row per method: the lowest budget met, then the time ratio (min–max over rounds) per budget."""
+    labels = [label for label, _ in res.budgets]
+    rows = [[m, lowest_met(res, m)] + [ratio_at(res, m, label, spread=True) for label in labels] for m in res.methods]
+    return _table(["method", "lowest budget met"] + [f"time at {label}" for label in labels], rows)
+
+
+SPEED_LEGEND = (
+    "Per model: the lowest budget each method met with gradients matching eager's, and its step time "
+    "over eager's at each budget: median over interleaved rounds (min–max of the per-round ratios); "
+    "— where the budget was not met."
+)
 
 
 def summary_table(results: list[ModelResult]) -> str:
@@ -153,38 +197,53 @@ MINIMUM_LEGEND = (
 
 
 def summary_markdown(results: list[ModelResult], total_s: float, environment: str) -> str:
+    speed = "\n\n".join(f"**{r.spec.label}**\n\n{speed_table(r)}" for r in results)
     return (
-        f"{SUMMARY_LEGEND}\n\n{summary_table(results)}\n\n{MINIMUM_LEGEND}\n\n{minimum_table(results)}\n\n"
+        f"{SUMMARY_LEGEND}\n\n{summary_table(results)}\n\n{SPEED_LEGEND}\n\n{speed}\n\n"
+        f"{MINIMUM_LEGEND}\n\n{minimum_table(results)}\n\n"
         f"Generated by `python -m benchmarks` in {total_s / 60:.1f} min ({environment}).\n"
     )
 
 
 METHODOLOGY = """## How these numbers are made
 
-* **Peak**: `memplan.measure_peak` around one seeded forward+backward (CPU:
-  the storage tracker, counting parameters, buffers, inputs, activations,
-  gradients and temporaries the step touches; CUDA: allocator statistics
-  minus what other configurations hold). Compiled steps are measured with the
-  same tracker marked `ignore_compile_internals`, or dynamo would run them
-  eagerly under it.
+* **Peak**: one seeded forward+backward. Eager-run configurations:
+  `memplan.measure_peak` (CPU: the storage tracker, a dispatch mode counting
+  parameters, buffers, inputs, activations, gradients and temporaries the
+  step touches; CUDA: allocator statistics minus what other configurations
+  hold). Compiled configurations (Inductor, memplan compiled) on CPU:
+  `memplan.measure.profiled_peak`, the profiler's CPU allocation events summed
+  in time order plus the step's parameters, buffers, inputs and loss targets.
+  A dispatch mode cannot measure them: dynamo runs a frame eagerly while one
+  is active, and Inductor's wrapper allocates its buffers outside the
+  dispatcher. On eager steps the two agree to the byte without convolutions;
+  the profiler also sees the scratch CPU convolution kernels allocate
+  (`measure_agreement.md`; each model's eager line gives both).
 * **Met budget**: measured peak <= budget, in bytes.
 * **Time × eager**: median over interleaved rounds (every configuration, eager
-  included, steps once per round) of the step time over eager's in the same
-  round. CPU runs use one intra-op thread.
-* **Plan s**: memplan: the whole `optimize` call (capture, solve, codegen).
-  compile: the first step (dynamo, AOTAutograd, partitioning); the note gives
-  the probes the fraction search compiled for that budget and their total
-  time.
+  included, steps once per round, in one process, the order rotated each
+  round) of the step time over eager's in the same round; **round spread**:
+  the smallest and largest of those per-round ratios. CPU runs use one
+  intra-op thread.
+* **Plan s**: memplan: the whole `optimize` call (capture, solve, codegen,
+  and whatever compiling `compile=True` does inside it). **Compile s**: the
+  first step of a compiled configuration (dynamo, AOTAutograd, partitioner,
+  Inductor codegen and the C++ build, plus one step), outside every
+  measurement; each method compiles into an empty Inductor cache, as a
+  user's first run does. For the compiled peer the note gives the probes the fraction
+  search compiled for that budget and their total time: what a user pays to
+  find the fraction.
 * **Grads vs eager**: every parameter gradient against eager's from the same
   seed; a gradient passes within 1e-3 of its largest magnitude plus 4x eager's
-  own float32 error (eager float32 against eager float64). The compiled peer
-  runs with `torch._inductor.config.fallback_random = True`, so its dropout
-  draws eager's masks; a failure at a fraction below 1 means the partitioner
+  own float32 error (eager float32 against eager float64); fused kernels
+  change reduction orders, which this tolerance allows. The compiled peers
+  run with `torch._inductor.config.fallback_random = True`, so dropout draws
+  eager's masks; a failure at a fraction below 1 means the partitioner
   recomputed a random op in the backward and drew a different mask than the
   forward used (CPU has no RNG functionalization).
-* **Own min**: checkpointing and eager have one configuration; compile's is
-  fraction 0; memplan's is `InfeasibleBudgetError.min_budget` from a 1-byte
-  budget, planned and measured.
+* **Own min**: checkpointing and eager have one configuration; the compiled
+  peers' is fraction 0; memplan's is `InfeasibleBudgetError.min_budget` from
+  a 1-byte budget, planned and measured.
 """
 
 
@@ -199,24 +258,29 @@ def full_report(results: list[ModelResult], total_s: float, environment: str) ->
     return "\n".join(parts)
 
 
-def to_json(results: list[ModelResult], total_s: float, environment: str) -> dict[str, Any]:
-    def cell(c: Cell) -> dict[str, Any]:
-        cand = c.candidate
-        return {
-            "budget_label": c.budget_label,
-            "budget": c.budget,
-            "method": c.method,
-            "status": c.status,
-            "note": c.note,
-            "met": c.met,
-            "configuration": cand.label if cand else None,
-            "peak": cand.peak if cand else None,
-            "time_ratio": cand.time_ratio if cand else None,
-            "plan_s": cand.plan_s if cand else None,
-            "grads_ok": cand.grads.ok if cand and cand.grads else None,
-            "grads_max_rel_err": cand.grads.max_rel_err if cand and cand.grads else None,
-        }
+def _cell_json(c: Cell) -> dict[str, Any]:
+    cand = c.candidate
+    return {
+        "budget_label": c.budget_label,
+        "budget": c.budget,
+        "method": c.method,
+        "status": c.status,
+        "note": c.note,
+        "met": c.met,
+        "configuration": cand.label if cand else None,
+        "candidate_note": cand.note if cand else None,
+        "compiled": cand.compiled if cand else None,
+        "peak": cand.peak if cand else None,
+        "time_ratio": cand.time_ratio if cand else None,
+        "ratio_spread": list(cand.ratio_spread) if cand and cand.ratio_spread else None,
+        "plan_s": cand.plan_s if cand else None,
+        "compile_s": cand.compile_s if cand else None,
+        "grads_ok": cand.grads.ok if cand and cand.grads else None,
+        "grads_max_rel_err": cand.grads.max_rel_err if cand and cand.grads else None,
+    }
 
+
+def to_json(results: list[ModelResult], total_s: float, environment: str) -> dict[str, Any]:
     return {
         "total_s": total_s,
         "environment": environment,
@@ -225,10 +289,13 @@ def to_json(results: list[ModelResult], total_s: float, environment: str) -> dic
                 "name": r.spec.name,
                 "size": r.spec.size,
                 "batch_size": r.spec.batch_size,
+                "description": r.description,
                 "eager_peak": r.eager_peak,
+                "eager_profiled_peak": r.eager_profiled_peak,
                 "eager_time_s": r.eager_time_s,
                 "runtime_s": r.runtime_s,
-                "cells": [cell(c) for c in r.cells],
+                "budgets": [list(b) for b in r.budgets],
+                "cells": [_cell_json(c) for c in r.cells],
             }
             for r in results
         ],
@@ -237,3 +304,52 @@ def to_json(results: list[ModelResult], total_s: float, environment: str) -> dic
 
 def dump_json(results: list[ModelResult], total_s: float, environment: str) -> str:
     return json.dumps(to_json(results, total_s, environment), indent=1)
+
+
+def _cell_from_json(d: dict[str, Any], shared: dict[tuple, Candidate]) -> Cell:
+    """A cell and its candidate; cells that named the same configuration share one again."""
+    cand = None
+    if d["configuration"] is not None:
+        key = (d["method"], d["configuration"], d["peak"], d["time_ratio"])
+        if key not in shared:
+            grads = None if d["grads_ok"] is None else GradCheck(d["grads_ok"], d["grads_max_rel_err"])
+            spread = d.get("ratio_spread")
+            shared[key] = Candidate(
+                method=d["method"],
+                label=d["configuration"],
+                module=None,  # type: ignore[arg-type]  # a report, not a runnable configuration
+                params=[],
+                plan_s=d["plan_s"] or 0.0,
+                compile_s=d.get("compile_s"),
+                compiled=bool(d.get("compiled")),
+                note=d.get("candidate_note") or "",
+                peak=d["peak"],
+                grads=grads,
+                time_ratio=d["time_ratio"],
+                ratio_spread=tuple(spread) if spread else None,
+            )
+        cand = shared[key]
+    return Cell(d["budget_label"], d["budget"], d["method"], cand, d["status"], d["note"])
+
+
+def _model_from_json(m: dict[str, Any]) -> ModelResult:
+    shared: dict[tuple, Candidate] = {}
+    cells = [_cell_from_json(c, shared) for c in m["cells"]]
+    budgets = m.get("budgets") or list(dict.fromkeys(
+        (c.budget_label, c.budget) for c in cells if c.budget_label != OWN_MIN
+    ))
+    return ModelResult(
+        spec=ModelSpec(m["name"], m["size"], m["batch_size"]),
+        description=m.get("description", m["name"]),
+        eager_peak=m["eager_peak"],
+        eager_time_s=m["eager_time_s"],
+        eager_profiled_peak=m.get("eager_profiled_peak"),
+        budgets=[(label, b) for label, b in budgets],
+        cells=cells,
+        runtime_s=m["runtime_s"],
+    )
+
+
+def from_json(data: dict[str, Any]) -> tuple[list[ModelResult], float, str]:
+    """``results.json`` back as (results, total seconds, environment), to write the Markdown again."""
+    return [_model_from_json(m) for m in data["models"]], data["total_s"], data["environment"]

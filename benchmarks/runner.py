@@ -7,12 +7,21 @@ Order of work for a model:
 2. every method fills its cells, measuring each configuration once (peak and
    gradients against eager);
 3. every distinct configuration, eager included, is timed in ``reps``
-   interleaved rounds (one step each per round, in the same process); a
-   configuration's time ratio is the median over rounds of its time over
-   eager's time in the same round.
+   interleaved rounds (one step each per round, in the same process, the
+   order rotated each round so that no configuration always follows the
+   same one); a configuration's time ratio is the median over rounds of its
+   time over eager's time in the same round, and its spread the smallest and
+   largest of those per-round ratios.
+
+Compiled configurations are measured with the profiler
+(``memplan.measure.profiled_peak``), the others with the dispatch-mode
+tracker; eager's step is measured both ways so the two can be compared
+(they agree to the byte on steps without convolutions; see
+``benchmarks/measure_agreement.py``).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,8 +30,8 @@ import torch
 
 from benchmarks.config import BenchConfig, ModelSpec
 from benchmarks.core import Candidate, Cell, ModelUnderTest
-from benchmarks.methods import EAGER, METHODS
-from benchmarks.steps import clear_grads, collect_grads, float32_noise, time_step
+from benchmarks.methods import DEFAULT_METHODS, EAGER, METHODS
+from benchmarks.steps import clear_grads, collect_grads, float32_noise, measure_step_peak, time_step
 
 
 @dataclass
@@ -33,6 +42,7 @@ class ModelResult:
     description: str
     eager_peak: int
     eager_time_s: float  # median eager step time
+    eager_profiled_peak: int | None  # eager's step measured as compiled steps are (the profiler)
     budgets: list[tuple[str, int]]
     cells: list[Cell]
     runtime_s: float
@@ -92,16 +102,42 @@ def _float32_noise(mut: ModelUnderTest, loss32: float) -> dict[str, float]:
     return float32_noise(mut.ref_grads, collect_grads(params))
 
 
+def _compile_cache(cfg: BenchConfig) -> contextlib.AbstractContextManager:
+    """An empty Inductor cache for one method (``cfg.cold_compile``), or the user's cache as it is."""
+    if not cfg.cold_compile:
+        return contextlib.nullcontext()
+    from torch._inductor.utils import fresh_cache
+
+    return fresh_cache()
+
+
+def _eager_profiled_peak(mut: ModelUnderTest, eager: Candidate) -> int | None:
+    """Eager's step measured with the profiler, the measurement of the compiled rows (CPU only)."""
+    if mut.inputs.device.type != "cpu":
+        return None
+    peak = measure_step_peak(eager.module, eager.params, mut.inputs, compiled=True)
+    clear_grads(eager.params)
+    return peak
+
+
 def _time_interleaved(cands: list[Candidate], mut: ModelUnderTest, reps: int) -> None:
-    """Median of per-round ratios to eager (``cands[0]``)."""
+    """Median and (min, max) of per-round ratios to eager (``cands[0]``).
+
+    Round ``r`` starts at configuration ``r mod n``: a step right after a
+    heavy one (a cold cache, the allocator returning memory) is not always
+    the same configuration's.
+    """
     for c in cands:
         c.times = []
-    for _ in range(reps):
-        for c in cands:
+    for r in range(reps):
+        shift = r % len(cands)
+        for c in cands[shift:] + cands[:shift]:
             c.times.append(time_step(c.module, c.params, mut.inputs))
     eager = cands[0].times
     for c in cands:
-        c.time_ratio = statistics.median(t / e for t, e in zip(c.times, eager))
+        ratios = [t / e for t, e in zip(c.times, eager)]
+        c.time_ratio = statistics.median(ratios)
+        c.ratio_spread = (min(ratios), max(ratios))
         clear_grads(c.params)
 
 
@@ -110,16 +146,19 @@ def run_model(spec: ModelSpec, cfg: BenchConfig) -> ModelResult:
     device = torch.device(cfg.device)
     mut = ModelUnderTest.build(spec, device)
     eager = _reference(mut)
+    eager_profiled = _eager_profiled_peak(mut, eager)
     budgets = [(budget_label(f), int(f * mut.eager_peak)) for f in cfg.fractions]
     _log(f"[{spec.name}] eager peak {mut.eager_peak / 1e6:.1f} MB; budgets " + ", ".join(l for l, _ in budgets))
 
     cells: list[Cell] = []
     options = dict(eager=eager, bisect_steps=cfg.bisect_steps, memplan_time_limit=cfg.memplan_time_limit)
+    selected = cfg.methods or DEFAULT_METHODS
     for method, fn in METHODS.items():
-        if cfg.methods and method not in cfg.methods and method != EAGER:
+        if method not in selected and method != EAGER:
             continue
         t0 = time.perf_counter()
-        new = fn(mut, list(budgets), **options)
+        with _compile_cache(cfg):
+            new = fn(mut, list(budgets), **options)
         cells += new
         _log(f"[{spec.name}] {method}: {time.perf_counter() - t0:.1f} s")
 
@@ -137,6 +176,7 @@ def run_model(spec: ModelSpec, cfg: BenchConfig) -> ModelResult:
         description=mut.description,
         eager_peak=mut.eager_peak,
         eager_time_s=statistics.median(eager.times),
+        eager_profiled_peak=eager_profiled,
         budgets=budgets,
         cells=cells,
         runtime_s=time.perf_counter() - start,
