@@ -109,3 +109,21 @@ def test_markdown_regenerates_from_results_json(quick_run, tmp_path):
 def test_splice_replaces_only_between_markers():
     text = f"head\n{START}\nold\n{END}\ntail\n"
     assert splice(text, "new") == f"head\n{START}\nnew\n{END}\ntail\n"
+
+
+def test_memplan_compiled_is_skipped_with_a_note_while_optimize_refuses_compile(monkeypatch):
+    """A memplan without the compiled runtime: the row says so instead of failing the run."""
+    from types import SimpleNamespace
+
+    from benchmarks import methods
+
+    def old_optimize(*args, **options):
+        if "compile" in options:
+            raise TypeError("unknown option(s) for memplan.optimize: compile")
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(methods.memplan, "optimize", old_optimize)
+    mut = SimpleNamespace(step=None, args=(), kwargs={})
+    cells = methods.memplan_compiled_cells(mut, [("50%", 100)], memplan_time_limit=1.0)
+    assert [c.budget_label for c in cells] == ["50%", methods.OWN_MIN]
+    assert all(c.status == "n/a" and c.candidate is None and "compile=" in c.note for c in cells)
