@@ -329,6 +329,7 @@ class OptimizedModule(nn.Module):
                     key = sig.for_output_use(use)
             entry[1].observer = _use_learner(self, sig, use, entry[0])
             self._plans[key] = entry
+        self._plans[key] = self._compiled(self._plans[key])
         self._last_signature = key
         return self._plans[key]
 
@@ -456,14 +457,25 @@ class OptimizedModule(nn.Module):
             plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + held,
                                        held_gradient_bytes=held)
         cap = plan.analysis.capture
-        if self.compile:
-            device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
-            compiler = inductor_compiler if self.compile is True else self.compile
-            program = compile_program(program, plan, device, compiler)
-            report = program.compile_report
-            plan = dataclasses.replace(plan, predicted_peak=report.predicted_peak,
-                                       predicted_time=plan.predicted_time - report.predicted_saving)
         return plan, program, cap.param_names, cap.buffer_names
+
+    def _compiled(self, entry: tuple[Plan, Program, list[str], list[str]]) -> tuple[Plan, Program, list[str], list[str]]:
+        """``entry`` with its program compiled (``compile=``), its plan predicting the compiled step.
+
+        Compiling checks each compiled run's memory with ``torch.profiler`` on CPU, which cannot
+        run inside another profiling session: under one (a caller measuring the step) the plan
+        runs eagerly, and compiles on the first call after it."""
+        plan, program, param_names, buffer_names = entry
+        if not self.compile or program.compile_report is not None or torch.autograd._profiler_enabled():
+            return entry
+        device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
+        compiler = inductor_compiler if self.compile is True else self.compile
+        with unmeasured(), _disable_current_modes():
+            program = compile_program(program, plan, device, compiler)
+        report = program.compile_report
+        plan = dataclasses.replace(plan, predicted_peak=report.predicted_peak,
+                                   predicted_time=plan.predicted_time - report.predicted_saving)
+        return plan, program, param_names, buffer_names
 
     def _budget_for(self, args: tuple, kwargs: dict) -> tuple[int, int | None]:
         """The budget in bytes for a step on these inputs: the given one, or its share of their eager

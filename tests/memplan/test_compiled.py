@@ -17,7 +17,8 @@ import memplan
 from memplan.compiled import CompileWarning
 from memplan.measure import measure_peak, profiled_peak
 
-from .helpers import build_step, clear_grads
+from .helpers import build_step, clear_grads, fresh_dynamo  # noqa: F401 - autouse: dynamo's caches reset
+from .test_dynamo import Branchy
 
 FUSED = dict(rtol=1e-4, atol=1e-6)
 
@@ -124,3 +125,38 @@ def test_compiled_runs_between_in_backward_updates_train_as_eager():
     assert opt.compile_report.compiled_ops > 0
     for (name, t), (_, ref) in zip(module.state_dict().items(), reference.state_dict().items()):
         torch.testing.assert_close(t, ref, msg=lambda m: f"{name}: {m}", **FUSED)
+
+
+def test_the_backend_compiles_each_planned_graph_under_the_shared_budget():
+    torch.manual_seed(0)
+    model, x = Branchy(d=32, n=4), torch.randn(256, 32)
+    reference = copy.deepcopy(model)
+    peak = measure_peak(lambda: reference(x).backward(), resident=list(reference.parameters()))
+    budget = int(0.7 * peak)
+    backend = memplan.backend(budget=budget, time_limit=2, compile=True)
+    compiled = torch.compile(model, backend=backend)
+    peaks = []
+    for step in range(5):
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+        box = {}
+
+        def run():
+            loss = compiled(x)
+            loss.backward()
+            box["loss"] = loss.detach()
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the first steps may run over while the ledger learns the split
+            if step < 3:
+                run()
+            else:
+                peaks.append(profiled_peak(run, resident=[*model.parameters(), x]))
+        torch.testing.assert_close(box["loss"], reference(x), **FUSED)
+        reference(x).backward()
+        _assert_close_grads(model, reference, **FUSED)
+    reports = [m.compile_report for g in backend.graphs for m in g.levels.values()]
+    print(f"\nbackend, compile=True: budget {budget} measured {peaks}; "
+          + "; ".join(r.summary() for r in reports if r is not None))
+    assert sum(r.compiled_ops for r in reports if r is not None) > 0
+    assert max(peaks) <= budget
