@@ -225,11 +225,11 @@ METHODOLOGY = """## How these numbers are made
   round) of the step time over eager's in the same round; **round spread**:
   the smallest and largest of those per-round ratios. CPU runs use one
   intra-op thread.
-* **Plan s**: memplan: the whole `optimize` call (capture, solve, codegen,
-  and whatever compiling `compile=True` does inside it). **Compile s**: the
-  first step of a compiled configuration (dynamo, AOTAutograd, partitioner,
-  Inductor codegen and the C++ build, plus one step), outside every
-  measurement; each method compiles into an empty Inductor cache, as a
+* **Plan s**: memplan: the `optimize` call (capture, solve, codegen), less
+  the Inductor time `compile=True` spends inside it. **Compile s**: memplan
+  compiled: Inductor's seconds from its `compile_report`; the Inductor peer:
+  its first step (dynamo, AOTAutograd, partitioner, Inductor codegen and the
+  C++ build, plus one step). Compiling happens outside every measurement; each method compiles into an empty Inductor cache, as a
   user's first run does. For the compiled peer the note gives the probes the fraction
   search compiled for that budget and their total time: what a user pays to
   find the fraction.
