@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -31,9 +32,14 @@ from benchmarks.report import dump_json, from_json, full_report, model_section, 
 from benchmarks.runner import ModelResult, run
 
 
-def environment(threads: int) -> str:
+def environment(threads: int, load_before: float) -> str:
+    """Torch, device, threads, and the 1-minute load average before and after the run.
+
+    The timing protocol wants an otherwise idle machine; the load says whether it was.
+    """
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {threads} thread{'s' * (threads > 1)}"
-    return f"torch {torch.__version__}, {dev}, {platform.machine()}"
+    load = f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    return f"torch {torch.__version__}, {dev}, {platform.machine()}, {load}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.from_results is not None:
         results, total, env = regenerate(ns.from_results, cfg.out_dir, cfg.plots)
     else:
+        load_before = os.getloadavg()[0]
         start = time.perf_counter()
         results = run(cfg)
         total = time.perf_counter() - start
-        env = environment(cfg.threads)
+        env = environment(cfg.threads, load_before)
         write_results(results, cfg.out_dir, total, cfg.plots, env)
     summary = summary_markdown(results, total, env)
     print(summary)
