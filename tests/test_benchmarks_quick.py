@@ -102,7 +102,7 @@ def test_markdown_regenerates_from_results_json(quick_run, tmp_path):
     assert rc == 0
     assert (regen / "unet.md").read_text() == (out / "unet.md").read_text()
     assert (regen / "README.md").read_text() == (out / "README.md").read_text()
-    summary = lambda text: text[text.index(START) : text.index(END)]  # noqa: E731
+    summary = lambda text: text[text.index(START) : text.index(END)]
     assert summary(regen_readme.read_text()) == summary(readme.read_text())
 
 
