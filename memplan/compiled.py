@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 from memplan.measure import profiled_peak
-from memplan.runtime import _clear_box
+from memplan.runtime import clear_box
 from memplan.storage import storage_key
 
 # Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
@@ -135,7 +135,7 @@ def _is_header(node: fx.Node, box: fx.Node) -> bool:
         return True
     if node.op == "call_function" and node.target is operator.getitem and node.args[0] is box:
         return True
-    return node.op == "call_function" and node.target is _clear_box
+    return node.op == "call_function" and node.target is clear_box
 
 
 def _compilable(node: fx.Node) -> bool:
@@ -178,7 +178,7 @@ def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], w
         box = graph.placeholder("args_list")
         for i, name in enumerate(reads):
             env[name] = graph.call_function(operator.getitem, (box, i))
-        graph.call_function(_clear_box, (box,))
+        graph.call_function(clear_box, (box,))
     else:
         for name in reads:
             env[name] = graph.placeholder(name)

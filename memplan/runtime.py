@@ -181,7 +181,7 @@ def _split(schedule: solvers.Schedule) -> tuple[list[tuple[str, str]], list[tupl
     raise ValueError("schedule never computes the backward barrier")
 
 
-def _clear_box(box: list) -> None:
+def clear_box(box: list) -> None:
     """Drop the caller's references to the inputs (the boxed calling convention)."""
     box.clear()
 
@@ -246,7 +246,7 @@ def _build_segment(
             # named after the value, so the generated code reads like the joint graph
             env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=_identifier(name))
             _copy_meta(env[name], name, low)
-    graph.call_function(_clear_box, (box,))
+    graph.call_function(clear_box, (box,))
 
     arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
     update_slot = {update: (slot, grad) for slot, (update, grad, _) in enumerate(low.updates)}
