@@ -348,8 +348,13 @@ class _Segmenting:
             self.report.compile_s += entry.compile_s
         if self.check:
             keep = [r not in self.last_of(members, reads) for r in reads]
-            with torch.no_grad():
-                entry.compiled_peak, entry.eager_peak, why = _check(compiled, eager, vals, keep, self.device)
+            try:
+                with torch.no_grad():
+                    entry.compiled_peak, entry.eager_peak, why = _check(compiled, eager, vals, keep, self.device)
+            except Exception as exc:  # noqa: BLE001 - compiled code that fails to run is not used
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"
+                return None
             # The plan runs this stretch beside `planned - eager_peak` bytes; compiled, it must still fit.
             planned = self.planned_bytes(members) + entry.compiled_peak - entry.eager_peak
             if not why and planned > self.budget:
@@ -425,11 +430,9 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
                     check: bool = True) -> Any:
     """``program`` (`memplan.runtime.Program`, built from ``plan``) with both segments compiled; its
     ``compile_report`` says what was, and the peak the plan now predicts."""
-    import solvers
-
     problem = plan.analysis.lowered.problem
     steps = list(plan.schedule)
-    timeline = solvers.simulate(problem, steps).timeline
+    timeline = plan.simulated.timeline
     step_cost = [float(problem.cost[problem.index[node]]) if op == "compute" and node in problem.index else 0.0
                  for op, node in steps]
     held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them

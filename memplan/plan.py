@@ -155,6 +155,13 @@ class Plan:
         return self.predicted_time / self.store_all_time if self.store_all_time else 1.0
 
     @functools.cached_property
+    def simulated(self) -> "solvers.SimResult":
+        """The schedule replayed by the simulator on the problem it was solved for (with the host
+        link when it moves values to host memory): its memory timeline, step by step."""
+        offloads = any(op == "offload" for op, _ in self.schedule)
+        return solvers.simulate(problem_for(self.analysis, self.budget, offloads), list(self.schedule))
+
+    @functools.cached_property
     def carried_bytes(self) -> int:
         """Bytes resident when the forward returns beyond what was resident when the step began
         (its parameters, buffers and inputs): what the forward leaves for the backward, and its
@@ -163,7 +170,7 @@ class Plan:
         steps = list(self.schedule)
         cut = next(k for k, (op, node) in enumerate(steps) if op == "compute" and node == BACKWARD)
         problem = self.analysis.lowered.problem
-        result = solvers.simulate(problem, steps)
+        result = self.simulated
         # timeline[k] is memory after step k: the step before the barrier (which makes the tangents),
         # less the room a carry limit reserves there (`memplan.problem.CUT_RESERVE`)
         reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0

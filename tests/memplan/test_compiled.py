@@ -160,3 +160,32 @@ def test_the_backend_compiles_each_planned_graph_under_the_shared_budget():
           + "; ".join(r.summary() for r in reports if r is not None))
     assert sum(r.compiled_ops for r in reports if r is not None) > 0
     assert max(peaks) <= budget
+
+
+@pytest.mark.parametrize("options", [dict(offload=True), dict(max_grad_norm=0.05, clip_by="norm_pass")],
+                         ids=["offload", "norm_pass"])
+def test_compiled_runs_around_host_copies_and_a_norm_pass_train_as_eager(options):
+    """Python steps of every kind between compiled runs. (On CPU the host copies are CPU
+    allocations too, which the profiler cannot tell from device memory: gradients only here.)"""
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    budget = _budget(module, args, kwargs, 0.6)
+    optimizer = None
+    if "max_grad_norm" in options:
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        budget = 10**9
+    opt = memplan.optimize(module, budget, compile=True, time_limit=5, optimizer=optimizer, **options)
+    loss = _step(opt, args, kwargs)
+    ref_loss = _step(reference, args, kwargs)
+    if optimizer is not None:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), options["max_grad_norm"])
+        ref_optimizer.step()
+        assert opt.plan.analysis.lowered.norm_pass
+        for (name, t), (_, ref) in zip(module.state_dict().items(), reference.state_dict().items()):
+            torch.testing.assert_close(t, ref, msg=lambda m: f"{name}: {m}", **FUSED)
+    else:
+        assert opt.plan.transfers, "the plan offloads nothing"
+        _assert_close_grads(module, reference, **FUSED)
+    torch.testing.assert_close(loss, ref_loss, **FUSED)
+    assert opt.compile_report.compiled_ops > 0
