@@ -374,7 +374,37 @@ class _Segmenting:
             self.report.predicted_saving += planned_s * (1 - entry.compiled_s / max(entry.eager_s, 1e-9))
         entry.compiled = True
         self.report.runs.append(entry)
-        return compiled
+        return LayoutGuard(compiled, eager, vals, f"{self.name} run at {members[0].name!r}")
+
+
+def _layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides that matter: those of dimensions longer than 1 (others never move an index)."""
+    return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
+
+
+class LayoutGuard:
+    """A compiled run that runs only on inputs laid out as it was compiled for.
+
+    Inductor's code asserts its inputs' strides. The layouts come from the capture's fake
+    tensors, and an eager kernel may lay out its output otherwise (a CPU convolution choosing
+    channels-last, or not): the first call whose inputs differ switches the run to its eager
+    twin for good, with a `CompileWarning`."""
+
+    def __init__(self, compiled: Callable[[list], Any], eager: Callable[[list], Any], vals: list[torch.Tensor],
+                 where: str):
+        self.compiled: Callable[[list], Any] | None = compiled
+        self.eager, self.where = eager, where
+        self.layouts = [_layout(v) for v in vals]
+
+    def __call__(self, box: list) -> Any:
+        if self.compiled is not None:
+            if all(_layout(t) == lay for t, lay in zip(box, self.layouts)):
+                return self.compiled(box)
+            warnings.warn(f"memplan: {self.where} was compiled for other input strides than the step gives it "
+                          f"(an eager kernel chose another layout); it runs eagerly from now on", CompileWarning,
+                          stacklevel=2)
+            self.compiled = None
+        return self.eager(box)
 
 
 def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:

@@ -189,3 +189,16 @@ def test_compiled_runs_around_host_copies_and_a_norm_pass_train_as_eager(options
         _assert_close_grads(module, reference, **FUSED)
     torch.testing.assert_close(loss, ref_loss, **FUSED)
     assert opt.compile_report.compiled_ops > 0
+
+
+def test_a_compiled_run_given_other_strides_than_it_was_compiled_for_runs_eagerly():
+    from memplan.compiled import LayoutGuard
+
+    calls = []
+    guard = LayoutGuard(lambda box: calls.append("compiled"), lambda box: calls.append("eager"),
+                        [torch.empty(4, 3), torch.empty(1, 5)], "forward run at 'mm'")
+    guard([torch.zeros(4, 3), torch.zeros(5, 1).t()])  # a size-1 dimension's stride does not matter
+    with pytest.warns(CompileWarning, match="other input strides"):
+        guard([torch.zeros(3, 4).t(), torch.zeros(1, 5)])  # channels swapped: what an eager kernel may choose
+    guard([torch.zeros(4, 3), torch.zeros(1, 5)])
+    assert calls == ["compiled", "eager", "eager"]
