@@ -305,7 +305,6 @@ class _Segmenting:
         """``members`` as one stage, compiled where asked and accepted; a compiled run the check
         refuses is tried again as two halves before it falls back to eager code."""
         inside = {n.name for n in members}
-        end = self.position[members[-1]]
         reads = list(dict.fromkeys(i.name for n in members for i in n.all_input_nodes if i.name not in inside))
         writes = self.escaping(members)
         last = self.last_of(members, reads)
