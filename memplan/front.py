@@ -64,6 +64,8 @@ def optimize(
     ``graph_breaks=True``: a model whose Python reads tensor values runs split at those
     places through ``torch.compile`` with memplan's backend (see :mod:`memplan.front`);
     False: it raises :class:`memplan.CaptureError`.
+    ``compile=True`` compiles each plan's runs of ATen ops with Inductor, its memory decisions kept
+    (:mod:`memplan.compiled`; ``opt.compile_report`` says what was compiled).
     """
     split = None
     if graph_breaks and budget is not None:
