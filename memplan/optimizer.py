@@ -46,6 +46,7 @@ the end of backward (`UpdateRunner.clip` runs at ``GRADS_FINAL``).
 """
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ import torch.nn as nn
 
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.measure import MemoryTracker, host_storage, is_host, unmeasured
+from memplan.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
 
 STATE_PREFIX = "optstate:"  # a parameter's optimizer state on the device: a source of the Problem
 ACCUM_PREFIX = "accum:"  # a parameter's accumulated gradient (accumulate_steps > 1): a source too
@@ -86,8 +88,10 @@ class ParamUpdate:
     time: float  # seconds, roofline of the update's memory traffic
     grad_bytes: int = 0  # its gradient (parameter-shaped): what accumulating it holds between micro-steps
     # seconds to update it on the host instead: gradient and parameter copied out, the host
-    # optimizer's traffic, the parameter copied back (not overlapped with device work)
+    # optimizer's traffic, the parameter copied back; off the compute stream, which spends only
+    # ``host_launch`` seconds starting the copies out (`UpdateRunner._step_on_host`)
     host_time: float = 0.0
+    host_launch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,8 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 on_host = (profile.transfer_time(3 * param_bytes)
                            + HOST_PROFILE.op_time(10.0 * numel, moved))
                 out.append(ParamUpdate(primal_of[names[id(p)]], names[id(p)], state, temp,
-                                       profile.op_time(10.0 * numel, moved), param_bytes, on_host))
+                                       profile.op_time(10.0 * numel, moved), param_bytes, on_host,
+                                       2 * profile.op_overhead))
     return out
 
 
@@ -271,11 +276,13 @@ class UpdateRunner(nn.Module):
         self._square_sum: torch.Tensor | None = None
         self._group_of: dict[int, int] = {}
         self.grad_norm: torch.Tensor | None = None
+        self._host_updates = HostUpdates()
 
     def begin(self, skipped: frozenset[int]) -> None:
         """A step starts; the slots in ``skipped`` get no gradient in it (eager autograd leaves
         their ``.grad`` at None, and the optimizer skips them). The groups are read now: an
         ``add_param_group`` since the last step takes effect."""
+        self._host_updates.join()  # a backward that raised may have left some in flight
         self.skipped = skipped
         self._square_sum = None
         self._clip_coef = None
@@ -307,7 +314,9 @@ class UpdateRunner(nn.Module):
 
     def finish(self) -> None:
         """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients
-        (before clipping, as ``clip_grad_norm_`` returns it)."""
+        (before clipping, as ``clip_grad_norm_`` returns it). Host updates still in flight are
+        joined first: the parameters are final when backward returns."""
+        self._host_updates.join()
         if self.track_norm and self.max_norm is None and self.accumulation.final:
             self.grad_norm = None if self._square_sum is None else self._square_sum.sqrt()
         self._square_sum = None
@@ -408,22 +417,80 @@ class UpdateRunner(nn.Module):
             target.grad = None
 
     def _step_on_host(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Update ``p`` with its state in host memory: a host copy of the parameter takes the
-        step (under its key in ``optimizer.state`` for the moment, so the optimizer finds and
-        creates the state there) and is copied back into the device parameter."""
+        """Update ``p`` with its state in host memory, overlapped with the rest of backward as
+        ZeRO-Offload overlaps it: the gradient and the parameter start copying out now (CUDA:
+        on the device-to-host stream), and the host step and the copy back run on a worker
+        thread (`HostUpdates`), which `finish` joins. The step runs on a host copy of the
+        parameter under its key in ``optimizer.state`` for the moment, so the optimizer finds
+        and creates the state there, through `_host_view` of the optimizer."""
+        grad_out = offload_tensor(grad.detach())
+        param_out = offload_tensor(p.detach())
+        view = self._host_view()  # the groups' hyperparameters as they are now
+        own = self._group_of.get(id(p))
+        self._host_updates.submit(self._host_step, p, view, own, param_out, grad_out)
+
+    def _host_view(self) -> torch.optim.Optimizer:
+        """The user's optimizer with groups of its own, holding no parameters; its state,
+        defaults and hooks are the optimizer's. A host step on the worker thread steps this
+        view, so it never sees the groups a device step on the backward thread swaps at the same
+        time (`_step`)."""
+        view = object.__new__(type(self.optimizer))
+        view.__dict__.update(self.optimizer.__dict__)
+        view.param_groups = [{**g, "params": []} for g in self.optimizer.param_groups]
+        return view
+
+    def _host_step(self, p: nn.Parameter, view: torch.optim.Optimizer, group: int | None, param_out: HostCopy,
+                   grad_out: HostCopy) -> Any:
+        """On the worker thread: one host update, then the parameter's copy back; returns the
+        event compute waits for before reading ``p`` again (`transfer.copy_back`)."""
         state = self.optimizer.state
         with host_storage(), torch.no_grad():
-            work = _to_host(p.detach())
-            host_grad = _to_host(grad)
+            work = wait_host_copy(param_out)
+            work.grad = wait_host_copy(grad_out)
+            if group is not None:
+                view.param_groups[group]["params"] = [work]
             if p in state:
                 state[work] = state.pop(p)
             try:
-                self._step(p, work, host_grad)
+                view.step()
             finally:
                 if work in state:
                     state[p] = state.pop(work)
+                work.grad = None
         with torch.no_grad():
-            p.copy_(work)
+            return copy_back(p.detach(), work)
+
+
+class HostUpdates:
+    """Host updates in flight: one worker thread runs them in order (so a parameter's updates
+    never race), and `join` waits for all of them and orders the compute stream after their
+    copies back. Torch's CPU kernels release the GIL, so the host work overlaps the backward
+    that the calling thread goes on launching."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    def __getstate__(self) -> dict:  # a copy of the module (deepcopy, pickle) starts with none in flight
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memplan-host-update")
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def join(self) -> None:
+        """Every update submitted has been applied, and the device reads the parameters after
+        their copies back (an error in one is raised here, after all have ended)."""
+        pending, self._pending = self._pending, []
+        wait(pending)
+        for future in pending:
+            landed = future.result()
+            if landed is not None:
+                torch.cuda.current_stream().wait_event(landed)
 
 
 def _in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
@@ -433,13 +500,8 @@ def _in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory (pinned beside a CUDA device, so copies back can overlap)."""
-    with host_storage():
-        if t.device.type == "cuda":
-            out = torch.empty_like(t, device="cpu", pin_memory=True)
-            out.copy_(t)
-            return out
-        return t.to("cpu", copy=True)
+    """A copy of ``t`` in host memory (pinned beside a CUDA device), complete on return."""
+    return wait_host_copy(offload_tensor(t))
 
 
 class GradClip(nn.Module):

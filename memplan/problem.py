@@ -330,7 +330,8 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
     Device state is a source (resident all step, as across steps). An update reads its gradient,
     the parameter and the state; its value is the temporaries it allocates on the device, read at
     once by a zero-byte sink so that every update runs. A parameter whose state is in host
-    memory has no state node and an update with no device temporaries, costing the host's time.
+    memory has no state node and an update with no device temporaries; its host work (copies and
+    the host's step) runs beside compute, as `UpdateRunner` runs it.
     With accumulation, each parameter's accumulated gradient is a source the update reads: held
     all step, as from the second micro-step on (less is held before it, and after the update).
     An update overwrites its parameter, which no computation may read after it. With
@@ -356,8 +357,10 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         param = primal_nodes[u.primal].name
         update = UPDATE_PREFIX + param
         on_host = u.name in placement.host
-        G.add_node(update, mem=0 if on_host else u.temp_bytes, cost=u.host_time if on_host else u.time,
-                   recomputable=False)
+        if on_host:  # the host's work overlaps compute, on a stream of its own (solvers.Problem.host_work)
+            G.add_node(update, mem=0, cost=u.host_launch, host_work=u.host_time, recomputable=False)
+        else:
+            G.add_node(update, mem=u.temp_bytes, cost=u.time, recomputable=False)
         G.add_edges_from([(grad, update), (param, update)])
         if not on_host:
             G.add_node(STATE_PREFIX + param, mem=u.state_bytes, cost=0.0, recomputable=False)

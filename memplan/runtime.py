@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
 import solvers
 from solvers.transforms.ordering import storage_readers
@@ -39,6 +38,7 @@ from memplan.capture import Capture
 from memplan.costs import value_device
 from memplan.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
+from memplan.transfer import arrive, offload, prefetch
 
 
 @dataclass
@@ -88,89 +88,6 @@ HOST_PREFIX = "host:"
 def host_name(value: str) -> str:
     """The name of ``value``'s host copy in the generated code."""
     return HOST_PREFIX + value
-
-
-@dataclass
-class HostCopy:
-    """A value's copy in host memory, and the event that marks its copy complete (CUDA)."""
-
-    host: torch.Tensor
-    device: torch.device
-    done: Any = None  # torch.cuda.Event on CUDA
-
-
-@dataclass
-class Arriving:
-    """A value on its way back to the device; ``arrive`` hands it out once the copy has landed."""
-
-    tensor: torch.Tensor
-    landed: Any = None  # torch.cuda.Event on CUDA
-
-
-_STREAMS: dict[int, tuple[Any, Any]] = {}
-
-
-def _copy_streams(device: torch.device) -> tuple[Any, Any]:
-    """The (device-to-host, host-to-device) side streams of a CUDA device, made once."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _STREAMS:
-        _STREAMS[key] = (torch.cuda.Stream(device=key), torch.cuda.Stream(device=key))
-    return _STREAMS[key]
-
-
-def _offload_tensor(t: torch.Tensor) -> HostCopy:
-    if t.is_cuda:
-        d2h, _ = _copy_streams(t.device)
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
-        d2h.wait_stream(torch.cuda.current_stream(t.device))  # t must have been computed
-        with torch.cuda.stream(d2h):
-            host.copy_(t, non_blocking=True)
-        t.record_stream(d2h)  # no reuse of t's memory before the copy has read it
-        done = torch.cuda.Event()
-        done.record(d2h)
-        return HostCopy(host, t.device, done)
-    from memplan.measure import host_storage
-
-    with host_storage():
-        host = t.clone(memory_format=torch.preserve_format)
-    return HostCopy(host, t.device)
-
-
-def _prefetch_tensor(copy: HostCopy) -> Arriving:
-    if copy.done is not None:
-        _, h2d = _copy_streams(copy.device)
-        out = torch.empty_like(copy.host, device=copy.device)
-        h2d.wait_stream(torch.cuda.current_stream(copy.device))  # `out` may reuse memory compute just freed
-        h2d.wait_event(copy.done)
-        with torch.cuda.stream(h2d):
-            out.copy_(copy.host, non_blocking=True)
-        out.record_stream(h2d)
-        landed = torch.cuda.Event()
-        landed.record(h2d)
-        return Arriving(out, landed)
-    return Arriving(copy.host.clone(memory_format=torch.preserve_format).to(copy.device))
-
-
-def _arrive_tensor(value: Arriving) -> torch.Tensor:
-    if value.landed is not None:
-        torch.cuda.current_stream(value.tensor.device).wait_event(value.landed)
-    return value.tensor
-
-
-# A value is a tensor or, for a multi-output op, a tuple of them: each tensor travels on its own.
-def offload(value: Any) -> Any:
-    """Start copying a value to host memory; the device value may be dropped right away."""
-    return pytree.tree_map_only(torch.Tensor, _offload_tensor, value)
-
-
-def prefetch(copy: Any) -> Any:
-    """Start copying a host copy back to its device."""
-    return pytree.tree_map_only(HostCopy, _prefetch_tensor, copy)
-
-
-def arrive(value: Any) -> Any:
-    """The prefetched value, once its copies have landed (compute waits on their events)."""
-    return pytree.tree_map_only(Arriving, _arrive_tensor, value)
 
 
 def _split(schedule: solvers.Schedule) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

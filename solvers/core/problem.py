@@ -15,6 +15,10 @@ and the constructive baselines stay linear in the graph size:
   instance of a storage then count its bytes once (``unbind``/``split``/
   ``chunk`` outputs kept after their parent is freed). False means the view
   may hold a part (one output of a multi-output op) and counts on its own;
+* ``host_work[i]`` (default 0) is time spent off the compute stream once ``i``
+  is computed: host-side work it starts (an optimizer update computed in host
+  memory, with its copies), which runs on a host stream of its own, one piece
+  after another, overlapping compute; the step ends when it is done too;
 * sources (no predecessors) are inputs, resident for the whole schedule;
 * sinks (no successors) must be resident when the schedule ends.
 
@@ -61,6 +65,7 @@ class Problem:
     host_capacity: Optional[int] = None  # bytes of host memory for offloaded values; None: unlimited
     offloadable: Optional[np.ndarray] = None  # bool; None: every value (sources and views never are)
     same_storage: Optional[np.ndarray] = None  # bool; None: no view is known to hold its parent's whole storage
+    host_work: Optional[np.ndarray] = None  # float64, time units on the host stream; None: none
     # Derived in __post_init__; never passed by callers.
     succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False)
     index: dict[Hashable, int] = field(init=False, repr=False)
@@ -79,8 +84,10 @@ class Problem:
         alias_of = np.asarray(self.alias_of, dtype=np.int64)
         offloadable = np.ones(n, dtype=bool) if self.offloadable is None else np.asarray(self.offloadable, dtype=bool)
         same_storage = np.zeros(n, dtype=bool) if self.same_storage is None else np.asarray(self.same_storage, dtype=bool)
+        host_work = np.zeros(n, dtype=np.float64) if self.host_work is None else np.asarray(self.host_work,
+                                                                                          dtype=np.float64)
         for name, arr in (("mem", mem), ("cost", cost), ("recomputable", recomputable), ("alias_of", alias_of),
-                          ("offloadable", offloadable), ("same_storage", same_storage)):
+                          ("offloadable", offloadable), ("same_storage", same_storage), ("host_work", host_work)):
             if arr.shape != (n,):
                 raise ValueError(f"{name} has shape {arr.shape}, expected ({n},)")
         if len(self.preds) != n:
@@ -94,6 +101,8 @@ class Problem:
         if not np.isfinite(cost).all() or (cost < 0).any():
             # Negative costs would break every lower bound (sum of costs, MILP bounds).
             raise ValueError("cost must be finite and non-negative")
+        if not np.isfinite(host_work).all() or (host_work < 0).any():
+            raise ValueError("host_work must be finite and non-negative")
         preds = tuple(tuple(int(p) for p in ps) for ps in self.preds)
         succs: list[list[int]] = [[] for _ in range(n)]
         for v, ps in enumerate(preds):
@@ -115,7 +124,7 @@ class Problem:
         is_sink = np.array([len(s) == 0 for s in succs], dtype=bool)
         # Frozen dataclass: normalised arrays and derived views go in via object.__setattr__.
         offloadable = offloadable & ~is_source & (alias_of < 0)  # the simulator's rule, in one array
-        for arr in (mem, cost, recomputable, alias_of, offloadable, same_storage, is_source, is_sink):
+        for arr in (mem, cost, recomputable, alias_of, offloadable, same_storage, host_work, is_source, is_sink):
             arr.setflags(write=False)
         setattr_ = object.__setattr__
         setattr_(self, "names", tuple(self.names))
@@ -126,6 +135,7 @@ class Problem:
         setattr_(self, "alias_of", alias_of)
         setattr_(self, "offloadable", offloadable)
         setattr_(self, "same_storage", same_storage)
+        setattr_(self, "host_work", host_work)
         setattr_(self, "budget", int(self.budget))
         setattr_(self, "host_bandwidth", float(self.host_bandwidth))
         setattr_(self, "host_capacity", None if self.host_capacity is None else int(self.host_capacity))
@@ -193,7 +203,7 @@ class Problem:
     def from_networkx(cls, G: nx.DiGraph, budget: int, host_bandwidth: float = 0.0,
                       host_capacity: Optional[int] = None) -> "Problem":
         """Lower a DiGraph whose nodes carry ``mem``/``cost`` (and optionally
-        ``recomputable``, ``alias_of``, ``offloadable``, ``same_storage``). Node order is G's insertion order when
+        ``recomputable``, ``alias_of``, ``offloadable``, ``same_storage``, ``host_work``). Node order is G's insertion order when
         that is topological (fx graphs arrive in execution order), else a
         deterministic topological sort that breaks ties by insertion order."""
         if not nx.is_directed_acyclic_graph(G):
@@ -204,6 +214,7 @@ class Problem:
             order = list(nx.lexicographical_topological_sort(G, key=position.__getitem__))
         index = {v: i for i, v in enumerate(order)}
         preds, mem, cost, recomputable, alias_of, offloadable, same_storage = [], [], [], [], [], [], []
+        host_work: list[float] = []
         for v in order:
             attrs = G.nodes[v]
             if "mem" not in attrs or "cost" not in attrs:
@@ -218,13 +229,15 @@ class Problem:
             recomputable.append(bool(attrs.get("recomputable", True)))
             offloadable.append(bool(attrs.get("offloadable", True)))
             same_storage.append(bool(attrs.get("same_storage", False)))
+            host_work.append(float(attrs.get("host_work", 0.0)))
             a = attrs.get("alias_of")
             if a is not None and a not in index:
                 raise ValueError(f"node {v!r}: alias_of {a!r} is not a node")
             alias_of.append(-1 if a is None else index[a])
         return cls(tuple(order), tuple(preds), np.array(mem, dtype=np.int64), np.array(cost, dtype=np.float64),
                    np.array(recomputable, dtype=bool), np.array(alias_of, dtype=np.int64), int(budget),
-                   host_bandwidth, host_capacity, np.array(offloadable, dtype=bool), np.array(same_storage, dtype=bool))
+                   host_bandwidth, host_capacity, np.array(offloadable, dtype=bool), np.array(same_storage, dtype=bool),
+                   np.array(host_work, dtype=np.float64))
 
     def to_networkx(self) -> nx.DiGraph:
         G = nx.DiGraph()
@@ -238,6 +251,8 @@ class Problem:
                 attrs["offloadable"] = False
             if self.same_storage[i]:
                 attrs["same_storage"] = True
+            if self.host_work[i] > 0:
+                attrs["host_work"] = float(self.host_work[i])
             G.add_node(name, **attrs)
         for v, ps in enumerate(self.preds):
             for p in ps:
@@ -260,6 +275,8 @@ class Problem:
                 nodes[-1]["offloadable"] = False
             if self.same_storage[i]:
                 nodes[-1]["same_storage"] = True
+            if self.host_work[i] > 0:
+                nodes[-1]["host_work"] = float(self.host_work[i])
         data = {"format": JSON_FORMAT, "version": JSON_VERSION, "budget": self.budget, "nodes": nodes}
         if self.has_host:
             data["host_bandwidth"] = self.host_bandwidth
@@ -282,6 +299,7 @@ class Problem:
                               dtype=np.int64),
             offloadable=np.array([node.get("offloadable", True) for node in nodes], dtype=bool),
             same_storage=np.array([node.get("same_storage", False) for node in nodes], dtype=bool),
+            host_work=np.array([node.get("host_work", 0.0) for node in nodes], dtype=np.float64),
             budget=int(data["budget"]),
             host_bandwidth=float(data.get("host_bandwidth", 0.0)),
             host_capacity=data.get("host_capacity"),

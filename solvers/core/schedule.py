@@ -136,7 +136,7 @@ class SimResult:
     computes: np.ndarray  # how many times each value was computed, indexed like the problem
     recomputations: int  # computes beyond the first of each value
     over_budget_step: Optional[int]  # first step above the budget (-1: the sources), None if it fits
-    time: float = 0.0  # step time: compute cost plus waits for copies (== cost without transfers)
+    time: float = 0.0  # step time: compute cost plus waits for copies and the host's work (== cost without either)
     wait: float = 0.0  # time the compute stream spent waiting for copies
     transferred: int = 0  # bytes copied over the host link, both directions
     host_peak: int = 0  # most bytes held in host memory at once
@@ -156,6 +156,7 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     lists = problem.lists()
     cost, is_source, recomputable, mem_of = lists.cost, lists.is_source, lists.recomputable, lists.mem
     offloadable = lists.offloadable
+    host_work = problem.host_work.tolist() if problem.host_work.any() else None
     budget = problem.budget
     bandwidth, host_capacity = problem.host_bandwidth, problem.host_capacity
     mem = Residency(problem)
@@ -169,6 +170,7 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
     # Time: the compute stream's clock and when each copy stream is next free.
     clock = wait = 0.0
     d2h_free = h2d_free = 0.0
+    host_free = 0.0  # when the host stream (host_work) is next free
     offloaded_at: dict[int, float] = {}  # value -> when its host copy is complete
     arriving: dict[int, float] = {}  # value -> when its prefetch lands (while it may still be in flight)
     host_total = host_peak = transferred = 0
@@ -208,6 +210,8 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
             computes[v] += 1
             total_cost += cost[v]
             clock += cost[v]
+            if host_work is not None and host_work[v] > 0:
+                host_free = max(clock, host_free) + host_work[v]
         elif op == _FREE:
             if is_source[v]:
                 raise fail(k, "free-source", f"{node!r} is a source and cannot be freed", node)
@@ -268,8 +272,8 @@ def _execute(problem: Problem, schedule: Schedule | Sequence[tuple[Any, Hashable
         if not resident[v]:
             raise ScheduleError(f"sink {names[v]!r} is not resident at the end", kind="sink-missing", step=end,
                                 node=names[v])
-    # The step ends when compute and every copy still in flight are done.
-    step_time = max(clock, d2h_free, h2d_free)
+    # The step ends when compute, every copy still in flight and the host's work are done.
+    step_time = max(clock, d2h_free, h2d_free, host_free)
     counts = np.array(computes, dtype=np.int64)
     recomputations = int((counts[counts > 0] - 1).sum())
     return SimResult(peak=int(peak), cost=total_cost, timeline=np.array(timeline, dtype=np.int64),

@@ -187,3 +187,26 @@ def test_storage_held_only_by_views_is_paged_out(depth):
     assert paged.offloads()[0] == "b"  # the storage only views hold goes first
     assert r.cost == before.cost  # views are re-made for free
     print(f"depth {depth}: offloaded {paged.offloads()}, time {r.time} (compute {r.cost})")
+
+
+def test_host_work_overlaps_compute_and_ends_the_step_when_it_is_later():
+    # v0 and v1 each start 5 units of host work (an update computed in host memory); the host
+    # runs them one after another, beside compute.
+    def problem(last_cost: float) -> Problem:
+        G = nx.DiGraph()
+        G.add_node("x", mem=1, cost=0.0)
+        G.add_node("v0", mem=1, cost=1.0, host_work=5.0)
+        G.add_node("v1", mem=1, cost=1.0, host_work=5.0)
+        G.add_node("v2", mem=1, cost=last_cost)
+        G.add_edges_from([("x", "v0"), ("x", "v1"), ("x", "v2")])
+        return Problem.from_networkx(G, 10**9)
+
+    steps = Schedule.from_list([("compute", "v0"), ("compute", "v1"), ("compute", "v2")])
+    # host: v0's work 1..6, v1's 6..11; compute ends at 2 + last_cost
+    assert simulate(problem(20.0), steps).time == pytest.approx(22.0)  # hidden behind compute
+    late = simulate(problem(1.0), steps)
+    assert late.time == pytest.approx(11.0) and late.cost == pytest.approx(3.0)
+    # The attribute survives networkx and JSON round trips.
+    p = problem(1.0)
+    assert Problem.from_json(p.to_json()).host_work.tolist() == p.host_work.tolist() == [0.0, 5.0, 5.0, 0.0]
+    assert Problem.from_networkx(p.to_networkx(), p.budget).host_work.tolist() == p.host_work.tolist()
