@@ -59,15 +59,36 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
 
 
-def _peak(step: Callable[[], Any]) -> int:
-    """Device bytes at the step's peak, allocator-measured, everything resident included."""
+def _own(module: torch.nn.Module, inputs: Any = (), optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Device bytes the step's own resident tensors hold: parameters, buffers, inputs, optimizer
+    state (what memplan's budget counts as resident)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    if optimizer is not None:
+        tensors += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    seen = {}
+    for t in tensors:
+        if t.device.type == DEVICE:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _peak(step: Callable[[], Any], own: Callable[[], int]) -> int:
+    """Device bytes at the step's peak, allocator-measured: what the step allocates above what was
+    resident before it, plus the step's own resident tensors (``own()``, read before the step), so
+    that other models alive in this process and the libraries' workspaces (cuBLAS keeps one per
+    thread and stream) are left out; `workspace` reports the latter."""
+    if hasattr(step, "clear"):
+        step.clear()  # the gradients the step makes are its own: none held before it
     if DEVICE != "cuda":
         return memplan.measure_peak(step, "cpu")
+    resident = own()
     _sync()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     step()
     _sync()
-    return int(torch.cuda.max_memory_allocated())
+    return int(torch.cuda.max_memory_allocated()) - before + resident
 
 
 def _times(steps: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
@@ -77,6 +98,8 @@ def _times(steps: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str
     for r in range(reps):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
+            if hasattr(steps[n], "clear"):
+                steps[n].clear()
             _sync()
             t0 = time.perf_counter()
             steps[n]()
@@ -105,9 +128,8 @@ def _grad_error(module: torch.nn.Module, reference: dict[str, torch.Tensor]) -> 
 
 def _loss_step(module: torch.nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
     def step() -> None:
-        for p in module.parameters():
-            p.grad = None
         module(*args, **kwargs).backward()
+    step.clear = lambda: [setattr(p, "grad", None) for p in module.parameters()]
     return step
 
 
@@ -126,7 +148,7 @@ def activations(name: str, size: str, batch: int | None, fractions: tuple[float,
     resident = _allocated()
     params = sum(p.numel() * p.element_size() for p in eager.parameters())
     torch.manual_seed(0)
-    eager_peak = _peak(eager_step)
+    eager_peak = _peak(eager_step, lambda: _own(eager, (args, kwargs)))
     reference = {n: p.grad.detach().clone() for n, p in eager.named_parameters() if p.grad is not None}
     out.update(eager_peak=eager_peak, resident_before_step=resident, param_bytes=params)
     steps: dict[str, Callable[[], Any]] = {"eager": eager_step}
@@ -156,7 +178,7 @@ def activations(name: str, size: str, batch: int | None, fractions: tuple[float,
                 peaks = []
                 for _ in range(2):
                     torch.manual_seed(0)
-                    peaks.append(_peak(step))
+                    peaks.append(_peak(step, lambda: _own(module, (args, kwargs))))
                 plan = opt.plan
                 row.update(budget=budget, measured=peaks, predicted=plan.predicted_peak,
                            under_budget=max(peaks) <= budget, grad_error=_grad_error(module, reference),
@@ -178,7 +200,7 @@ def activations(name: str, size: str, batch: int | None, fractions: tuple[float,
             step()
             row = {"method": "torch.compile (Inductor)", "compile_s": time.perf_counter() - t0}
             torch.manual_seed(0)
-            row["measured"] = [_peak(step)]
+            row["measured"] = [_peak(step, lambda: _own(inductor, (args, kwargs)))]
             row["grad_error"] = _grad_error(inductor, reference)
             steps["inductor"] = step
             rows.append(row)
@@ -210,7 +232,7 @@ def whole_step(name: str, size: str, batch: int | None, dl: Deadline, time_limit
     eager_peaks = []
     for _ in range(3):
         torch.manual_seed(0)
-        eager_peaks.append(_peak(eager_step))
+        eager_peaks.append(_peak(eager_step, lambda: _own(eager, (args, kwargs), eager_opt)))
     out: dict[str, Any] = {"model": f"{name} ({size}, batch {batch or 'default'})", "eager_peaks": eager_peaks}
     steps: dict[str, Callable[[], Any]] = {"eager": eager_step}
     rows = []
@@ -243,7 +265,7 @@ def whole_step(name: str, size: str, batch: int | None, dl: Deadline, time_limit
             peaks = []
             for _ in range(3):
                 torch.manual_seed(0)
-                peaks.append(_peak(step))
+                peaks.append(_peak(step, lambda: _own(module, (args, kwargs), optimizer)))
             plan = opt.plan
             ref_params = dict(eager.named_parameters())
             # after 3 steps each, parameters against eager's 3 steps (the loops saw the same data)
@@ -302,7 +324,7 @@ def mixtral(dl: Deadline, time_limit: float) -> dict:
     eager = LM(copy.deepcopy(model))
     eager_step = _loss_step(eager, (ids,), {})
     eager_step()
-    eager_peak = _peak(eager_step)
+    eager_peak = _peak(eager_step, lambda: _own(eager, ids))
     reference = {n: p.grad.detach().clone() for n, p in eager.named_parameters() if p.grad is not None}
     out["eager_peak"] = eager_peak
     rows = []
@@ -321,7 +343,7 @@ def mixtral(dl: Deadline, time_limit: float) -> dict:
                 step = _loss_step(wrapped, (ids,), {})
                 for _ in range(3):  # the backend's split holds from the third step
                     step()
-                peaks = [_peak(step) for _ in range(2)]
+                peaks = [_peak(step, lambda: _own(module, ids)) for _ in range(2)]
                 row.update(budget=budget, measured=peaks, under_budget=max(peaks) <= budget,
                            grad_error=_grad_error(module, reference))
             except Exception:
