@@ -1021,6 +1021,8 @@ def capture(
         raise CaptureError(
             f"unexpected joint graph layout: {len(tangents)} tangents for {len(tangent_outputs)} differentiable outputs"
         )
+    _check_buffer_updates(fw_vals[:n_mut], [fake_buffers[b] for b in mutated_buffers],
+                          [buffer_names[b] for b in mutated_buffers])
     _check_supported(gm)
     tangent_of_user = {outputs[j].index: t for t, j in zip(tangents, tangent_outputs)}
     addend_only_outputs = frozenset(i for i, t in tangent_of_user.items() if addend_only(t))
@@ -1051,6 +1053,25 @@ def capture(
         addend_only_outputs=addend_only_outputs,
         output_use=output_use,
     )
+
+
+def _check_buffer_updates(values: list[Any], buffers: list[torch.Tensor], names: list[str]) -> None:
+    """Each of AOTAutograd's buffer-mutation outputs has its buffer's shape and dtype.
+
+    Which buffers a forward writes comes from a functionalized run of its own (`_mutated_inputs`),
+    and the joint graph returns the new values in the same order only if AOTAutograd found the
+    same writes. Where they disagree, the step would write a value into the wrong buffer at its
+    first forward (seen once on CUDA with torch 2.11: a BatchNorm running mean into a step
+    counter); this says so at planning time instead."""
+    for value, buffer, name in zip(values, buffers, names):
+        if not isinstance(value, torch.Tensor) or value.shape != buffer.shape or value.dtype != buffer.dtype:
+            got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CaptureError(
+                f"the forward writes buffers in place, and memplan's list of them disagrees with AOTAutograd's: "
+                f"the new value of {name!r} ({tuple(buffer.shape)} {buffer.dtype}) comes out as {got}. Written "
+                f"buffers found: {', '.join(names)}. Please report this with your torch version (meanwhile, "
+                "train this model without memplan)"
+            )
 
 
 def _out_list(gm: fx.GraphModule) -> list[Any]:

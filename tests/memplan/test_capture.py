@@ -296,3 +296,12 @@ def test_gpt_1p3b_meta_capture_fits_in_2gb():
     print("gpt-1.3b capture:", res)
     assert res["params"] > 4.8e9  # 1.2e9+ float32 parameters, planned without being allocated
     assert res["rss"] < 2 * 2**30
+
+
+def test_a_buffer_update_that_does_not_fit_its_buffer_is_refused_at_planning_time():
+    from memplan.capture import CaptureError, _check_buffer_updates
+
+    mean, count = torch.zeros(16), torch.zeros((), dtype=torch.long)
+    _check_buffer_updates([torch.ones(16), torch.ones((), dtype=torch.long)], [mean, count], ["bn.mean", "bn.count"])
+    with pytest.raises(CaptureError, match="'bn.count'.*comes out as \\(16,\\)"):
+        _check_buffer_updates([torch.ones(16), torch.ones(16)], [mean, count], ["bn.mean", "bn.count"])
