@@ -484,7 +484,10 @@ def _mutated_inputs(call: Callable[[tuple], Any], flat: tuple[torch.Tensor, ...]
     """
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
-    with fake_mode:
+    # cuDNN's batch norm writes the running statistics without functionalization seeing it (on
+    # an H200 with torch 2.11 only the step counters came out as written, while AOTAutograd's
+    # own trace found all three per layer); the native kernel writes the same buffers, visibly.
+    with fake_mode, torch.backends.cudnn.flags(enabled=False):
         mode = FunctionalTensorMode()
         with mode:
             wrapped = tuple(FunctionalTensor.to_functional(t) for t in flat)
