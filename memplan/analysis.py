@@ -177,13 +177,15 @@ def analyze_capture(
     cap: Capture, profile: DeviceProfile, eager_peak: int | None = None, measure_on: torch.device | None = None,
     updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement(),
     costs: GraphCosts | None = None, carry_limit: tuple[int, int] | None = None,
+    scratch_on: torch.device | None = None,
 ) -> Analysis:
     """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
+    ``scratch_on`` measures there what the kernels that allocate for themselves take (`memplan.profiling.measure_op_scratch`);
     ``updates``: the optimizer updates the step applies (`memplan.optimizer`), placed as
     ``placement`` says. ``costs``: the capture's costs when they are already known (another
     lowering of the same step). ``carry_limit``: `memplan.problem.lower`'s."""
     if costs is None:
-        costs = _costs(cap, profile, measure_on)
+        costs = _costs(cap, profile, measure_on, scratch_on)
     low = lower(cap, costs, updates=updates, placement=placement, carry_limit=carry_limit)
     store_all = solvers.solve(low.problem, method="store_all")
     if low.updates:  # the Problem's order may update a parameter before its last read
@@ -227,16 +229,22 @@ def _node_bytes(low: Lowered, prefix: str) -> int:
     return sum(d["mem"] for v, d in low.graph.nodes(data=True) if v.startswith(prefix))
 
 
-def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None) -> GraphCosts:
-    """The capture's costs: the profile's roofline, or each op timed on ``measure_on``."""
-    measured = None
+def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None,
+           scratch_on: torch.device | None = None) -> GraphCosts:
+    """The capture's costs: the profile's roofline, or each op timed on ``measure_on``; with
+    ``scratch_on``, the kernel scratch of the ops that have some, measured there."""
+    measured = scratch = None
     if measure_on is not None:
         from memplan.profiling import measure_op_times
 
         estimate = annotate(cap.graph_module, profile)
         aliases = {name for name, v in estimate.values.items() if v.alias_of is not None}
         measured = measure_op_times(cap.graph_module, measure_on, skip=aliases)
-    return annotate(cap.graph_module, profile, measured)
+    if scratch_on is not None:
+        from memplan.profiling import measure_op_scratch
+
+        scratch = measure_op_scratch(cap.graph_module, scratch_on)
+    return annotate(cap.graph_module, profile, measured, scratch)
 
 
 def analyze(

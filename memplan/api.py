@@ -138,7 +138,7 @@ class OptimizedModule(nn.Module):
         super().__init__()
         unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
                                   "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit",
-                                  "graph_breaks", "compile"}
+                                  "graph_breaks", "compile", "kernel_scratch"}
         if unknown:
             raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
         # graph_breaks=factory: where the forward's Python reads tensor values, the model runs as
@@ -495,12 +495,17 @@ class OptimizedModule(nn.Module):
         measure_on = device if self.options.get("profile") else None
         if measure_on is not None:  # the host link is measured too, not taken from the table
             profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
+        # kernel_scratch: measure what the kernels that allocate for themselves take (cuDNN's
+        # workspaces, oneDNN's reorders) and plan room for it. On by default where the allocator
+        # that hands it out is the budget's witness (CUDA); on the CPU the tracker does not see it.
+        scratch = self.options.get("kernel_scratch")
+        scratch_on = device if (device.type == "cuda" if scratch is None else bool(scratch)) else None
         # Offloading pays off where a host link runs beside compute: on by default on CUDA.
         offload = self.options.get("offload")
         offload = device.type == "cuda" if offload is None else bool(offload)
         if self.saved_plan is not None:
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
-                                        measure_on=measure_on, optimizer=self.optimizer,
+                                        measure_on=measure_on, scratch_on=device, optimizer=self.optimizer,
                                         grad_norm=self.track_grad_norm, max_grad_norm=self.max_grad_norm,
                                         accumulation=self.accumulation)
         return make_plan(
@@ -512,6 +517,7 @@ class OptimizedModule(nn.Module):
             time_limit=self.time_limit,
             profile=profile,
             measure_on=measure_on,
+            scratch_on=scratch_on,
             offload=offload,
             output_use=use,
             optimizer=self.optimizer,

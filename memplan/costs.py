@@ -87,6 +87,7 @@ class ValueCost:
     flops: float
     time: float
     is_random: bool
+    scratch: int = 0  # bytes its kernel allocates for itself while it runs (measured: memplan.profiling)
 
 
 @dataclass
@@ -177,14 +178,18 @@ def node_flops(node: fx.Node) -> float:
 
 
 def annotate(
-    gm: fx.GraphModule, profile: DeviceProfile | None = None, measured_times: dict[str, float] | None = None
+    gm: fx.GraphModule, profile: DeviceProfile | None = None, measured_times: dict[str, float] | None = None,
+    scratch: dict[str, int] | None = None,
 ) -> GraphCosts:
     """Costs of every node in ``gm``, whose ``meta['val']`` hold fake tensors.
 
     ``measured_times`` (from :func:`memplan.profiling.measure_op_times`)
-    replaces the roofline estimate for the nodes it has.
+    replaces the roofline estimate for the nodes it has. ``scratch`` (from
+    :func:`memplan.profiling.measure_op_scratch`): the bytes an op's kernel
+    allocates for itself while it runs, which no fake tensor shows.
     """
     measured_times = measured_times or {}
+    scratch = scratch or {}
     profile = profile or PROFILES["cpu"]
     gran = profile.allocation_granularity
     values: dict[str, ValueCost] = {}
@@ -232,6 +237,7 @@ def annotate(
             flops=flops,
             time=time,
             is_random=node.op == "call_function" and _is_random(node),
+            scratch=scratch.get(node.name, 0),
         )
     return GraphCosts(values, storage_bytes, owner_of, profile)
 

@@ -51,7 +51,7 @@ REUSE_SLACK = 0.05
 # Plans at this many budget levels are kept per graph (the least recently used goes first).
 MAX_LEVELS = 4
 # What the backend passes on to each graph's OptimizedModule.
-PLAN_OPTIONS = ("solver", "time_limit", "device_profile", "offload", "profile", "compile")
+PLAN_OPTIONS = ("solver", "time_limit", "device_profile", "offload", "profile", "compile", "kernel_scratch")
 
 
 class BudgetSplitWarning(UserWarning):

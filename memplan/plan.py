@@ -317,6 +317,7 @@ def make_plan(
     time_limit: float | None = None,
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
+    scratch_on: torch.device | None = None,
     offload: bool = False,
     output_use: OutputUse = OutputUse(),
     optimizer: torch.optim.Optimizer | None = None,
@@ -338,6 +339,8 @@ def make_plan(
     it already for this output use (it is replayed otherwise).
 
     ``measure_on``: time every op on that device instead of using the roofline.
+    ``scratch_on``: measure there the scratch of the kernels that allocate for themselves
+    (`memplan.profiling.measure_op_scratch`), which the plan then makes room for.
     ``offload``: let the plan page values to host memory over the profile's host link.
     ``output_use``: what the step is known to do with the outputs (:mod:`memplan.output_use`).
     ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
@@ -370,7 +373,8 @@ def make_plan(
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass)
     analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
-                               carry_limit=None if carry_limit is None else (carry_limit, budget))
+                               carry_limit=None if carry_limit is None else (carry_limit, budget),
+                               scratch_on=scratch_on)
     clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,

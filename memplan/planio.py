@@ -20,6 +20,7 @@ from memplan.costs import DeviceProfile
 from memplan.output_use import OutputUse
 from memplan.optimizer import Accumulation, UpdatePlacement, learn_updates
 from memplan.plan import Plan, plan_from_schedule, update_runner
+from memplan.problem import SCRATCH_PREFIX
 from memplan.planformat import (
     PlanMismatchError,
     count_params,
@@ -142,6 +143,7 @@ def make_plan_from_saved(
     *,
     profile: DeviceProfile,
     measure_on: torch.device | None = None,
+    scratch_on: torch.device | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     grad_norm: bool = False,
     max_grad_norm: float | None = None,
@@ -150,7 +152,8 @@ def make_plan_from_saved(
     """The counterpart of :func:`memplan.plan.make_plan` that reuses ``saved`` instead of solving.
 
     A whole-step plan needs the optimizer it was made with (the same state bytes, learned
-    again) and the same accumulation; its updates run where it placed them."""
+    again) and the same accumulation; its updates run where it placed them. A plan that made
+    room for kernel scratch has it measured again on ``scratch_on`` (one that did not, not)."""
     where = saved.path or "the saved plan"
     _check_whole_step(saved, where, optimizer, max_grad_norm, accumulation)
     try:
@@ -159,8 +162,10 @@ def make_plan_from_saved(
         raise PlanMismatchError(f"{where} was made for a different model: {exc}") from None
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
     updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile) if optimizer is not None else []
+    with_scratch = any(str(name).startswith(SCRATCH_PREFIX) for _, name in saved.schedule)
     analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on,
-                               updates, saved.placement or UpdatePlacement())
+                               updates, saved.placement or UpdatePlacement(),
+                               scratch_on=scratch_on if with_scratch else None)
     if optimizer is not None and analysis.all_optimizer_state_bytes != saved.optimizer_state_bytes:
         raise PlanMismatchError(
             f"{where} was made for an optimizer that keeps {format_bytes(saved.optimizer_state_bytes)} of state; "

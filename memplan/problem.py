@@ -64,6 +64,7 @@ BACKWARD = "__backward__"
 START = "__start__"
 CUT_RESERVE = "__cut_reserve__"
 RNG_PREFIX = "rng:"
+SCRATCH_PREFIX = "scratch:"  # an op's kernel scratch (GraphCosts scratch): no tensor, held while the op runs
 # A CPU generator's state tensor, CUDA's seed and offset; twice, because a
 # replay also saves the current state to restore it afterwards.
 RNG_STATE_BYTES = {"cpu": 2 * 5056, "cuda": 2 * 16}
@@ -264,6 +265,12 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
             barrier_added = True
         vc = costs.values[node.name]
         preds = list(dict.fromkeys(value_name(i) for i in node.all_input_nodes)) or [START]
+        if vc.scratch:
+            # What the op's kernel allocates for itself while it runs: a value only it reads, so a
+            # schedule holds it for that compute (and each recomputation) and frees it right after.
+            add_value(SCRATCH_PREFIX + node.name, mem=vc.scratch, cost=0.0, recomputable=True, preds=[START],
+                      alias_of=None)
+            preds.append(SCRATCH_PREFIX + node.name)
         if vc.is_random:
             rng = rng_of[node.name] = RNG_PREFIX + node.name
             add_value(rng, mem=RNG_STATE_BYTES.get(value_device(node).type, 16), cost=0.0, recomputable=False, preds=[START], alias_of=None)

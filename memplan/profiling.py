@@ -105,3 +105,90 @@ def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20,
 
     seconds = max(timed(on_host, on_device), timed(on_device, on_host))
     return nbytes / max(seconds, 1e-9)
+
+
+# ATen ops whose kernels allocate memory for themselves while they run, beyond their outputs: found by
+# running every op of the zoo's joint graphs under the profiler (CPU: oneDNN's convolutions reorder their
+# inputs and weights, batch / layer / group norm backward and dropout keep float temporaries). On CUDA,
+# cuDNN's convolutions take their workspace from the caching allocator the same way.
+SCRATCH_OPS: frozenset[str] = frozenset({
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+    "aten._native_batch_norm_legit_functional.default",
+    "aten.native_batch_norm_backward.default",
+    "aten.native_layer_norm_backward.default",
+    "aten.native_group_norm_backward.default",
+    "aten.native_dropout.default",
+    "aten.native_dropout_backward.default",
+    "aten._safe_softmax.default",
+})
+
+# Scratch under this many bytes is the allocator's rounding or a scalar, not worth a node of the Problem.
+MIN_SCRATCH_BYTES = 256
+
+_SCRATCH_CACHE: dict[tuple, int] = {}
+
+
+def _signature(node: fx.Node, device: torch.device) -> tuple:
+    """What an op's scratch depends on: the op, its tensors' layouts, its other arguments."""
+    def key(x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            val = x.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return ("T", tuple(val.shape), tuple(val.stride()), val.dtype)
+            return ("V", repr(val))
+        return repr(x)
+
+    return (str(node.target), str(device), tuple(pytree.tree_map(key, list(node.args))),
+            tuple(sorted((k, repr(pytree.tree_map(key, v))) for k, v in node.kwargs.items())))
+
+
+def _allocated_during(run: Any, device: torch.device) -> int:
+    """Peak bytes the device allocator handed out while ``run()`` ran, above what was in use before."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from memplan.measure import profiled_peak
+
+    return profiled_peak(run)
+
+
+def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[str, int]:
+    """Bytes each op of `SCRATCH_OPS` in ``gm`` allocates for itself while it runs (its peak on the
+    device allocator, less its new outputs), measured once per op signature on ``device`` with
+    synthetic inputs; ops under `MIN_SCRATCH_BYTES` are left out.
+
+    The caller's random state is left as it was (dropout draws here). An op that fails on synthetic
+    inputs is left out (no scratch known)."""
+    device = torch.device(device)
+    forked = [device.index or 0] if device.type == "cuda" else []
+    scratch: dict[str, int] = {}
+    with torch.no_grad(), torch.random.fork_rng(devices=forked):
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or str(node.target) not in SCRATCH_OPS:
+                continue
+            sig = _signature(node, device)
+            if sig not in _SCRATCH_CACHE:
+                held: list[Any] = []
+                try:
+                    args, kwargs = pytree.tree_map_only(
+                        fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs))
+                    node.target(*args, **kwargs)  # warm-up: kernel selection, first-call allocations
+                    peak = _allocated_during(lambda: held.append(node.target(*args, **kwargs)), device)
+                    inputs = {t.untyped_storage().data_ptr()
+                              for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+                    outputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                               for t in pytree.tree_leaves(held) if isinstance(t, torch.Tensor)}
+                    fresh = sum(n for ptr, n in outputs.items() if ptr not in inputs)
+                    _SCRATCH_CACHE[sig] = max(0, peak - fresh)
+                except Exception:  # noqa: BLE001 - an op that checks values: no scratch known
+                    _SCRATCH_CACHE[sig] = 0
+                finally:
+                    del held
+            if _SCRATCH_CACHE[sig] >= MIN_SCRATCH_BYTES:
+                scratch[node.name] = _SCRATCH_CACHE[sig]
+    return scratch
