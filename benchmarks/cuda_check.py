@@ -117,12 +117,16 @@ def _times(steps: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str
 def _grad_error(module: torch.nn.Module, reference: dict[str, torch.Tensor]) -> float:
     """Largest |g - g_eager| / max|g_eager| over the parameters."""
     worst = 0.0
+    matched = 0
     for name, p in module.named_parameters():
-        ref = reference.get(name)
+        ref = reference.get(name.replace("_orig_mod.", ""))  # torch.compile's wrapper prefixes the names
         if ref is None or p.grad is None:
             continue
+        matched += 1
         scale = ref.abs().max().item() or 1.0
         worst = max(worst, (p.grad.float() - ref.float()).abs().max().item() / scale)
+    if matched < len(reference):
+        raise RuntimeError(f"gradients of {matched} of {len(reference)} parameters to compare")
     return worst
 
 
