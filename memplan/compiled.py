@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from memplan.measure import profiled_peak
+from memplan.measure import allocated_during
 from memplan.runtime import clear_box
 from memplan.storage import storage_key
 
@@ -222,14 +222,7 @@ def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int]:
         kept.append(sum({storage_key(t): t.untyped_storage().nbytes()
                          for t in result if isinstance(t, torch.Tensor)}.values()))
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        call()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base, kept[0]
-    return profiled_peak(call), kept[0]
+    return allocated_during(call, device), kept[0]
 
 
 def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[torch.Tensor], keep: list[bool],

@@ -80,6 +80,7 @@ from memplan.storage import sparse_parts, storage_key
 
 __all__ = [
     "MemoryTracker",
+    "allocated_during",
     "OpEvent",
     "host_storage",
     "is_host",
@@ -595,3 +596,17 @@ def profiled_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor] = ()) 
         peak = max(peak, running)
     storages = {storage_key(t): t.untyped_storage().nbytes() for t in resident}
     return peak + sum(storages.values())
+
+
+def allocated_during(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes the device's allocator handed out while ``fn()`` ran, above what was in use
+    before it: CUDA's allocator statistics, or on the CPU the profiler's allocation events
+    (`profiled_peak`), which also see what kernels allocate for themselves."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return profiled_peak(fn)

@@ -143,20 +143,6 @@ def _signature(node: fx.Node, device: torch.device) -> tuple:
             tuple(sorted((k, repr(pytree.tree_map(key, v))) for k, v in node.kwargs.items())))
 
 
-def _allocated_during(run: Any, device: torch.device) -> int:
-    """Peak bytes the device allocator handed out while ``run()`` ran, above what was in use before."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from memplan.measure import profiled_peak
-
-    return profiled_peak(run)
-
-
 def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[str, int]:
     """Bytes each op of `SCRATCH_OPS` in ``gm`` allocates for itself while it runs (its peak on the
     device allocator, less its new outputs), measured once per op signature on ``device`` with
@@ -164,6 +150,8 @@ def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[s
 
     The caller's random state is left as it was (dropout draws here). An op that fails on synthetic
     inputs is left out (no scratch known)."""
+    from memplan.measure import allocated_during
+
     device = torch.device(device)
     forked = [device.index or 0] if device.type == "cuda" else []
     scratch: dict[str, int] = {}
@@ -178,7 +166,7 @@ def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[s
                     args, kwargs = pytree.tree_map_only(
                         fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs))
                     node.target(*args, **kwargs)  # warm-up: kernel selection, first-call allocations
-                    peak = _allocated_during(lambda: held.append(node.target(*args, **kwargs)), device)
+                    peak = allocated_during(lambda: held.append(node.target(*args, **kwargs)), device)
                     inputs = {t.untyped_storage().data_ptr()
                               for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
                     outputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
