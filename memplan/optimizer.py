@@ -436,6 +436,9 @@ class UpdateRunner(nn.Module):
         time (`_step`)."""
         view = object.__new__(type(self.optimizer))
         view.__dict__.update(self.optimizer.__dict__)
+        # An LR scheduler wraps ``step`` on the instance, bound to the real optimizer (and its
+        # groups): the view steps through its class's ``step`` instead.
+        view.__dict__.pop("step", None)
         view.param_groups = [{**g, "params": []} for g in self.optimizer.param_groups]
         return view
 

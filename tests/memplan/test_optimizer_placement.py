@@ -227,3 +227,32 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     assert all(p <= budget for p in peaks), (peaks, budget)
     torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms))
     _assert_same(module, reference, optimizer, ref_optimizer)
+
+
+def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_once_per_parameter():
+    # Host updates step a view of the optimizer on a worker thread (memplan.optimizer.HostUpdates):
+    # an LR scheduler's change between steps must reach them, and the optimizer's own hooks run.
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_optimizer, step_size=1, gamma=0.5)
+    calls: list[int] = []
+    optimizer.register_step_pre_hook(lambda opt, a, kw: calls.append(1))
+    planned = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                               example_inputs=args, example_kwargs=kwargs)
+    for step in range(3):
+        torch.manual_seed(step)
+        planned(*args, **kwargs).backward()
+        optimizer.step()  # finds no gradients: memplan applied the update in backward
+        optimizer.zero_grad()
+        scheduler.step()
+        torch.manual_seed(step)
+        reference(*args, **kwargs).backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        ref_scheduler.step()
+    _assert_same(module, reference, optimizer, ref_optimizer)
+    updated = sum(1 for p in module.parameters() if p.requires_grad)
+    assert len(calls) == 3 * (updated + 1)  # one per parameter, plus the user's own step() call
+    assert all(is_host(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
