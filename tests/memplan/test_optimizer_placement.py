@@ -256,3 +256,21 @@ def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_onc
     updated = sum(1 for p in module.parameters() if p.requires_grad)
     assert len(calls) == 3 * (updated + 1)  # one per parameter, plus the user's own step() call
     assert all(is_host(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+
+
+def test_host_updates_clip_exactly_as_clip_grad_norm():
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    planned = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                               max_grad_norm=0.05, example_inputs=args, example_kwargs=kwargs)
+    for step in range(3):
+        torch.manual_seed(step)
+        planned(*args, **kwargs).backward()
+        torch.manual_seed(step)
+        reference(*args, **kwargs).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        torch.testing.assert_close(planned.grad_norm, norm)
+    _assert_same(module, reference, optimizer, ref_optimizer)
