@@ -114,17 +114,24 @@ def _times(steps: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str
     return out
 
 
+WORST: dict[str, Any] = {}  # the last comparison's worst parameter: where a gradient fault shows first
+
+
 def _grad_error(module: torch.nn.Module, reference: dict[str, torch.Tensor]) -> float:
-    """Largest |g - g_eager| / max|g_eager| over the parameters."""
+    """Largest |g - g_eager| / max|g_eager| over the parameters (its parameter in `WORST`)."""
     worst = 0.0
     matched = 0
+    WORST.clear()
     for name, p in module.named_parameters():
         ref = reference.get(name.replace("_orig_mod.", ""))  # torch.compile's wrapper prefixes the names
         if ref is None or p.grad is None:
             continue
         matched += 1
         scale = ref.abs().max().item() or 1.0
-        worst = max(worst, (p.grad.float() - ref.float()).abs().max().item() / scale)
+        error = (p.grad.float() - ref.float()).abs().max().item() / scale
+        if error > worst:
+            worst = error
+            WORST.update(parameter=name, max_abs_eager=scale, error=error)
     if matched < len(reference):
         raise RuntimeError(f"gradients of {matched} of {len(reference)} parameters to compare")
     return worst
@@ -155,6 +162,10 @@ def activations(name: str, size: str, batch: int | None, fractions: tuple[float,
     eager_peak = _peak(eager_step, lambda: _own(eager, (args, kwargs)))
     reference = {n: p.grad.detach().clone() for n, p in eager.named_parameters() if p.grad is not None}
     out.update(eager_peak=eager_peak, resident_before_step=resident, param_bytes=params)
+    torch.manual_seed(0)
+    eager_step.clear()
+    eager_step()
+    out["eager_again_grad_error"] = _grad_error(eager, reference)  # the floor: eager against itself
     steps: dict[str, Callable[[], Any]] = {"eager": eager_step}
     rows = []
     for fraction in fractions:
@@ -186,6 +197,7 @@ def activations(name: str, size: str, batch: int | None, fractions: tuple[float,
                 plan = opt.plan
                 row.update(budget=budget, measured=peaks, predicted=plan.predicted_peak,
                            under_budget=max(peaks) <= budget, grad_error=_grad_error(module, reference),
+                           worst_grad=dict(WORST),
                            predicted_time_ratio=plan.predicted_time / plan.store_all_time,
                            offloaded_bytes=sum(t.nbytes for t in plan.transfers), offloaded_values=len(plan.transfers),
                            predicted_wait=plan.predicted_wait)
