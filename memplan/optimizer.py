@@ -397,24 +397,24 @@ class UpdateRunner(nn.Module):
         if slot in self.host_slots:
             self._step_on_host(p, grad)
         else:
-            self._step(p, p, grad)
+            self._step(p, grad)
 
-    def _step(self, p: nn.Parameter, target: torch.Tensor, grad: torch.Tensor) -> None:
-        """Step the optimizer on ``target`` alone (``p`` itself, or its host copy), with ``grad``;
-        ``p``'s group's hyperparameters, read now."""
+    def _step(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """Step the optimizer on ``p`` alone, with ``grad``; its group's hyperparameters, read now.
+        (A host update steps a view of the optimizer instead, on another thread: `_host_view`.)"""
         groups = self.optimizer.param_groups
         held = [g["params"] for g in groups]
         own = self._group_of.get(id(p))
-        target.grad = grad
+        p.grad = grad
         try:
             # Only this parameter's group sees it: the others step over nothing.
             for gi, g in enumerate(groups):
-                g["params"] = [target] if gi == own else []
+                g["params"] = [p] if gi == own else []
             self.optimizer.step()
         finally:
             for g, ps in zip(groups, held):
                 g["params"] = ps
-            target.grad = None
+            p.grad = None
 
     def _step_on_host(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Update ``p`` with its state in host memory, overlapped with the rest of backward as
