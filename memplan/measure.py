@@ -583,15 +583,25 @@ def profiled_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor] = ()) 
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    sizes: list[tuple[int, int]] = []
+    events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
-            sizes.append((node.start_time_ns, node.extra_fields.alloc_size))
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
         stack.extend(node.children)
+    # A free is counted only when its block was allocated inside this window: the profiler also
+    # reports frees of blocks it saw allocated in an *earlier* profiling session (last step's
+    # gradients, freed by this step's zero_grad), which would otherwise lower the peak by their
+    # bytes; what was allocated before ``fn`` counts through ``resident`` alone.
+    live: dict[int, int] = {}
     running = peak = 0
-    for _, size in sorted(sizes):
+    for _, size, ptr in sorted(events):
+        if size < 0:
+            if live.pop(ptr, None) is None:
+                continue
+        else:
+            live[ptr] = size
         running += size
         peak = max(peak, running)
     storages = {storage_key(t): t.untyped_storage().nbytes() for t in resident}
