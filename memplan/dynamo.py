@@ -69,6 +69,9 @@ class CompiledGraph:
         self.stateful = _GraphWithBuffers(gm, example_inputs)
         # (budget, carry limit) -> a module planned for them, least recently used first
         self.levels: collections.OrderedDict[tuple[int, int | None], OptimizedModule] = collections.OrderedDict()
+        # (level, shape) pairs whose module already holds a plan: later calls go straight to the step
+        # (a module's own signature lookup would repeat the work `prepare` did, on every call)
+        self.prepared: set[tuple[tuple[int, int | None], Any]] = set()
         # Per input shape (an expert's graph is called with as many shapes as token counts):
         self.failed: set[tuple[Any, int, int | None]] = set()  # (shape, budget, carry limit) where no plan fits
         self.min_budget: dict[Any, int] = {}  # shape -> the smallest plan's peak, once a budget was below it
@@ -82,17 +85,27 @@ class CompiledGraph:
         if self.unplanned or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return self.gm(*args)  # nothing is saved for a backward: nothing to plan
         ledger = self.backend.ledger
-        params = [a for a in tensors if isinstance(a, nn.Parameter)]
-        state = params + [args[i] for i in self.stateful.buffer_positions]
-        resident = {storage_key(t): t.untyped_storage().nbytes() for t in state}
-        final = {("grad", storage_key(p)): p.numel() * p.element_size() for p in params if p.requires_grad}
-        # The step's own inputs (the batch) are the caller's, held until the step ends.
+        # One pass over the arguments (this runs every call): parameters and buffers are resident,
+        # each parameter makes a gradient, the step's own inputs (the batch) are the caller's, held
+        # until the step ends.
         first = not ledger.live
-        step_inputs = {storage_key(t): t.untyped_storage().nbytes() for t in tensors
-                       if first and storage_key(t) not in resident}
+        resident: dict[int, int] = {}
+        final: dict[tuple[str, int], int] = {}
+        others: dict[int, int] = {}
+        for i, t in enumerate(args):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key, nbytes = storage_key(t), t.untyped_storage().nbytes()
+            if isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
+                resident[key] = nbytes
+                if isinstance(t, nn.Parameter) and t.requires_grad:
+                    final[("grad", key)] = t.numel() * t.element_size()
+            else:
+                others[key] = nbytes
+        step_inputs = {k: b for k, b in others.items() if k not in resident} if first else {}
         if not first:  # what eager code since the last graph saved for its backward is held too
             ledger.hold_with_last(_saved_by_eager_autograd(tensors))
-        call = ledger.begin(resident, final, step_inputs, frozenset(storage_key(t) for t in tensors))
+        call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
         args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
@@ -142,13 +155,17 @@ class CompiledGraph:
                     if l == limit and (b == budget or (not exact and (1 - REUSE_SLACK) * budget <= b <= budget))),
                    (budget, limit))
         module = self.levels.get(key)
+        if module is not None and (key, shape) in self.prepared:
+            self.levels.move_to_end(key)
+            return module
         if module is None:
             module = OptimizedModule(self.stateful, budget, carry_limit=limit, **self.backend.plan_options)
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module._warned_loss_outside = True
             self.levels[key] = module
             while len(self.levels) > MAX_LEVELS:
-                self.levels.popitem(last=False)
+                dropped, _ = self.levels.popitem(last=False)
+                self.prepared = {(k, sh) for k, sh in self.prepared if k != dropped}
         try:
             module.prepare(*args)
         except CaptureError:
@@ -161,6 +178,7 @@ class CompiledGraph:
                 self.min_budget[shape] = max(self.min_budget.get(shape, 0), exc.min_budget)
             return None
         self.levels.move_to_end(key)
+        self.prepared.add((key, shape))
         return module
 
     def _hold_until_backward(self, call: Call, plan: Plan, inputs: list[torch.Tensor], out: Any) -> None:
@@ -171,22 +189,31 @@ class CompiledGraph:
         # carried bytes include it, the ledger counts it apart, once, against the graphs that do not read it.
         seen = {storage_key(t) for t in inputs}
         returned: dict[int, int] = {}
-        for t in _tensors(out):
+        outputs = _tensors(out)
+        for t in outputs:
             k = storage_key(t)
             if k not in seen:
                 seen.add(k)
                 returned[k] = t.untyped_storage().nbytes()
         token = ledger.hold(call, max(0, plan.carried_bytes - sum(returned.values())), returned)
-        needing = [t for t in inputs if t.requires_grad]
         handle: list[Any] = []
 
-        def release(_grads: Any = None) -> None:
+        def release(*_grads: Any) -> None:
             ledger.release(token)
             while handle:
                 handle.pop().remove()
 
-        handle.append(torch.autograd.graph.register_multi_grad_hook(needing, release, mode="any"))
-        node = next((t.grad_fn for t in _tensors(out) if t.grad_fn is not None), None)
+        nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        step = next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), None)
+        if step is not None:
+            # The planned step's own autograd node: its post-hook runs once its backward (the
+            # plan's whole backward) has returned, and goes with the node. One hook, where a hook
+            # on every input would cost a registration per parameter per call.
+            step.register_hook(release)
+        else:
+            needing = [t for t in inputs if t.requires_grad]
+            handle.append(torch.autograd.graph.register_multi_grad_hook(needing, release, mode="any"))
+        node = step or (nodes[0] if nodes else None)
         if node is not None:
             try:
                 weakref.finalize(node, ledger.release, token)
@@ -214,17 +241,18 @@ class _GraphWithBuffers(nn.Module):
             if isinstance(example, torch.Tensor) and "._buffers[" in source:
                 self.register_buffer(f"b{i}", example)
                 self.buffer_positions.append(i)
+        self.buffer_set = frozenset(self.buffer_positions)
         self.arity = len(placeholders)
 
     def bind(self, args: tuple) -> tuple:
         """Take this call's buffers from ``args``; the other arguments, for :meth:`forward`."""
         for i in self.buffer_positions:
             self._buffers[f"b{i}"] = args[i]
-        return tuple(a for i, a in enumerate(args) if i not in self.buffer_positions)
+        return tuple(a for i, a in enumerate(args) if i not in self.buffer_set)
 
     def forward(self, *rest: Any) -> Any:
         it = iter(rest)
-        args = [self._buffers[f"b{i}"] if i in self.buffer_positions else next(it) for i in range(self.arity)]
+        args = [self._buffers[f"b{i}"] if i in self.buffer_set else next(it) for i in range(self.arity)]
         return self.graph_module(*args)
 
 
