@@ -29,6 +29,7 @@ from memplan.capture import (
     MetaConstantsAsCPU,
     capture,
     eager_resampling,
+    traced_as_compiling,
     fakeify,
     flatten_output,
     swapped_state,
@@ -152,7 +153,8 @@ def replay_eager_peak(model: torch.nn.Module, args: tuple, kwargs: dict, output_
     # its function there, and with the real parameters back in place it would accumulate
     # fake gradients into their .grad. (Capture, which always runs first, has already
     # refused a forward that reassigns a parameter or buffer.)
-    with fake_mode, meta_constants, eager_resampling(), _RealRnnWorkspaces(), \
+    # Traced as capture traces it (`traced_as_compiling`): the fake tensors follow the same path.
+    with fake_mode, meta_constants, eager_resampling(), traced_as_compiling(), _RealRnnWorkspaces(), \
             MemoryTracker(device, allow_fake=True, record_timeline=False) as tracker, \
             swapped_state(model, state):
         out = model(*fake_args, **fake_kwargs)

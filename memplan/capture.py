@@ -750,6 +750,44 @@ class _ResamplingKernels:
     removed: list = []
 
 
+class _CompilingFlag:
+    """How many captures are tracing now (see `traced_as_compiling`), and the flag's value before the first."""
+
+    lock = threading.Lock()
+    users = 0
+    before = False
+
+
+@contextlib.contextmanager
+def traced_as_compiling():
+    """While tracing, ``torch.compiler.is_compiling()`` is True, as it is under torch.export's
+    non-strict tracing, which traces the model's Python the same way.
+
+    Libraries guard what a trace cannot follow with that check and take a traceable path
+    under it: transformers skips its packed-sequence detection, which reads a mask's values,
+    and picks a grouped-GEMM fallback that fake tensors support where the kernel's own
+    meta function refuses float32. The flag is process-wide (as torch.export's is): eager code
+    another thread runs during a capture sees it too."""
+    import torch.compiler as compiler
+
+    if not hasattr(compiler, "_is_compiling_flag"):  # an older torch: nothing to set
+        yield
+        return
+    shared = _CompilingFlag
+    with shared.lock:
+        if shared.users == 0:
+            shared.before = compiler._is_compiling_flag
+            compiler._is_compiling_flag = True
+        shared.users += 1
+    try:
+        yield
+    finally:
+        with shared.lock:
+            shared.users -= 1
+            if shared.users == 0:
+                compiler._is_compiling_flag = shared.before
+
+
 @contextlib.contextmanager
 def eager_resampling():
     """Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
@@ -924,9 +962,10 @@ def capture(
     flat_fake = tuple(fake_params + fake_buffers + fake_inputs)
     meta_constants = MetaConstantsAsCPU(model)
     try:
-        with fake_mode, torch.enable_grad(), meta_constants, _reentrant_checkpoints_as_plain_calls():
+        with fake_mode, torch.enable_grad(), meta_constants, _reentrant_checkpoints_as_plain_calls(), \
+                traced_as_compiling():
             probe = call_model(flat_fake)
-        with meta_constants, _reentrant_checkpoints_as_plain_calls():
+        with meta_constants, _reentrant_checkpoints_as_plain_calls(), traced_as_compiling():
             written = _mutated_inputs(call_model, flat_fake, fake_mode)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a CaptureError
         raise _capture_error(model, exc) from exc
@@ -972,6 +1011,7 @@ def capture(
                 _reentrant_checkpoints_as_plain_calls(),
                 _rnn_dropout_between_layers(),
                 eager_resampling(),
+                traced_as_compiling(),
             ):
                 compiled(*flat_fake)
     except _Captured:

@@ -1,5 +1,5 @@
-"""Hugging Face models through the torch.compile backend: GPT-2 configured as for training
-(``use_cache=False``, which optimize's single-graph capture cannot trace), and the Trainer."""
+"""Hugging Face models as people train them: GPT-2 configured for training (``use_cache=False``)
+through the torch.compile backend and through ``optimize``, the Trainer, and Mixtral in float32."""
 from __future__ import annotations
 
 import tempfile
@@ -75,18 +75,67 @@ def test_the_trainer_trains_a_model_compiled_with_the_backend_to_eager_losses():
     assert len(eager) == 3 and planned == pytest.approx(eager, rel=1e-6)
 
 
-def test_optimize_splits_gpt2_configured_for_training_at_its_graph_breaks():
-    """One graph cannot follow transformers' mask code with use_cache=False; optimize says so and
-    hands the model to the backend: gradients as eager's."""
-    model = _gpt2()
-    ids = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(1)
-    model(input_ids=ids, labels=ids).loss.backward()
+def _planned_step_against_eager(model, step, inputs, fraction: float, **options):
+    """Plan ``step`` (a module whose call returns the loss) at ``fraction`` of eager's measured peak
+    with ``memplan.optimize``: (eager peak, budget, plan, measured peaks by the tracker and the
+    profiler over two steps), after checking each step's gradients against eager's."""
+    resident = [*model.parameters(), *inputs]
+
+    def run(module):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # the same dropout masks in every step
+        module(*inputs).backward()
+
+    run(step)
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    opt = memplan.optimize(model, budget="1GB", time_limit=2)
-    with pytest.warns(memplan.GraphBreakWarning):
-        torch.manual_seed(1)
-        opt(input_ids=ids, labels=ids).loss.backward()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    eager = measure_peak(lambda: run(step), resident=resident)
+    budget = int(fraction * eager)
+    opt = memplan.optimize(step, budget=budget, example_inputs=tuple(inputs), **options)
+    assert opt.split is None, "planned as one graph, not split at graph breaks"
+    peaks = []
+    for measure in (measure_peak, profiled_peak):
+        peaks.append(measure(lambda: run(opt), resident=resident))
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    return eager, budget, opt.plan, peaks
+
+
+class _LossOf(torch.nn.Module):
+    """A Hugging Face causal LM called with labels: the step's loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def test_optimize_plans_gpt2_configured_for_training_as_one_graph():
+    """With use_cache=False transformers checks a mask's values unless torch.compiler.is_compiling()
+    says the model is being traced; capture says so (as torch.export's non-strict tracing does), so
+    the model plans as one graph: no graph break, budget held, gradients as eager's."""
+    model = _gpt2()
+    ids = torch.randint(0, 500, (4, 32), generator=torch.Generator().manual_seed(0))
+    eager, budget, plan, peaks = _planned_step_against_eager(model, _LossOf(model), [ids], 0.6, time_limit=2)
+    assert max(peaks) <= budget, (peaks, budget)
+    print(f"\nGPT-2 use_cache=False via optimize: eager {eager} B, budget {budget} B, predicted "
+          f"{plan.predicted_peak} B, measured (tracker, profiler) {peaks}")
+
+
+def test_hf_mixtral_in_float32_on_cpu_plans_as_one_graph():
+    """transformers' default experts path (grouped GEMM) refuses float32 on fake tensors, but under
+    tracing (is_compiling) it takes its fallback op, which fake tensors run: MixtralForCausalLM with
+    4 experts, top-2 routing, plans as one graph below eager's peak with eager's gradients."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="eager")
+    model = transformers.MixtralForCausalLM(config).train()
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    eager, budget, plan, peaks = _planned_step_against_eager(model, _LossOf(model), [ids], 0.75, time_limit=3)
+    assert max(peaks) <= budget, (peaks, budget)
+    assert abs(plan.predicted_peak - peaks[0]) <= 0.01 * peaks[0], (plan.predicted_peak, peaks)
+    print(f"\nMixtral fp32 ({model.config._experts_implementation} experts) via optimize: eager {eager} B, "
+          f"budget {budget} B, predicted {plan.predicted_peak} B, measured (tracker, profiler) {peaks}")
