@@ -7,7 +7,7 @@ here:
 
 * **What the update costs** (`learn_updates`): per parameter, the bytes of
   optimizer state the optimizer keeps for it, the bytes its update
-  allocates while it runs, and a roofline time. They are learned, not
+  allocates while it runs, and a time (a roofline, or timed with ``profile=True``). They are learned, not
   looked up: a fresh instance of the optimizer's own class with the
   parameter group's hyperparameters steps two small parameters of the same
   dtype and device under `memplan.measure.MemoryTracker`, and the bytes
@@ -71,6 +71,10 @@ NORM_FINAL = "__grad_norm__"
 
 # Numels of the two probe parameters each (group, dtype, device) is stepped with.
 PROBE_NUMELS = (1024, 4096)
+# Numels of the two parameters an update is timed on with ``profile=True``: large enough that the
+# per-element time shows above the fixed cost of one optimizer call (which the fit keeps: a step
+# calls the optimizer once per parameter, and for small parameters that call is the time).
+TIMING_NUMELS = (1 << 14, 1 << 18)
 
 
 class UnsupportedOptimizer(TypeError):
@@ -85,7 +89,7 @@ class ParamUpdate:
     name: str  # the parameter's name in the model
     state_bytes: int  # optimizer state kept for it, on its device
     temp_bytes: int  # allocated while its update runs, freed when it ends
-    time: float  # seconds, roofline of the update's memory traffic
+    time: float  # seconds: the update's memory traffic at the device's bandwidth, or timed (profile=True)
     grad_bytes: int = 0  # its gradient (parameter-shaped): what accumulating it holds between micro-steps
     # seconds to update it on the host instead: gradient and parameter copied out, the host
     # optimizer's traffic, the parameter copied back; off the compute stream, which spends only
@@ -117,8 +121,11 @@ class _Linear:
     def at(self, numel: int) -> int:
         return max(0, int(round(self.fixed + self.per_element * numel)))
 
+    def seconds_at(self, numel: int) -> float:
+        return max(0.0, self.fixed + self.per_element * numel)
 
-def _fit(points: list[tuple[int, int]]) -> _Linear:
+
+def _fit(points: list[tuple[int, float]]) -> _Linear:
     (n1, y1), (n2, y2) = points
     slope = (y2 - y1) / (n2 - n1)
     return _Linear(y1 - slope * n1, slope)
@@ -133,6 +140,39 @@ def _make_like(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], gro
         fresh = cls(params)
     fresh.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
     return fresh
+
+
+def _time_update(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,
+                 numel: int, on_host: bool, repeats: int = 5) -> float:
+    """Median seconds of one update of a fresh optimizer on a parameter of ``numel`` elements, its
+    state made by a first update: on ``device`` as the planned backward runs it (`UpdateRunner`,
+    one optimizer call for the parameter), or ``on_host``, the step the host worker runs."""
+    import statistics
+    import time
+
+    where = torch.device("cpu") if on_host else device
+    p = nn.Parameter(torch.zeros(numel, dtype=dtype, device=where))
+    grad = torch.full_like(p, 1e-3)
+    fresh = _make_like(optimizer, [p], group)
+    runner = UpdateRunner(fresh, [p])
+    runner.begin(frozenset())
+
+    def once() -> float:
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        start = time.perf_counter()
+        if on_host:
+            p.grad = grad
+            fresh.step()
+            p.grad = None
+        else:
+            runner(0, grad)
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        return time.perf_counter() - start
+
+    once()  # the state is made by the first update
+    return statistics.median(once() for _ in range(repeats))
 
 
 def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,
@@ -154,13 +194,19 @@ def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, de
 
 
 def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_names: list[str],
-                  profile: DeviceProfile) -> list[ParamUpdate]:
+                  profile: DeviceProfile, measure_times: bool = False) -> list[ParamUpdate]:
     """Per parameter the optimizer updates: its state and temporary bytes, and its update time.
 
-    ``primal_names``: the capture's primal names (parameters first, by name)."""
+    ``primal_names``: the capture's primal names (parameters first, by name). ``measure_times``
+    (``profile=True``): the update's time on the device and on the host are measured, by timing the
+    optimizer's own class on two parameters per (group, dtype, device) (`TIMING_NUMELS`) and fitting
+    ``fixed + per_element * numel`` as for the bytes; else the update's memory traffic at the
+    profile's bandwidth (the device's, and `HOST_PROFILE`'s for the host), which leaves out the cost
+    of one optimizer call per parameter."""
     names = {id(p): n for n, p in model.named_parameters()}
     primal_of = {n: i for i, n in enumerate(primal_names)}
     learned: dict[tuple, tuple[_Linear, _Linear]] = {}
+    timed: dict[tuple, tuple[_Linear, _Linear]] = {}
     out: list[ParamUpdate] = []
     with unmeasured():
         for gi, group in enumerate(optimizer.param_groups):
@@ -188,16 +234,26 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 param_bytes = numel * p.element_size()
                 # Read parameter, gradient and state; write parameter and state.
                 moved = 3 * param_bytes + 2 * state
-                on_host = (profile.transfer_time(3 * param_bytes)
-                           + HOST_PROFILE.op_time(10.0 * numel, moved))
+                if measure_times and p.device.type != "meta":
+                    if key not in timed:
+                        timed[key] = tuple(  # type: ignore[assignment]
+                            _fit([(n, _time_update(optimizer, group, p.dtype, device, n, on_host))
+                                  for n in TIMING_NUMELS])
+                            for on_host in (False, True))
+                    device_fit, host_fit = timed[key]
+                    on_device, host_step = device_fit.seconds_at(numel), host_fit.seconds_at(numel)
+                else:
+                    on_device = profile.op_time(10.0 * numel, moved)
+                    host_step = HOST_PROFILE.op_time(10.0 * numel, moved)
+                # The gradient and the parameter copied out, the parameter copied back.
+                on_host = profile.transfer_time(3 * param_bytes) + host_step
                 out.append(ParamUpdate(primal_of[names[id(p)]], names[id(p)], state, temp,
-                                       profile.op_time(10.0 * numel, moved), param_bytes, on_host,
-                                       2 * profile.op_overhead))
+                                       on_device, param_bytes, on_host, 2 * profile.op_overhead))
     return out
 
 
-# The host's throughput for updates computed there (optimizer_state="host"); `profile=True`
-# does not time it yet: a GPU session measures ZeRO-Offload-style updates.
+# The host's throughput for updates computed there (optimizer_state="host") where they are not
+# timed (`learn_updates`' ``measure_times``, which ``profile=True`` turns on).
 HOST_PROFILE = PROFILES["cpu"]
 
 

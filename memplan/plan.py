@@ -363,7 +363,8 @@ def make_plan(
     clock = PlanningClock.begin(time_limit, started)
     cap = capture(model, args, kwargs, output_use=output_use)
     primal_names = [p.name for p in cap.primals]
-    updates = learn_updates(optimizer, model, primal_names, profile) if optimizer is not None else []
+    updates = (learn_updates(optimizer, model, primal_names, profile, measure_times=measure_on is not None)
+               if optimizer is not None else [])
     if eager_peak is None:
         eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
     steps = accumulation.steps if accumulation is not None else 1

@@ -161,7 +161,8 @@ def make_plan_from_saved(
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
         raise PlanMismatchError(f"{where} was made for a different model: {exc}") from None
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
-    updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile) if optimizer is not None else []
+    updates = (learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
+                             measure_times=measure_on is not None) if optimizer is not None else [])
     with_scratch = any(str(name).startswith(SCRATCH_PREFIX) for _, name in saved.schedule)
     analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on,
                                updates, saved.placement or UpdatePlacement(),

@@ -274,3 +274,26 @@ def test_host_updates_clip_exactly_as_clip_grad_norm():
         ref_optimizer.zero_grad()
         torch.testing.assert_close(planned.grad_norm, norm)
     _assert_same(module, reference, optimizer, ref_optimizer)
+
+
+@pytest.mark.parametrize("state", ["device", "host"])
+def test_profile_times_the_updates_and_the_plan_trains_as_eager(state):
+    """``profile=True`` times the optimizer's own updates (on the device and on the host) instead of
+    a roofline of their traffic; the plan made with those times trains as eager."""
+    from memplan.costs import PROFILES
+    from memplan.optimizer import learn_updates
+
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = _adamw(module), _adamw(reference)
+    planned = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state=state,
+                               profile=True, example_inputs=args, example_kwargs=kwargs)
+    timed = planned.plan.analysis.updates
+    roofline = learn_updates(optimizer, module, [n for n, _ in module.named_parameters()], PROFILES["cpu"])
+    assert len(timed) == len(roofline) > 0
+    # Measured, not the roofline (which, for these small parameters, leaves out the optimizer call).
+    assert all(t.time != r.time and t.host_time != r.host_time for t, r in zip(timed, roofline))
+    peaks = _loop(module, planned, optimizer, args, kwargs, 2)
+    _loop(reference, reference, ref_optimizer, args, kwargs, 2)
+    assert max(peaks) <= planned.plan.predicted_peak
+    _assert_same(module, reference, optimizer, ref_optimizer)
