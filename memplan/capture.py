@@ -740,78 +740,70 @@ _EAGER_RESAMPLING = (
 )
 
 
-class _ResamplingKernels:
-    """The Python kernels `eager_resampling` sets aside, shared by every thread tracing at once:
-    the first to enter sets them aside, the last to leave puts them back (a thread that put them
-    back while another still traced would hand that one the decompositions)."""
+class _SharedWhileTracing:
+    """A process-wide change that every thread tracing at once shares: the first to enter makes
+    it (``make()``, which returns what ``undo`` needs), the last to leave undoes it (a thread that
+    undid it while another still traced would pull it from under that one)."""
 
-    lock = threading.Lock()
-    users = 0
-    removed: list = []
+    def __init__(self, make: Callable[[], Any], undo: Callable[[Any], None]):
+        self.make, self.undo = make, undo
+        self.lock = threading.Lock()
+        self.users = 0
+        self.saved: Any = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self.lock:
+            if self.users == 0:
+                self.saved = self.make()
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if self.users == 0:
+                    self.undo(self.saved)
+                    self.saved = None
 
 
-class _CompilingFlag:
-    """How many captures are tracing now (see `traced_as_compiling`), and the flag's value before the first."""
-
-    lock = threading.Lock()
-    users = 0
-    before = False
-
-
-@contextlib.contextmanager
-def traced_as_compiling():
-    """While tracing, ``torch.compiler.is_compiling()`` is True, as it is under torch.export's
-    non-strict tracing, which traces the model's Python the same way.
-
-    Libraries guard what a trace cannot follow with that check and take a traceable path
-    under it: transformers skips its packed-sequence detection, which reads a mask's values,
-    and picks a grouped-GEMM fallback that fake tensors support where the kernel's own
-    meta function refuses float32. The flag is process-wide (as torch.export's is): eager code
-    another thread runs during a capture sees it too."""
+def _set_compiling_flag() -> bool:
     import torch.compiler as compiler
 
-    if not hasattr(compiler, "_is_compiling_flag"):  # an older torch: nothing to set
-        yield
-        return
-    shared = _CompilingFlag
-    with shared.lock:
-        if shared.users == 0:
-            shared.before = compiler._is_compiling_flag
-            compiler._is_compiling_flag = True
-        shared.users += 1
-    try:
-        yield
-    finally:
-        with shared.lock:
-            shared.users -= 1
-            if shared.users == 0:
-                compiler._is_compiling_flag = shared.before
+    before = getattr(compiler, "_is_compiling_flag", False)
+    compiler._is_compiling_flag = True
+    return before
 
 
-@contextlib.contextmanager
-def eager_resampling():
-    """Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
-    ``*_backward`` op in backward (the derivative formula of ``derivatives.yaml``).
+def _restore_compiling_flag(before: bool) -> None:
+    import torch.compiler as compiler
 
-    Their Python kernels for the Autograd and CompositeImplicitAutograd keys are set aside while
-    tracing (and the overloads' dispatch caches cleared, so that the C++ kernels are found), and
-    put back after, once no thread traces any more (`_ResamplingKernels`). An op torch no longer
-    has is skipped."""
-    shared = _ResamplingKernels
-    with shared.lock:
-        if shared.users == 0:
-            shared.removed = _set_aside_resampling_kernels()
-        shared.users += 1
-    try:
-        yield
-    finally:
-        with shared.lock:
-            shared.users -= 1
-            if shared.users == 0:
-                for op, key, fn in shared.removed:
-                    op.py_kernels[key] = fn
-                    op._dispatch_cache.clear()
-                shared.removed = []
+    compiler._is_compiling_flag = before
+
+
+traced_as_compiling = _SharedWhileTracing(_set_compiling_flag, _restore_compiling_flag)
+traced_as_compiling.__doc__ = """While tracing, ``torch.compiler.is_compiling()`` is True, as it is under torch.export's
+non-strict tracing, which traces the model's Python the same way.
+
+Libraries guard what a trace cannot follow with that check and take a traceable path under
+it: transformers skips its packed-sequence detection, which reads a mask's values, and picks a
+grouped-GEMM fallback that fake tensors support where the kernel's own meta function refuses
+float32. The flag is process-wide (as torch.export's is): eager code another thread runs during
+a capture sees it too."""
+
+
+def _put_back_resampling_kernels(removed: list) -> None:
+    for op, key, fn in removed:
+        op.py_kernels[key] = fn
+        op._dispatch_cache.clear()
+
+
+# Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
+# ``*_backward`` op in backward (the derivative formula of ``derivatives.yaml``). Their Python
+# kernels for the Autograd and CompositeImplicitAutograd keys are set aside while tracing (and
+# the overloads' dispatch caches cleared, so that the C++ kernels are found), and put back after,
+# once no thread traces any more. An op torch no longer has is skipped.
+eager_resampling = _SharedWhileTracing(lambda: _set_aside_resampling_kernels(), _put_back_resampling_kernels)
 
 
 def _set_aside_resampling_kernels() -> list:
