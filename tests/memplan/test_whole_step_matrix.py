@@ -40,6 +40,11 @@ LR = 1e-2
 MAX_NORM = 0.05  # below every zoo model's gradient norm at init: the clip scales
 STEPS = 3
 MODES = {"in_backward": False, "after_backward": True}
+# The matrix's placements: each update as its gradient is final or after backward, with the state
+# on the device, or every parameter's state in host memory, updated there.
+PLACEMENTS = {"in_backward": {"updates_after_backward": False}, "after_backward": {"updates_after_backward": True},
+              "host": {"optimizer_state": "host"}}
+ACCUMULATE = 2  # micro-steps per update in the matrix's accumulation variant
 
 Factory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -88,16 +93,20 @@ def _plan(module, budget, optimizer, args, kwargs, *, autocast=False, **options)
 
 
 @functools.cache
-def _budget(name: str, autocast: bool = False) -> int:
+def _budget(name: str, autocast: bool = False, host: bool = False, accumulate: int = 1) -> int:
     """Half the activations below store-all's whole-step peak with AdamW and the updates in backward
     (one probe per model and worker). Every test of the model gets this budget, whatever its optimizer
-    and update placement: `_check_plan` checks that it is below that step's own store-all peak."""
+    and update placement: `_check_plan` checks that it is below that step's own store-all peak.
+    ``host``: the state in host memory (its own, lower peak); ``accumulate``: with that many micro-steps
+    per update (the accumulated gradients are held all step)."""
     module, args, kwargs = _build(name)
+    placement = {"optimizer_state": "host"} if host else {}
     with _autocast(autocast):
         probe = memplan.optimize(module, 10**12, solver="store_all", optimizer=OPTIMIZERS["adamw"](module),
-                                 example_inputs=args, example_kwargs=kwargs)
+                                 accumulate_steps=accumulate, example_inputs=args, example_kwargs=kwargs,
+                                 **placement)
     analysis = probe.plan.analysis
-    assert analysis.optimizer_state_bytes > 0
+    assert (analysis.host_optimizer_state_bytes if host else analysis.optimizer_state_bytes) > 0
     return int(analysis.graph_peak - 0.5 * analysis.activation_bytes)
 
 
@@ -150,34 +159,42 @@ def _assert_same_training(module, reference, optimizer, ref_optimizer, **tol) ->
             {k: v for k, v in ref_group.items() if k != "params"}
 
 
-def _check_plan(planned: memplan.OptimizedModule, budget: int, forced_after: bool) -> None:
+def _check_plan(planned: memplan.OptimizedModule, budget: int, forced_after: bool, host: bool = False) -> None:
     plan = planned.plan
-    assert plan.analysis.lowered.updates, "the plan applies no update"
-    assert plan.analysis.optimizer_state_bytes > 0
+    lowered = plan.analysis.lowered
+    assert lowered.updates, "the plan applies no update"
     assert plan.predicted_peak <= budget < plan.store_all_peak
-    # These budgets fit the state on the device: recomputation is preferred to host updates.
-    assert not plan.analysis.lowered.host_states
+    if host:  # every parameter's state in host memory, none on the device
+        assert plan.analysis.optimizer_state_bytes == 0 < plan.analysis.host_optimizer_state_bytes
+        assert lowered.host_states == {name for _, _, name in lowered.updates}
+    else:
+        assert plan.analysis.optimizer_state_bytes > 0
+        # These budgets fit the state on the device: recomputation is preferred to host updates.
+        assert not lowered.host_states
     assert any(d.decision == "recompute" for d in plan.decisions), "the budget forced no recomputation"
     if forced_after:
-        assert plan.analysis.lowered.updates_after_backward
+        assert lowered.updates_after_backward
 
 
 # -- 1. the matrix: zoo models x update placement x {plain, lr schedule, clip} -----------------
 
-VARIANTS = ("plain", "step_lr", "clip")
+VARIANTS = ("plain", "step_lr", "clip", "accumulate")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(PLACEMENTS))
 @pytest.mark.parametrize("model", list(BATCH))
 def test_matrix_three_steps_equal_eager_within_the_budget(model, mode, variant):
-    after_backward = MODES[mode]
-    budget = _budget(model)
+    host = mode == "host"
+    after_backward = MODES.get(mode, False)
+    if variant == "accumulate":
+        return _accumulating_steps_equal_eager_within_the_budget(model, mode)
+    budget = _budget(model, host=host)
     module, args, kwargs = _build(model)
     reference = copy.deepcopy(module)
     optimizer, ref_optimizer = OPTIMIZERS["adamw"](module), OPTIMIZERS["adamw"](reference)
     clip = MAX_NORM if variant == "clip" else None
-    planned = _plan(module, budget, optimizer, args, kwargs, updates_after_backward=after_backward, max_grad_norm=clip)
+    planned = _plan(module, budget, optimizer, args, kwargs, max_grad_norm=clip, **PLACEMENTS[mode])
     schedules = (None, None)
     if variant == "step_lr":
         schedules = tuple(torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
@@ -194,13 +211,44 @@ def test_matrix_three_steps_equal_eager_within_the_budget(model, mode, variant):
 
     # With only max_grad_norm= the updates wait for the clip, after backward (or, where that does not
     # fit, in a second backward pass): not asserted here, only that the clip is eager's.
-    _check_plan(planned, budget, forced_after=after_backward)
+    _check_plan(planned, budget, forced_after=after_backward, host=host)
+    print(f"\n{model} {mode} {variant}: budget {budget} B, predicted {planned.plan.predicted_peak} B, measured {peaks}")
     assert all(p <= budget for p in peaks), (peaks, budget)
     if variant == "step_lr":
         assert optimizer.param_groups[0]["lr"] == pytest.approx(LR * 0.5**STEPS)
     if clip is not None:
         assert all(n > MAX_NORM for n in ref_norms), "the clip did nothing"
         torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms))
+    _assert_same_training(module, reference, optimizer, ref_optimizer)
+
+
+def _accumulating_steps_equal_eager_within_the_budget(model: str, mode: str) -> None:
+    """The matrix's accumulation cell: ``accumulate_steps=2``, the usual loop (the loss scaled by
+    1/2, ``step()`` and ``zero_grad()`` every second micro-step) for 3 updates, against eager's."""
+    host = mode == "host"
+    budget = _budget(model, host=host, accumulate=ACCUMULATE)
+    module, args, kwargs = _build(model)
+    reference = copy.deepcopy(module)
+    optimizer, ref_optimizer = OPTIMIZERS["adamw"](module), OPTIMIZERS["adamw"](reference)
+    planned = _plan(module, budget, optimizer, args, kwargs, accumulate_steps=ACCUMULATE, **PLACEMENTS[mode])
+    peaks = []
+    for step_fn, opt, measure in ((planned, optimizer, True), (reference, ref_optimizer, False)):
+        for micro in range(STEPS * ACCUMULATE):
+            def body(micro=micro, step_fn=step_fn, opt=opt):
+                torch.manual_seed(micro)  # dropout masks: the same in both runs
+                (step_fn(*args, **kwargs) / ACCUMULATE).backward()
+                if (micro + 1) % ACCUMULATE == 0:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            if measure:
+                peaks.append(measure_peak(body))
+            else:
+                body()
+    _check_plan(planned, budget, forced_after=MODES.get(mode, False), host=host)
+    print(f"\n{model} {mode} accumulate: budget {budget} B, predicted {planned.plan.predicted_peak} B, "
+          f"measured {peaks}")
+    assert planned.plan.analysis.accumulated_gradient_bytes > 0
+    assert all(p <= budget for p in peaks), (peaks, budget)
     _assert_same_training(module, reference, optimizer, ref_optimizer)
 
 
