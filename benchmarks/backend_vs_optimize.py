@@ -22,11 +22,17 @@ from pathlib import Path
 import torch
 
 import memplan
+from benchmarks.report import markdown_table
+from benchmarks.time_prediction import spread
 from memplan.measure import measure_peak, profiled_peak
 from memplan.models import zoo
 
 BATCH = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16}
 RESULTS = Path(__file__).parent / "results" / "backend.md"
+
+
+def pred_text(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio else "n/a"
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -116,20 +122,17 @@ def main(argv: list[str] | None = None) -> None:
         "allocate inside themselves (cnn, unet and vit's patch embedding; `kernel_scratch=True` plans for it); "
         "without convolutions the two agree within 4 kB.",
         "",
-        "| model | budget | graphs | optimize predicted | optimize measured (tracker / profiler) | backend predicted "
-        "| backend measured (profiler) | grads | eager step | optimize time (pred.) | backend time (pred.) "
-        "| backend / optimize |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
-        pred = f"{r['be_pred_time']:.2f}x" if r["be_pred_time"] else "n/a"
-        span = lambda key: f"{r[key + '_spread'][0]:.2f}-{r[key + '_spread'][1]:.2f}"  # noqa: E731
-        lines.append(
-            f"| {r['model']} | {r['budget']} | {r['graphs']} | {r['opt_predicted']} | {r['opt_tracker']} / "
-            f"{r['opt_profiler']} | {r['be_predicted']} | {r['be_profiler']} | {'equal' if r['grads'] else 'DIFFER'} "
-            f"| {r['eager_ms']:.2f} ms | {r['opt_time']:.2f}x ({r['opt_pred_time']:.2f}x; {span('opt_time')}) "
-            f"| {r['be_time']:.2f}x ({pred}; {span('be_time')}) | {r['be_over_opt']:.3f}x ({span('be_over_opt')}) |"
-        )
+    header = ("model", "budget", "graphs", "optimize predicted", "optimize measured (tracker / profiler)",
+              "backend predicted", "backend measured (profiler)", "grads", "eager step", "optimize time (pred.)",
+              "backend time (pred.)", "backend / optimize")
+    lines.append(markdown_table(header, [[
+        r["model"], str(r["budget"]), str(r["graphs"]), str(r["opt_predicted"]),
+        f"{r['opt_tracker']} / {r['opt_profiler']}", str(r["be_predicted"]), str(r["be_profiler"]),
+        "equal" if r["grads"] else "DIFFER", f"{r['eager_ms']:.2f} ms",
+        f"{r['opt_time']:.2f}x ({r['opt_pred_time']:.2f}x; {spread(r['opt_time_spread'])})",
+        f"{r['be_time']:.2f}x ({pred_text(r['be_pred_time'])}; {spread(r['be_time_spread'])})",
+        f"{r['be_over_opt']:.3f}x ({spread(r['be_over_opt_spread'])})"] for r in rows]))
     ns.out.parent.mkdir(exist_ok=True)
     ns.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

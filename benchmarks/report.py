@@ -41,7 +41,8 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(c.replace("|", "/") for c in cells) + " |"
 
 
-def _table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the header, its rule, a line per row of cells."""
     lines = [_row(list(header)), _row(["---"] * len(header))]
     lines += [_row(r) for r in rows]
     return "\n".join(lines)
@@ -103,7 +104,7 @@ def model_table(res: ModelResult) -> str:
             cell = res.cell(label, method)
             if cell is not None:
                 rows.append(cell_row(cell, res.eager_peak))
-    return _table(COLUMNS, rows)
+    return markdown_table(COLUMNS, rows)
 
 
 def _eager_line(res: ModelResult) -> str:
@@ -152,7 +153,7 @@ def speed_table(res: ModelResult) -> str:
     """One row per method: the lowest budget met, then the time ratio (min–max over rounds) per budget."""
     labels = [label for label, _ in res.budgets]
     rows = [[m, lowest_met(res, m)] + [ratio_at(res, m, label, spread=True) for label in labels] for m in res.methods]
-    return _table(["method", "lowest budget met"] + [f"time at {label}" for label in labels], rows)
+    return markdown_table(["method", "lowest budget met"] + [f"time at {label}" for label in labels], rows)
 
 
 SPEED_LEGEND = (
@@ -165,7 +166,7 @@ SPEED_LEGEND = (
 def summary_table(results: list[ModelResult]) -> str:
     methods = list(dict.fromkeys(m for r in results for m in r.methods))
     rows = [[r.spec.name] + [f"{lowest_met(r, m)} · {ratio_at(r, m)}" for m in methods] for r in results]
-    return _table(["model"] + methods, rows)
+    return markdown_table(["model"] + methods, rows)
 
 
 def minimum_table(results: list[ModelResult]) -> str:
@@ -183,7 +184,7 @@ def minimum_table(results: list[ModelResult]) -> str:
                 flag = "" if cell.met is not False else " (over)"
                 row.append(f"{cand.peak / r.eager_peak:.0%}{flag} · {ratio}")
         rows.append(row)
-    return _table(["model"] + methods, rows)
+    return markdown_table(["model"] + methods, rows)
 
 
 SUMMARY_LEGEND = (

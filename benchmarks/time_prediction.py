@@ -22,10 +22,16 @@ from pathlib import Path
 import torch
 
 import memplan
+from benchmarks.report import markdown_table
 from memplan.measure import measure_peak
 from memplan.models import zoo
 
 RESULTS = Path(__file__).parent / "results" / "time_prediction.md"
+
+
+def spread(pair: tuple[float, float]) -> str:
+    """A min-max spread of ratios, as the tables print it."""
+    return f"{pair[0]:.2f}-{pair[1]:.2f}"
 
 
 def compare(name: str, size: str, fraction: float, rounds: int, time_limit: float) -> list[dict]:
@@ -98,19 +104,14 @@ def main(argv: list[str] | None = None) -> None:
         "the measured time over store-all's, and the time over eager's adds the runtime's own overhead "
         "(store-all over eager).",
         "",
-        "| model | cost model | budget | predicted | measured / store-all | off by | measured / eager | off by "
-        "| store-all / eager | eager step | plan s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['cost model']} | {r['budget']} | {r['predicted']:.3f}x "
-            f"| {r['over_store_all']:.3f}x ({r['store_spread'][0]:.2f}-{r['store_spread'][1]:.2f}) "
-            f"| {r['over_store_all'] - r['predicted']:+.3f} "
-            f"| {r['over_eager']:.3f}x ({r['eager_spread'][0]:.2f}-{r['eager_spread'][1]:.2f}) "
-            f"| {r['over_eager'] - r['predicted']:+.3f} | {r['store_all_over_eager']:.3f}x | {r['eager_ms']:.0f} ms "
-            f"| {r['plan_s']:.1f} |"
-        )
+    header = ("model", "cost model", "budget", "predicted", "measured / store-all", "off by", "measured / eager",
+              "off by", "store-all / eager", "eager step", "plan s")
+    lines.append(markdown_table(header, [[
+        r["model"], r["cost model"], str(r["budget"]), f"{r['predicted']:.3f}x",
+        f"{r['over_store_all']:.3f}x ({spread(r['store_spread'])})", f"{r['over_store_all'] - r['predicted']:+.3f}",
+        f"{r['over_eager']:.3f}x ({spread(r['eager_spread'])})", f"{r['over_eager'] - r['predicted']:+.3f}",
+        f"{r['store_all_over_eager']:.3f}x", f"{r['eager_ms']:.0f} ms", f"{r['plan_s']:.1f}"] for r in rows]))
     ns.out.parent.mkdir(exist_ok=True)
     ns.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -111,17 +111,20 @@ def _budget(name: str, autocast: bool = False, host: bool = False, accumulate: i
 
 
 def _steps(step_fn, optimizer, args, kwargs, *, start=0, steps=STEPS, scheduler=None, clip=None, norms=None,
-           autocast=False, measure=True) -> list[int]:
+           autocast=False, measure=True, accumulate=1) -> list[int]:
     """The usual loop; each step's measured peak (forward through ``zero_grad()``) when ``measure``.
     ``clip``: the parameters to ``clip_grad_norm_`` to ``MAX_NORM`` between backward and step (the
-    eager loop; their norms are appended to ``norms``)."""
+    eager loop; their norms are appended to ``norms``). ``accumulate``: micro-steps per update, the
+    loss scaled by 1/accumulate, ``step()`` and ``zero_grad()`` every ``accumulate``-th."""
     peaks = []
     for step in range(start, start + steps):
         def body(step=step):
             torch.manual_seed(step)  # dropout masks: the same in both runs
             with _autocast(autocast):
                 loss = step_fn(*args, **kwargs)
-            loss.backward()
+            (loss / accumulate if accumulate > 1 else loss).backward()
+            if (step + 1) % accumulate:
+                return
             if clip is not None:
                 norms.append(torch.nn.utils.clip_grad_norm_(clip, MAX_NORM))
             optimizer.step()
@@ -231,19 +234,8 @@ def _accumulating_steps_equal_eager_within_the_budget(model: str, mode: str) -> 
     reference = copy.deepcopy(module)
     optimizer, ref_optimizer = OPTIMIZERS["adamw"](module), OPTIMIZERS["adamw"](reference)
     planned = _plan(module, budget, optimizer, args, kwargs, accumulate_steps=ACCUMULATE, **PLACEMENTS[mode])
-    peaks = []
-    for step_fn, opt, measure in ((planned, optimizer, True), (reference, ref_optimizer, False)):
-        for micro in range(STEPS * ACCUMULATE):
-            def body(micro=micro, step_fn=step_fn, opt=opt):
-                torch.manual_seed(micro)  # dropout masks: the same in both runs
-                (step_fn(*args, **kwargs) / ACCUMULATE).backward()
-                if (micro + 1) % ACCUMULATE == 0:
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            if measure:
-                peaks.append(measure_peak(body))
-            else:
-                body()
+    peaks = _steps(planned, optimizer, args, kwargs, steps=STEPS * ACCUMULATE, accumulate=ACCUMULATE)
+    _steps(reference, ref_optimizer, args, kwargs, steps=STEPS * ACCUMULATE, accumulate=ACCUMULATE, measure=False)
     _check_plan(planned, budget, forced_after=MODES.get(mode, False), host=host)
     print(f"\n{model} {mode} accumulate: budget {budget} B, predicted {planned.plan.predicted_peak} B, "
           f"measured {peaks}")
