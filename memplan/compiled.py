@@ -2,11 +2,12 @@
 
 A segment (`memplan.runtime.Segment`) is straight-line fx code in schedule
 order. Most of it is plain ATen ops; between them sit Python steps that
-Inductor must not see: random ops and their replays (their generator state is
-the plan's), offload / prefetch / arrive, optimizer updates, gradient
-clipping. This module cuts a segment's nodes into *runs*: maximal stretches
-of pure, deterministic ATen ops (a run never crosses a Python step, so no
-value moves across one). Each run long enough to gain from fusion is
+Inductor must not see: the capture of a random op's generator state and its
+replays, offload / prefetch / arrive, optimizer updates, gradient clipping.
+This module cuts a segment's nodes into *runs*: maximal stretches of pure,
+deterministic ATen ops (a run never crosses a Python step, so no value moves
+across one), each of which may open with one random op's first run (dropout's
+mask drawn by eager's own kernel, ``fallback_random``: `_random`). Each run long enough to gain from fusion is
 decomposed with Inductor's table and compiled by Inductor
 (``compile_fx_inner``) on fake inputs; everything else runs as generated fx
 code, as in the eager runtime.
@@ -145,8 +146,17 @@ def _compilable(node: fx.Node) -> bool:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload):
         return False
-    # Random ops stay eager: the plan saves and replays their generator state.
     return torch.Tag.nondeterministic_seeded not in op.tags and not op._schema.is_mutable
+
+
+def _random(node: fx.Node) -> bool:
+    """A random ATen op's first run (dropout's mask drawn). It may open a run: Inductor compiles it
+    as a call of eager's own kernel (``fallback_random``), which draws from the generator the plan
+    saved the state of just before (a Python step, so always the run's first op), and so draws
+    eager's mask. Its recomputations are replays, Python steps, never in a run."""
+    op = node.target
+    return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in op.tags and not op._schema.is_mutable)
 
 
 def _tensor_valued(node: fx.Node) -> bool:
@@ -160,6 +170,11 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     for node in nodes:
         # an item of a multi-output value stays with the op that made it, compiled or not
         kind = groups[-1][0] if node.target is operator.getitem and node.args[0] in members else _compilable(node)
+        if _random(node):  # opens a run of its own: one random op per run, first, so eager's draw order holds
+            kind = True
+            groups.append((kind, [node]))
+            members = {node}
+            continue
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(node)
         else:
@@ -204,12 +219,14 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    # fallback_random: a random op (a run's first, `_random`) is not decomposed but called as eager's
+    # kernel, so it draws eager's mask from the state the plan saved for it.
     mode = FakeTensorMode()
-    with mode:
+    with mode, inductor_config.patch(fallback_random=True):
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
     # Moving nodes for locality may hold a buffer past the point the plan frees it.
-    with inductor_config.patch(reorder_for_locality=False):
+    with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
         return compile_fx_inner(decomposed, fakes)
 
 
@@ -340,6 +357,18 @@ class _Segmenting:
             self.report.compile_s += entry.compile_s
         if self.check:
             keep = [r not in self.last_of(members, reads) for r in reads]
+            return self._checked(compiled, eager, members, vals, keep, entry)
+        entry.compiled = True
+        self.report.runs.append(entry)
+        return LayoutGuard(compiled, eager, vals, f"{self.name} run at {members[0].name!r}")
+
+    def _checked(self, compiled: Callable[[list], Any], eager: fx.GraphModule, members: list[fx.Node],
+                 vals: list[torch.Tensor], keep: list[bool], entry: RunReport) -> Callable[[list], Any] | None:
+        """``compiled``, once its peak and outputs pass the check against ``eager`` (and timed); None
+        and ``entry.reason`` when not. The trial runs draw from a forked generator: a run that opens
+        with a random op must not move the caller's random stream."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
             try:
                 with torch.no_grad():
                     entry.compiled_peak, entry.eager_peak, why = _check(compiled, eager, vals, keep, self.device)

@@ -60,6 +60,8 @@ def test_a_compiled_plan_trains_as_eager_within_its_budget(model, fraction):
     print(f"{model}: {report.summary()}")
     assert report.compiled_ops > 0
     assert opt.plan.predicted_peak <= budget
+    if model == "gpt":  # dropout's first draw opens a compiled run (eager's kernel, fallback_random)
+        assert any(r.compiled and "dropout" in r.first for r in report.runs), report.summary()
     for seed in range(2):
         clear_grads(module)
         clear_grads(reference)
@@ -70,6 +72,11 @@ def test_a_compiled_plan_trains_as_eager_within_its_budget(model, fraction):
         assert peak <= budget
         torch.testing.assert_close(loss, ref_loss, **FUSED)
         _assert_close_grads(module, reference, **FUSED)
+    # The generator's stream after a step (its masks drawn in compiled runs) is eager's.
+    _step(opt, args, kwargs, seed=7)
+    after_planned = torch.rand(4)
+    _step(reference, args, kwargs, seed=7)
+    assert torch.equal(after_planned, torch.rand(4))
 
 
 def _wasteful(gm, examples):
