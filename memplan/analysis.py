@@ -29,10 +29,10 @@ from memplan.capture import (
     MetaConstantsAsCPU,
     capture,
     eager_resampling,
-    traced_as_compiling,
     fakeify,
     flatten_output,
     swapped_state,
+    traced_as_compiling,
 )
 from memplan.costs import DeviceProfile, GraphCosts, annotate, get_profile
 from memplan.optimizer import ACCUM_PREFIX, STATE_PREFIX, ParamUpdate, UpdatePlacement

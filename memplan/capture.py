@@ -798,14 +798,6 @@ def _put_back_resampling_kernels(removed: list) -> None:
         op._dispatch_cache.clear()
 
 
-# Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
-# ``*_backward`` op in backward (the derivative formula of ``derivatives.yaml``). Their Python
-# kernels for the Autograd and CompositeImplicitAutograd keys are set aside while tracing (and
-# the overloads' dispatch caches cleared, so that the C++ kernels are found), and put back after,
-# once no thread traces any more. An op torch no longer has is skipped.
-eager_resampling = _SharedWhileTracing(lambda: _set_aside_resampling_kernels(), _put_back_resampling_kernels)
-
-
 def _set_aside_resampling_kernels() -> list:
     """Take the Python Autograd and CompositeImplicitAutograd kernels of `_EAGER_RESAMPLING`'s
     overloads out of their tables; returns (op, key, kernel) for each, to put back."""
@@ -824,6 +816,14 @@ def _set_aside_resampling_kernels() -> list:
                     removed.append((op, key, kernels.pop(key)))
             op._dispatch_cache.clear()
     return removed
+
+
+# Trace the resampling ops of `_EAGER_RESAMPLING` as eager runs them: one op forward, its
+# ``*_backward`` op in backward (the derivative formula of ``derivatives.yaml``). Their Python
+# kernels for the Autograd and CompositeImplicitAutograd keys are set aside while tracing (and
+# the overloads' dispatch caches cleared, so that the C++ kernels are found), and put back after,
+# once no thread traces any more. An op torch no longer has is skipped.
+eager_resampling = _SharedWhileTracing(_set_aside_resampling_kernels, _put_back_resampling_kernels)
 
 
 def _copy_module_paths_to_backward(gm: fx.GraphModule) -> None:

@@ -7,8 +7,9 @@ replays, offload / prefetch / arrive, optimizer updates, gradient clipping.
 This module cuts a segment's nodes into *runs*: maximal stretches of pure,
 deterministic ATen ops (a run never crosses a Python step, so no value moves
 across one), each of which may open with one random op's first run (dropout's
-mask drawn by eager's own kernel, ``fallback_random``: `_random`). Each run long enough to gain from fusion is
-decomposed with Inductor's table and compiled by Inductor
+mask drawn by eager's own kernel, ``fallback_random``: `_random`). Each run
+long enough to gain from fusion is decomposed with Inductor's table and
+compiled by Inductor
 (``compile_fx_inner``) on fake inputs; everything else runs as generated fx
 code, as in the eager runtime.
 
@@ -139,14 +140,16 @@ def _is_header(node: fx.Node, box: fx.Node) -> bool:
     return node.op == "call_function" and node.target is clear_box
 
 
+def _pure_op(node: fx.Node, seeded: bool) -> bool:
+    """An ATen op that writes none of its inputs, random (``seeded``) or deterministic."""
+    op = node.target
+    return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable
+            and (torch.Tag.nondeterministic_seeded in op.tags) == seeded)
+
+
 def _compilable(node: fx.Node) -> bool:
     """A node Inductor may take: a pure, deterministic ATen op."""
-    if node.op != "call_function":
-        return False
-    op = node.target
-    if not isinstance(op, torch._ops.OpOverload):
-        return False
-    return torch.Tag.nondeterministic_seeded not in op.tags and not op._schema.is_mutable
+    return _pure_op(node, seeded=False)
 
 
 def _random(node: fx.Node) -> bool:
@@ -154,9 +157,7 @@ def _random(node: fx.Node) -> bool:
     as a call of eager's own kernel (``fallback_random``), which draws from the generator the plan
     saved the state of just before (a Python step, so always the run's first op), and so draws
     eager's mask. Its recomputations are replays, Python steps, never in a run."""
-    op = node.target
-    return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in op.tags and not op._schema.is_mutable)
+    return _pure_op(node, seeded=True)
 
 
 def _tensor_valued(node: fx.Node) -> bool:
@@ -171,8 +172,7 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
         # an item of a multi-output value stays with the op that made it, compiled or not
         kind = groups[-1][0] if node.target is operator.getitem and node.args[0] in members else _compilable(node)
         if _random(node):  # opens a run of its own: one random op per run, first, so eager's draw order holds
-            kind = True
-            groups.append((kind, [node]))
+            groups.append((True, [node]))
             members = {node}
             continue
         if groups and groups[-1][0] == kind:

@@ -147,8 +147,7 @@ def _time_update(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dty
     """Median seconds of one update of a fresh optimizer on a parameter of ``numel`` elements, its
     state made by a first update: on ``device`` as the planned backward runs it (`UpdateRunner`,
     one optimizer call for the parameter), or ``on_host``, the step the host worker runs."""
-    import statistics
-    import time
+    from memplan.profiling import median_seconds
 
     where = torch.device("cpu") if on_host else device
     p = nn.Parameter(torch.zeros(numel, dtype=dtype, device=where))
@@ -157,22 +156,16 @@ def _time_update(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dty
     runner = UpdateRunner(fresh, [p])
     runner.begin(frozenset())
 
-    def once() -> float:
-        if where.type == "cuda":
-            torch.cuda.synchronize(where)
-        start = time.perf_counter()
+    def once() -> None:
         if on_host:
             p.grad = grad
             fresh.step()
             p.grad = None
         else:
             runner(0, grad)
-        if where.type == "cuda":
-            torch.cuda.synchronize(where)
-        return time.perf_counter() - start
 
     once()  # the state is made by the first update
-    return statistics.median(once() for _ in range(repeats))
+    return median_seconds(once, where, repeats)
 
 
 def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,

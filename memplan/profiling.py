@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn``, each fenced by device syncs (CUDA's
+    kernels run asynchronously: without the syncs a call would time only its launches)."""
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def measure_op_times(
     gm: fx.GraphModule,
     device: torch.device | str,
@@ -69,16 +82,9 @@ def measure_op_times(
                     fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs)
                 )
                 node.target(*args, **kwargs)  # warm-up: first-call allocations, kernel selection
-                samples = []
-                for _ in range(repeats):
-                    _sync(device)
-                    start = time.perf_counter()
-                    node.target(*args, **kwargs)
-                    _sync(device)
-                    samples.append(time.perf_counter() - start)
+                times[node.name] = median_seconds(lambda: node.target(*args, **kwargs), device, repeats)
             except Exception:  # noqa: BLE001 - value-checking ops keep their estimate
                 continue
-            times[node.name] = statistics.median(samples)
     return times
 
 
@@ -94,14 +100,7 @@ def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20,
     on_host = torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
 
     def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
-        samples = []
-        for _ in range(repeats):
-            _sync(device)
-            start = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            _sync(device)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        return median_seconds(lambda: dst.copy_(src, non_blocking=True), device, repeats)
 
     seconds = max(timed(on_host, on_device), timed(on_device, on_host))
     return nbytes / max(seconds, 1e-9)
