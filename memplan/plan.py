@@ -105,6 +105,20 @@ class PlanningClock:
 
 
 @dataclass
+class PhaseTimer:
+    """Seconds per phase of a planning call, each phase timed from the end of the one before
+    (the first from ``started``); a phase named twice adds up."""
+
+    last: float
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+@dataclass
 class ValueDecision:
     """What the plan does with one value computed in forward and needed in backward."""
 
@@ -148,6 +162,9 @@ class Plan:
     # Gradients the parameters held when the step started (accumulation): on the device all
     # step long, outside the graph; counted in predicted_peak, planned for with the rest of the budget.
     held_gradient_bytes: int = 0
+    # Where the planning call's time went, seconds per phase in order (`PhaseTimer`; empty for a
+    # plan made from a schedule, not by `make_plan`).
+    planning_time: dict[str, float] = field(default_factory=dict)
 
     @property
     def predicted_overhead(self) -> float:
@@ -229,6 +246,9 @@ class Plan:
             f"  overhead         {self.predicted_overhead:.3f}x store-all step time (predicted)",
             f"  method           {self.method} ({self.status}), solved in {self.solve_time:.2f} s"
             + (f", gap {self.gap:.1%}" if self.gap is not None else ""),
+            *([f"  planning         {sum(self.planning_time.values()):.2f} s: " + ", ".join(
+                f"{phase} {seconds:.2f} s" for phase, seconds in self.planning_time.items() if seconds >= 0.005)]
+              if self.planning_time else []),
             f"  values           {counts.get('keep', 0)} kept, {counts.get('recompute', 0)} recomputed "
             f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
             f"({format_bytes(offloaded)})",
@@ -361,12 +381,17 @@ def make_plan(
     if optimizer_state not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer_state={optimizer_state!r}: give one of {', '.join(OPTIMIZER_STATES)}")
     clock = PlanningClock.begin(time_limit, started)
+    phases = PhaseTimer(clock.started)
+    phases.lap("eager replay")  # the caller's, for a budget relative to the eager peak (0 when none)
     cap = capture(model, args, kwargs, output_use=output_use)
+    phases.lap("capture")
     primal_names = [p.name for p in cap.primals]
     updates = (learn_updates(optimizer, model, primal_names, profile, measure_times=measure_on is not None)
                if optimizer is not None else [])
+    phases.lap("optimizer")
     if eager_peak is None:
         eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
+    phases.lap("eager replay")
     steps = accumulation.steps if accumulation is not None else 1
     clipping = max_grad_norm is not None
     forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
@@ -376,12 +401,16 @@ def make_plan(
     analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
                                carry_limit=None if carry_limit is None else (carry_limit, budget),
                                scratch_on=scratch_on)
+    phases.lap("analysis")
     clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                             solver=solver, clock=clock, offload=offload)
+    phases.lap("solve")
     runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
-    return plan, build_program(cap, plan.analysis.lowered, plan.schedule, runner)
+    program = build_program(cap, plan.analysis.lowered, plan.schedule, runner)
+    phases.lap("runtime")
+    return dataclasses.replace(plan, planning_time=phases.seconds), program
 
 
 def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,

@@ -135,6 +135,10 @@ class RawResult:
     bound: float  # proven lower bound on the objective (-inf when none)
 
 
+# The relative gap at which a solve stops by default: proven optimal, up to rounding.
+EXACT_GAP = 1e-7
+
+
 class Builder:
     """Interface implemented by the backends below."""
 
@@ -145,7 +149,10 @@ class Builder:
     def add(self, terms: Terms, lb: float, ub: float) -> None: ...
     def minimize(self, terms: Terms, offset: float) -> None: ...
     def hint(self, values: dict[int, float]) -> None: ...
-    def solve(self, time_limit: Optional[float], threads: Optional[int]) -> RawResult: ...
+    def solve(self, time_limit: Optional[float], threads: Optional[int], gap: float = EXACT_GAP) -> RawResult:
+        """Solve within ``time_limit`` seconds; ``gap``: stop once the incumbent is proven within
+        this share of the optimum."""
+        ...
 
     def add_folded(self, pos: list[int], neg: list[int], lb: float, ub: float) -> None:
         """``lb <= sum(pos) - sum(neg) <= ub`` where operands may be the constants `ONE`
@@ -203,8 +210,10 @@ class CpSatBuilder(Builder):
         for i, value in values.items():
             self.model.add_hint(self.vars[i], int(round(value)))
 
-    def solve(self, time_limit: Optional[float], threads: Optional[int]) -> RawResult:
+    def solve(self, time_limit: Optional[float], threads: Optional[int], gap: float = EXACT_GAP) -> RawResult:
         solver = cp_model.CpSolver()
+        if gap > EXACT_GAP:  # CP-SAT's own default proves optimality outright
+            solver.parameters.relative_gap_limit = gap
         if time_limit is not None:
             solver.parameters.max_time_in_seconds = max(0.01, float(time_limit))
         solver.parameters.num_workers = threads or default_threads()
@@ -308,8 +317,8 @@ class MathOptBuilder(Builder):
         model.objective.offset = self.offset
         return model, variables
 
-    def solve(self, time_limit: Optional[float], threads: Optional[int]) -> RawResult:
-        params = mathopt.SolveParameters(relative_gap_tolerance=1e-7, absolute_gap_tolerance=1e-9)
+    def solve(self, time_limit: Optional[float], threads: Optional[int], gap: float = EXACT_GAP) -> RawResult:
+        params = mathopt.SolveParameters(relative_gap_tolerance=gap, absolute_gap_tolerance=1e-9)
         if self.solver_type != mathopt.SolverType.HIGHS:  # HiGHS takes threads only as a global setting
             params.threads = threads or default_threads()
         if time_limit is not None:

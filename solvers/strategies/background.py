@@ -14,13 +14,17 @@ Why a child interpreter and not a thread or `multiprocessing`:
   script without a ``__name__`` guard would run again), and fork copies a
   process that may hold torch's threads.
 
+The child is given a deadline on the wall clock, not a duration: the time
+its interpreter takes to start and import `solvers` (0.6-1 s) comes out of
+its limit, whatever it was, and it bounds for all the rest.
+
 The child reads the problem from a temporary file and prints each bound it
 proves as it goes (`lower_bound`'s ``progress``), so that a child stopped at
 the deadline still gives the best one so far. Anything that goes wrong (the
 child cannot start, fails, or has proved nothing yet) gives None, and the
 caller computes the bound itself as before.
 
-    python -m solvers.strategies.background PROBLEM.json TIME_LIMIT
+    python -m solvers.strategies.background PROBLEM.json DEADLINE   (a `time.time()` instant)
 """
 from __future__ import annotations
 
@@ -51,9 +55,11 @@ def usable_cores() -> int:
 
 
 class BackgroundBound:
-    """`lower_bounds.lower_bound(problem, time_limit)` running in a child process."""
+    """`lower_bounds.lower_bound(problem, ...)` running in a child process, until ``time_limit``
+    seconds from now (its own start included)."""
 
     def __init__(self, problem: Problem, time_limit: float) -> None:
+        deadline = time.time() + float(time_limit)
         self._dir = tempfile.TemporaryDirectory(prefix="memplan-bound-")
         path = Path(self._dir.name) / "problem.json"
         problem.save(path)
@@ -62,7 +68,7 @@ class BackgroundBound:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "solvers.strategies.background", str(path), repr(float(time_limit))],
+            [sys.executable, "-m", "solvers.strategies.background", str(path), repr(deadline)],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, text=True)
         # Every line the child has printed so far, read by a thread so that the search can ask for
         # the bound proved so far (`proved`) without waiting: it stops once its plan is close to it.
@@ -140,7 +146,7 @@ def main(argv: list[str]) -> None:
     def report(value: float) -> None:
         print(repr(float(value)), flush=True)
 
-    report(lower_bound(problem, float(argv[1]), progress=report))
+    report(lower_bound(problem, max(0.0, float(argv[1]) - time.time()), progress=report))
 
 
 if __name__ == "__main__":

@@ -224,6 +224,13 @@ def test_a_budget_as_a_share_of_the_eager_peak():
     opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=10)
     plan = opt.plan
     assert plan.budget == int(0.6 * plan.analysis.eager_peak) == opt.budget
+    # Where the planning call's time went: the replay of the eager step for the budget, the
+    # capture, the solve (as long as the solve says) and the rest, in that order, within the call.
+    phases = plan.planning_time
+    assert list(phases)[:2] == ["eager replay", "capture"] and list(phases)[-2:] == ["solve", "runtime"]
+    assert phases["eager replay"] > 0 and all(s >= 0 for s in phases.values())
+    assert abs(phases["solve"] - plan.solve_time) < 0.05 + 0.1 * plan.solve_time
+    assert "planning" in plan.report() and "capture" in plan.report()
     assert_measured_peak(opt, module, args, kwargs, plan.budget)
     clear_grads(module)
     assert_same_step(module, reference, _run(opt, args, kwargs), _run(reference, args, kwargs))
@@ -442,4 +449,5 @@ def test_time_limit_bounds_the_whole_call_and_says_when_capture_took_it_all():
     module, args, kwargs = build_step("cnn")
     with pytest.warns(PlanningTimeWarning, match=r"took \d+\.\d s"):
         opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=1e-3)
+    assert sum(opt.plan.planning_time.values()) >= 1e-3  # the phases account for the call
     assert_measured_peak(opt, module, args, kwargs, opt.plan.budget)

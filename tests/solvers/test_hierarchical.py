@@ -268,3 +268,24 @@ def test_seeds_join_the_incumbent_and_plans_over_budget_are_ignored():
         result = validate(p, sol.schedule)
         assert result.time <= seed_time * (1 + 1e-9)
         assert sol.info["chosen"] != "store_all"
+
+
+def test_a_drop_search_goes_past_its_deadline_until_its_first_fit_and_no_further():
+    # A run cut off before its first fitting plan has searched for nothing (the 12-layer GPT-2 at
+    # 50% of its eager peak found none in the second it had of a 4 s solve). With its deadline
+    # already past, the search returns nothing; given until `first_fit_by`, it returns a plan that
+    # fits, and stops once it has one (long before that instant).
+    import time
+
+    from solvers.strategies.hierarchical.search import SearchLog, drop_search
+
+    p = _fraction_budget(Problem.from_networkx(training_like(120, seed=3, base="transformer"), 10**12), 0.4)
+    c = coarsen(p)
+    now = time.perf_counter()
+    assert drop_search(DropPlanner(c, 2), p.budget, now, SearchLog(), chains=False) is None
+    started = time.perf_counter()
+    found = drop_search(DropPlanner(c, 2), p.budget, started, SearchLog(), chains=False, first_fit_by=started + 60)
+    took = time.perf_counter() - started
+    assert found is not None and found.fits(p.budget)
+    assert validate(p, found.schedule).peak <= p.budget
+    assert took < 30, took

@@ -32,6 +32,11 @@ from ...methods.milp_backends import BACKENDS, RAW_FEASIBLE, RAW_OPTIMAL
 from .planner import DropPlanner, Paging, held_memory
 
 SHORTFALL_PENALTY = 1e4  # objective per unit of uncovered need (needs are scaled to <= 1)
+# Each cover solve stops once its drop set is proven within this share of the cheapest: the model
+# is linear and its answer is measured by the simulator and fed back anyway, and proving the last
+# percent took most of each solve (gpt2 12 layers at 50%: the first fitting plan, 1.0641 of the
+# total cost, in 4 s at 1e-7, in 1 s at 1%).
+COVER_GAP = 0.01
 
 
 @dataclass
@@ -303,7 +308,7 @@ class CoverModel:
         objective += [(ys[k], (p.out_span[1] - p.out_span[0]) * 1e-3 / cmax + 1e-7) for k, p in enumerate(self.pages)]
         objective += [(s, SHORTFALL_PENALTY) for s in slacks]
         b.minimize(objective, 0.0)
-        raw = b.solve(max(0.05, time_limit), 1)
+        raw = b.solve(max(0.05, time_limit), 1, gap=COVER_GAP)
         if raw.status not in (RAW_OPTIMAL, RAW_FEASIBLE) or raw.values is None:
             return None
         return np.array([raw.values[h] for h in xs]) > 0.5, np.array([raw.values[h] for h in ys], dtype=float) > 0.5

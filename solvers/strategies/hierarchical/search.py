@@ -46,10 +46,12 @@ class SearchLog:
 
 
 def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchLog,
-                chains: bool = True, paging: bool = True) -> Optional[Evaluation]:
+                chains: bool = True, paging: bool = True, first_fit_by: Optional[float] = None
+                ) -> Optional[Evaluation]:
     """Covering ILP with simulator feedback; the fastest fitting evaluation found. With a host
     link on the fine problem (and ``paging``) the ILP also chooses pagings (keep / recompute /
-    offload)."""
+    offload). ``first_fit_by``: while no plan fits, the search may go on until then, past
+    ``deadline`` (a search cut off before its first fit has spent its time for nothing)."""
     fine = planner.c.fine
     paging = paging and fine.has_host
     cands, penalties = candidates(planner, chains, pageable=paging)
@@ -82,13 +84,15 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
     floor = np.zeros(planner.cp.n, dtype=np.float64)
     by_group = {cd.group: cd for cd in cands}
     floored = False
+    patient = deadline if first_fit_by is None else max(deadline, first_fit_by)
     for _ in range(MAX_FEEDBACK_ROUNDS):
-        if time.perf_counter() >= deadline:
+        end = deadline if best is not None else patient
+        if time.perf_counter() >= end:
             break
         log.rounds += 1
         # Row generation against the linear model (rows changed by the feedback force a solve).
         dirty = x is not None
-        while time.perf_counter() < deadline:
+        while time.perf_counter() < end:
             need = base + extra - np.maximum(target, floor)
             have = model.released(x, y) if x is not None else np.zeros_like(need)
             short = need - have
@@ -100,7 +104,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             top = violated[np.argsort(-short[violated])][:ROWS_PER_ROUND]
             for t in top.tolist():
                 rows[t] = max(rows.get(t, 0.0), float(need[t]))
-            remaining = deadline - time.perf_counter()
+            remaining = end - time.perf_counter()
             x_new = model.solve(rows, min(remaining, max(1.0, remaining / 4)))
             log.ilp_solves += 1
             if x_new is None:
@@ -122,7 +126,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
                 rows[t] = float(base[t] + extra[t] - max(target, floor[t]))
             continue
         seen.add(key)
-        ev = planner.evaluate(dropped, paged, deadline)
+        ev = planner.evaluate(dropped, paged, end)
         log.simulations += 1
         log.history.append({"dropped": len(dropped), "paged": len(paged), "peak": ev.peak, "time": ev.time})
         for t, level in _floor_stages(planner, ev, by_group, np.maximum(budget, floor)).items():
@@ -151,7 +155,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
         if ev.peak <= budget * (1 + NEAR_MISS):
             # A few more drops at the peak usually close a near miss; cheaper than more ILP rounds.
             now = time.perf_counter()
-            fixed = repair(planner, ev, cands, budget, now + 0.1 * max(0.0, deadline - now), log)
+            fixed = repair(planner, ev, cands, budget, now + 0.1 * max(0.0, end - now), log)
             if fixed is not None and (best is None or fixed.time < best.time):
                 best = fixed
         over = np.flatnonzero(ev.stage_peak > limit)
@@ -159,7 +163,7 @@ def drop_search(planner: DropPlanner, budget: int, deadline: float, log: SearchL
             extra[t] += float(ev.stage_peak[t] - limit[t])
             rows[t] = max(rows.get(t, 0.0), float(base[t] + extra[t] - max(target, floor[t])))
     if best is None and closest is not None:
-        best = repair(planner, closest, cands, budget, deadline, log)
+        best = repair(planner, closest, cands, budget, patient, log)
     return best
 
 

@@ -22,7 +22,7 @@ class TimeShares:
     # The search
     search_deadline: float = 0.85  # the search ends by then, leaving the lower bound its tenth
     # ... or by then when the bound runs in a child process (`background`), which then has the
-    # whole limit (up to `bound_end`) less `BACKGROUND_START` seconds.
+    # whole limit (up to `bound_end`), its own start included.
     background_search_deadline: float = 0.93
     search_share: float = 0.6  # of the search time (start to deadline) for the drop searches; the rest polishes
     first_share: float = 2 / 3  # of the drop searches' window left, for the first variant (at least 0.5 s) ...
@@ -66,11 +66,10 @@ EARLY_GAP = 0.005
 EARLY_STOP_MAX_VALUES = 1000
 
 # The lower bound in a child process (`background`): only when a second core is free, the limit
-# is at least BACKGROUND_MIN_LIMIT seconds (the child's start takes `BACKGROUND_START`; from 3 s on
+# is at least BACKGROUND_MIN_LIMIT seconds (the child's start, 0.6-1 s, comes out of it; from 3 s on
 # it still proves more than the tenth of the limit left to a bound computed here: gpt2 12 layers
 # at 50%, 1.0345 of the total in 0.7 s and 1.0444 in 2 s, against 1.0198 in 0.35 s) ...
 BACKGROUND_MIN_LIMIT = 3.0
 # ... and the graph has more than this many values to compute: on smaller ones the bound takes
 # milliseconds here and the exact phase answers, while a child costs a core its interpreter's start.
 BACKGROUND_MIN_VALUES = CHECKMATE_NODES
-BACKGROUND_START = 1.5  # seconds for the child to start Python and import `solvers` (1-2 s)

@@ -53,7 +53,6 @@ from .search import SearchLog, drop_search, keep_again
 from .settings import (
     BACKGROUND_MIN_LIMIT,
     BACKGROUND_MIN_VALUES,
-    BACKGROUND_START,
     CHECKMATE_NODES,
     DEFAULT_TIME_LIMIT,
     EARLY_GAP,
@@ -220,8 +219,8 @@ def start_background_bound(state: SolveState) -> None:
     problem = state.problem
     if (state.limit >= BACKGROUND_MIN_LIMIT and problem.n_compute > BACKGROUND_MIN_VALUES and not problem.has_host
             and usable_cores() >= 2):
-        child_limit = state.at(SHARES.bound_end) - time.perf_counter() - BACKGROUND_START
-        state.background = BackgroundBound.start(problem, child_limit)
+        # The child's own start comes out of this (it is given a deadline).
+        state.background = BackgroundBound.start(problem, state.at(SHARES.bound_end) - time.perf_counter())
         if state.background is not None:
             state.deadline = state.at(SHARES.background_search_deadline)
     state.info["bound_in_background"] = state.background is not None
@@ -313,7 +312,10 @@ def search_drop_plans(state: SolveState, c: Coarsening) -> list[Found]:
         # then a share of what is left to each next one (later ones get what the earlier ones leave).
         share = max(0.5, (end - now) * (SHARES.first_share if k == 0 else SHARES.next_share))
         so_far = min([best.time] + [r[1].time for r in results])
-        found = drop_search(planner, problem.budget, min(end, now + share), log, chains=chains, paging=paging)
+        # Until some drop plan fits, a run cut off at its share would have searched for nothing:
+        # it may go on to the end of the window.
+        found = drop_search(planner, problem.budget, min(end, now + share), log, chains=chains, paging=paging,
+                            first_fit_by=None if results else end)
         label = f"gap={gap},chains={int(chains)}" + (",paging" if paging else "") + (",again" if second_pass else "")
         tried.append({"variant": label, "step_time": None if found is None else found.time,
                       "time": round(time.perf_counter() - now, 2)})
