@@ -31,7 +31,7 @@ from memplan.plan import DEFAULT_GAP, DEFAULT_TIME_LIMIT
 
 RESULTS = Path(__file__).parent / "results" / "planning_latency.md"
 MODELS = ("gpt2_12", "gpt", "vit", "resnet50", "cnn", "unet", "mlp")
-TARGET_S = 10.0  # issue #28: the first planned step within 10 s, the plan within 3% of its bound
+TARGET_S = 10.0  # issue #28: the first planned step within 10 s (and gpt2_12's plan within 3% of its bound)
 
 
 class _HFLoss(torch.nn.Module):
@@ -109,7 +109,9 @@ def summarize(name: str, runs: list[dict]) -> dict:
         "where (s)": phases,
         "gap": (f"{mid['gap']:.1%} ({min(gaps):.1%}-{max(gaps):.1%})" if gaps else "-"),
         "predicted overhead": f"{mid['overhead']:.3f}x",
-        "met": "yes" if all(r["wall"] <= TARGET_S and (r["gap"] or 0.0) <= DEFAULT_GAP for r in runs) else "NO",
+        # Issue #28's targets: every model's first step within 10 s; the 12-layer GPT-2's plan within 3%.
+        "met": "yes" if all(r["wall"] <= TARGET_S and (name != "gpt2_12" or (r["gap"] or 0.0) <= DEFAULT_GAP)
+                            for r in runs) else "NO",
     }
 
 
@@ -138,8 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{DEFAULT_TIME_LIMIT:g} s, stopping at a {DEFAULT_GAP:.0%} gap), then one forward and backward; "
         "cold, one thread, each model planned afresh in the same process. `first step s`: from the call to "
         "the end of the first backward, median (min-max) of the runs; `where`: that run's planning phases "
-        "(`Plan.planning_time`); `gap`: the plan's predicted step time over its proven lower bound; `met`: "
-        f"every run within {TARGET_S:g} s and {DEFAULT_GAP:.0%}. gpt2_12 is Hugging Face's GPT2LMHeadModel, "
+        "(`Plan.planning_time`); `gap`: the plan's predicted step time over its proven lower bound; `met` "
+        f"(issue #28): every run's first step within {TARGET_S:g} s, and gpt2_12's gap within {DEFAULT_GAP:.0%}. gpt2_12 is Hugging Face's GPT2LMHeadModel, "
         "12 layers, n_embd 192, seq 128, batch 4; the others are zoo models at size small.\n\n"
         + (markdown_table(list(rows[0]), [list(r.values()) for r in rows]) + "\n" if rows else "")
     )

@@ -31,6 +31,25 @@ def test_roofline_is_compute_or_memory_bound():
     assert tiny < compute_bound and tiny < memory_bound
 
 
+def test_op_factors_scale_the_roofline_of_their_kind_only():
+    # The CPU profile's factors come from measured op times (`benchmarks.calibrate_cpu`): dropout's
+    # random numbers cost far more than the bytes it moves, which the roofline alone sees.
+    p = PROFILES["cpu"]
+    factors = dict(p.op_factors)
+    plain = p.op_time(0.0, 4e6)
+    assert p.op_time(0.0, 4e6, kind="native_dropout") == pytest.approx(
+        p.op_overhead + factors["native_dropout"] * (plain - p.op_overhead))
+    assert p.op_time(0.0, 4e6, kind="relu") == plain  # no factor: the roofline as it is
+    # A graph's dropout node is costed as its kind: far above an elementwise op of its size.
+    x = torch.randn(64, 256, requires_grad=True)
+    cap = capture(nn.Sequential(nn.Dropout(0.1), nn.ReLU()), (x,))
+    costs = annotate(cap.graph_module, p)
+    by_target = {n.target: costs.values[n.name].time for n in cap.graph.nodes if n.op == "call_function"}
+    dropout = by_target[torch.ops.aten.native_dropout.default]
+    relu = by_target[torch.ops.aten.relu.default]
+    assert dropout > 5 * relu
+
+
 def test_bytes_of_a_linear_step():
     model = nn.Linear(64, 32)
     x = torch.randn(16, 64)
