@@ -496,10 +496,13 @@ class OptimizedModule(nn.Module):
         if measure_on is not None:  # the host link is measured too, not taken from the table
             profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
         # kernel_scratch: measure what the kernels that allocate for themselves take (cuDNN's
-        # workspaces, oneDNN's reorders) and plan room for it. On by default where the allocator
-        # that hands it out is the budget's witness (CUDA); on the CPU the tracker does not see it.
+        # workspaces, oneDNN's reorders, softmax and dropout buffers) and plan room for it. On by
+        # default where the measurement that checks the budget sees it: CUDA's allocator, and on
+        # the CPU a compiled plan's allocator events (`profiled_peak`; the dispatch-mode tracker
+        # of eager steps does not see it).
         scratch = self.options.get("kernel_scratch")
-        scratch_on = device if (device.type == "cuda" if scratch is None else bool(scratch)) else None
+        witnessed = device.type == "cuda" or bool(self.compile)
+        scratch_on = device if (witnessed if scratch is None else bool(scratch)) else None
         # Offloading pays off where a host link runs beside compute: on by default on CUDA.
         offload = self.options.get("offload")
         offload = device.type == "cuda" if offload is None else bool(offload)

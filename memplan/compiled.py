@@ -184,6 +184,32 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     return groups
 
 
+def _items_with_their_op(body: list[fx.Node]) -> list[fx.Node]:
+    """``body`` with each item taken from a multi-output value (``getitem``) moved to right after
+    the op that made it. Taking an item computes and allocates nothing, and only reads that op:
+    done at once, a run that makes a tuple hands on its items (tensors), never the tuple (a
+    layer norm recomputed in backward, its items read after a dropout's replay, cut ViT's whole
+    backward from compilation), and an item nothing reads is freed with the op instead of with
+    its last sibling's read: no value lives longer."""
+    made = set(body)
+    items: dict[fx.Node, list[fx.Node]] = {}
+    for n in body:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in made:
+            items.setdefault(n.args[0], []).append(n)
+    moved = {i for its in items.values() for i in its}
+    ordered: list[fx.Node] = []
+
+    def emit(n: fx.Node) -> None:
+        ordered.append(n)
+        for item in items.get(n, ()):
+            emit(item)
+
+    for n in body:
+        if n not in moved:
+            emit(n)
+    return ordered
+
+
 def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], writes: list[str],
                 boxed: bool) -> fx.GraphModule:
     """``nodes`` as their own GraphModule: inputs ``reads`` (boxed or positional), outputs ``writes``."""
@@ -452,7 +478,7 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     unpack = [(n.args[1], n.name) for n in nodes if n.op == "call_function" and n.target is operator.getitem
               and n.args[0] is box]
     constants = {n.name: getattr(root, n.target) for n in nodes if n.op == "get_attr"}
-    body = [n for n in nodes[1:-1] if not _is_header(n, box) and n.op != "get_attr"]
+    body = _items_with_their_op([n for n in nodes[1:-1] if not _is_header(n, box) and n.op != "get_attr"])
     position = {n: i for i, n in enumerate(body)}
     last_use: dict[str, int] = {}
     for n in body:

@@ -209,3 +209,46 @@ def test_a_compiled_run_given_other_strides_than_it_was_compiled_for_runs_eagerl
         guard([torch.zeros(3, 4).t(), torch.zeros(1, 5)])  # channels swapped: what an eager kernel may choose
     guard([torch.zeros(4, 3), torch.zeros(1, 5)])
     assert calls == ["compiled", "eager", "eager"]
+
+
+def test_items_of_a_multi_output_op_are_taken_with_it_so_runs_hand_on_tensors():
+    # A layer norm recomputed in backward, its items read only after a Python step (a dropout's
+    # replay): without moving the items up, the run holding the layer norm would hand on the
+    # tuple, which a compiled run cannot, and ViT's whole backward at 50% ran eagerly.
+    import torch.fx as fx
+
+    from memplan.compiled import _groups, _items_with_their_op
+
+    def f(x, w, b):
+        normed = torch.ops.aten.native_layer_norm.default(x, [4], w, b, 1e-5)
+        y = torch.ops.aten.relu.default(x)
+        torch.ops.aten.add_.Tensor(y, 1.0)  # writes its input: not in a compiled run
+        return normed[0], normed[2], y
+
+    gm = fx.symbolic_trace(f)
+    body = [n for n in gm.graph.nodes if n.op == "call_function"]
+    def names(nodes):
+        return [n.name.removesuffix("_default").removesuffix("_tensor") for n in nodes]
+
+    before = [(kind, names(members)) for kind, members in _groups(body)]
+    after = [(kind, names(members)) for kind, members in _groups(_items_with_their_op(body))]
+    assert before[0] == (True, ["native_layer_norm", "relu"])  # the tuple escapes this run
+    assert after == [(True, ["native_layer_norm", "getitem", "getitem_1", "relu"]), (False, ["add_"])]
+
+
+def test_a_compiled_convolutional_plan_makes_room_for_kernel_scratch_by_default():
+    # A compiled plan's peak is measured by the allocator's events, which see the scratch CPU
+    # kernels allocate for themselves (oneDNN's convolutions, batch norm): compile=True plans
+    # room for it without being asked.
+    module, args, kwargs = build_step("cnn")
+    reference = copy.deepcopy(module)
+    budget = _budget(module, args, kwargs, 0.7)
+    opt = memplan.optimize(module, budget, compile=True, time_limit=5)
+    opt.prepare(*args, **kwargs)
+    assert any(v.startswith("scratch:") for v in opt.plan.analysis.lowered.problem.names), "no scratch planned"
+    clear_grads(module)
+    peak = profiled_peak(lambda: _step(opt, args, kwargs), resident=_resident(module, args))
+    _step(reference, args, kwargs)
+    print(f"cnn: budget {budget} predicted {opt.plan.predicted_peak} measured {peak}")
+    assert peak <= budget
+    _assert_close_grads(module, reference, **FUSED)
