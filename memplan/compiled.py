@@ -4,7 +4,9 @@ A segment (`memplan.runtime.Segment`) is straight-line fx code in schedule
 order. Most of it is plain ATen ops; between them sit Python steps that
 Inductor must not see: the capture of a random op's generator state and its
 replays, offload / prefetch / arrive, optimizer updates, gradient clipping.
-This module cuts a segment's nodes into *runs*: maximal stretches of pure,
+This module cuts a segment's nodes into *runs* (each item of a multi-output
+op taken right after it, so that a run hands on tensors, never a tuple):
+maximal stretches of pure,
 deterministic ATen ops (a run never crosses a Python step, so no value moves
 across one), each of which may open with one random op's first run (dropout's
 mask drawn by eager's own kernel, ``fallback_random``: `_random`). Each run
