@@ -23,7 +23,9 @@ left out on purpose: `benchmarks.time_prediction` checks the profile on them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -82,17 +84,23 @@ def op_rows(repeats: int) -> list[dict]:
         for node in gm.graph.nodes:
             if node.name in measured:
                 v = costs.values[node.name]
-                moved = v.new_bytes + sum(costs.values[i.name].nbytes for i in node.all_input_nodes)
-                rows.append({"model": name, "kind": op_kind(node), "flops": v.flops, "moved": moved,
+                rows.append({"model": name, "kind": op_kind(node), "flops": v.flops, "moved": v.moved,
                              "roofline": v.time, "measured": measured[node.name]})
         print(f"{name}: {len(measured)} ops timed, {sum(measured.values()) * 1e3:.0f} ms", flush=True)
     return rows
 
 
+def by_kind(rows: list[dict], *columns: Callable[[dict], float]) -> dict[str, list[float]]:
+    """Per kind of op, the sum of each of ``columns`` over its ``rows``."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(columns))
+    for r in rows:
+        for i, column in enumerate(columns):
+            sums[r["kind"]][i] += column(r)
+    return sums
+
+
 def fit(rows: list[dict]) -> memplan.DeviceProfile:
     """The CPU profile refitted to ``rows`` (see the module docstring)."""
-    import dataclasses
-
     base = PROFILES["cpu"]
     counted = [r for r in rows if r["flops"] > 0]
     # Time each counted op takes beyond the fixed overhead, against its FLOPs: the rate it runs at.
@@ -100,19 +108,17 @@ def fit(rows: list[dict]) -> memplan.DeviceProfile:
     plain = [r for r in rows if r["flops"] == 0 and r["moved"] > 0 and r["kind"] in ELEMENTWISE]
     # Weighted by time, not a median over ops: the many small ops run in cache, while the large
     # ones, which a plan recomputes to save memory, stream from memory.
+    # (the roofline without the base's own factors: a fit run on a fitted profile gives the same)
     ratio = (sum(r["measured"] - base.op_overhead for r in plain)
-             / sum(r["roofline"] - base.op_overhead for r in plain))
+             / sum(base.op_time(r["flops"], r["moved"]) - base.op_overhead for r in plain))
     bandwidth = base.memory_bandwidth / ratio
     profile = dataclasses.replace(base, peak_flops=peak, peak_flops_low_precision=peak / 2,
                                   memory_bandwidth=bandwidth, op_factors=())
     step = sum(r["measured"] for r in rows)
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for r in rows:
-        refit = profile.op_time(r["flops"], r["moved"])  # no factors yet
-        by_kind[r["kind"]][0] += refit
-        by_kind[r["kind"]][1] += r["measured"]
     factors = []
-    for kind, (predicted, measured) in sorted(by_kind.items()):
+    # each kind's refitted roofline (no factors yet) against its measured time
+    refitted = by_kind(rows, lambda r: profile.op_time(r["flops"], r["moved"]), lambda r: r["measured"])
+    for kind, (predicted, measured) in sorted(refitted.items()):
         off = measured / predicted if predicted else 1.0
         if measured >= MIN_SHARE * step and not 1 / MISJUDGED <= off <= MISJUDGED:
             factors.append((kind, round(off, 2)))
@@ -132,17 +138,13 @@ def main(argv: list[str] | None = None) -> memplan.DeviceProfile:
     rows = op_rows(args.repeats)
     profile = fit(rows)
     step = sum(r["measured"] for r in rows)
-    by_kind: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-    for r in rows:
-        k = by_kind[r["kind"]]
-        k[0] += r["roofline"]
-        k[1] += profile.op_time(r["flops"], r["moved"], kind=r["kind"])
-        k[2] += r["measured"]
+    totals = by_kind(rows, lambda r: r["roofline"], lambda r: profile.op_time(r["flops"], r["moved"], kind=r["kind"]),
+                     lambda r: r["measured"])
     print(f"\n{'op kind':32s} {'share':>6s} {'old/meas':>9s} {'new/meas':>9s}")
-    for kind, (old, new, measured) in sorted(by_kind.items(), key=lambda kv: -kv[1][2])[:25]:
+    for kind, (old, new, measured) in sorted(totals.items(), key=lambda kv: -kv[1][2])[:25]:
         print(f"{kind:32s} {measured / step:6.1%} {old / measured:9.2f} {new / measured:9.2f}")
-    print(f"\nall ops: old/meas {sum(v[0] for v in by_kind.values()) / step:.2f}, "
-          f"new/meas {sum(v[1] for v in by_kind.values()) / step:.2f}")
+    print(f"\nall ops: old/meas {sum(v[0] for v in totals.values()) / step:.2f}, "
+          f"new/meas {sum(v[1] for v in totals.values()) / step:.2f}")
     print(f"\n{profile}")
     return profile
 

@@ -12,6 +12,7 @@ overhead. ``profile=True`` in the higher layers replaces it by measurements.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -43,12 +44,14 @@ class DeviceProfile:
     # softmax, pooling), or kernels well below peak (`benchmarks.calibrate_cpu` fits them).
     op_factors: tuple[tuple[str, float], ...] = ()
 
+    @functools.cached_property
+    def _factor_of(self) -> dict[str, float]:
+        return dict(self.op_factors)
+
     def op_time(self, flops: float, bytes_moved: float, low_precision: bool = False, kind: str | None = None) -> float:
         peak = self.peak_flops_low_precision if low_precision else self.peak_flops
         roofline = max(flops / peak, bytes_moved / self.memory_bandwidth)
-        if kind is not None and self.op_factors:
-            roofline *= dict(self.op_factors).get(kind, 1.0)
-        return self.op_overhead + roofline
+        return self.op_overhead + roofline * self._factor_of.get(kind, 1.0)
 
     def transfer_time(self, nbytes: int) -> float:
         return nbytes / self.host_bandwidth
@@ -106,6 +109,7 @@ class ValueCost:
     time: float
     is_random: bool
     scratch: int = 0  # bytes its kernel allocates for itself while it runs (measured: memplan.profiling)
+    moved: int = 0  # bytes its op reads and writes: the roofline's memory term (0 for views)
 
 
 @dataclass
@@ -255,7 +259,7 @@ def annotate(
             time = profile.op_time(flops, moved, low_precision, op_kind(node)) if new_bytes or flops else 0.0
             time = measured_times.get(node.name, time)
         else:
-            flops, time = 0.0, 0.0
+            flops, time, moved = 0.0, 0.0, 0
         values[node.name] = ValueCost(
             storages=tuple(keys),
             nbytes=sum(storage_bytes[k] for k in keys),
@@ -265,6 +269,7 @@ def annotate(
             time=time,
             is_random=node.op == "call_function" and _is_random(node),
             scratch=scratch.get(node.name, 0),
+            moved=moved,
         )
     return GraphCosts(values, storage_bytes, owner_of, profile)
 
