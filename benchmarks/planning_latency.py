@@ -20,7 +20,6 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 
@@ -67,9 +66,9 @@ def build(name: str) -> tuple[torch.nn.Module, tuple, dict] | None:
     return memplan.WithLoss(zm.model, zm.loss_fn), tuple(zm.example_inputs), dict(zm.example_kwargs)
 
 
-def first_step(name: str, budget: str, make: Callable[[], Any] = build) -> dict | None:
+def first_step(name: str, budget: str) -> dict | None:
     """One cold planning call and first step of ``name``; its row, or None when the model is unavailable."""
-    built = make(name)
+    built = build(name)
     if built is None:
         return None
     step, args, kwargs = built
