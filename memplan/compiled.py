@@ -38,11 +38,14 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.measure import allocated_during
 from memplan.runtime import clear_box
 from memplan.storage import storage_key
 
+# The output node's meta key (Inductor's own) listing the outputs whose strides must stay as traced.
+KEEP_STRIDES = "user_visible_output_idxs"
 # Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
 MIN_RUN_OPS = 3
 Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Callable[[list], Any]]
@@ -74,6 +77,7 @@ class CompileReport:
 
     runs: list[RunReport] = field(default_factory=list)
     refused: int = 0  # compiled runs the memory check refused (each then tried as two halves)
+    relaid: int = 0  # values compiled runs hand on laid out otherwise than traced (later runs compiled for it)
     compile_s: float = 0.0  # Inductor's time, refused runs included
     # The plan's predicted peak with the compiled runs' measured differences from eager added.
     predicted_peak: int = 0
@@ -232,9 +236,25 @@ def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], w
     return fx.GraphModule(root, graph)
 
 
-def _example(val: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """Zeros laid out like ``val`` (zeros: valid as indices, so gathers stay in range)."""
-    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device or val.device).zero_()
+def _extent(t: torch.Tensor) -> int:
+    """Bytes of its storage that ``t`` reaches, from the storage's start."""
+    if t.numel() == 0:
+        return t.storage_offset() * t.element_size()
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def _examples(vals: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Zeros laid out like ``vals`` (zeros: valid as indices, so gathers stay in range), sharing
+    storage where ``vals`` do (fake or real): a value and its alias (``detach``) are one buffer in
+    the step, and a check that gave each its own would count a buffer the step does not hold
+    (GPT's loss backward, its log-softmax read twice, was refused for one logits-size buffer)."""
+    sizes: dict[int, int] = {}
+    for v in vals:
+        sizes[storage_key(v)] = max(sizes.get(storage_key(v), 0), _extent(v))
+    buffers = {key: torch.zeros(size, dtype=torch.uint8, device=device) for key, size in sizes.items()}
+    return [torch.empty(0, dtype=v.dtype, device=device).set_(
+        buffers[storage_key(v)].untyped_storage(), v.storage_offset(), v.shape, v.stride()) for v in vals]
 
 
 def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Callable[[list], Any]:
@@ -254,48 +274,58 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
         decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
     # Moving nodes for locality may hold a buffer past the point the plan frees it.
+    # Outputs the caller sees keep their traced strides (`KEEP_STRIDES`); the others may take the
+    # layout Inductor prefers (channels-last convolutions), which later runs are compiled for.
+    keep = gm.graph.find_nodes(op="output")[0].meta.get(KEEP_STRIDES)
+    if keep is not None:
+        decomposed.graph.find_nodes(op="output")[0].meta["user_visible_output_idxs"] = list(keep)
     with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
         return compile_fx_inner(decomposed, fakes)
 
 
-def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int]:
-    """(peak bytes allocated while ``fn`` runs, bytes its result keeps alive), from the allocator."""
+def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, list[torch.Tensor]]:
+    """(peak bytes allocated while ``fn`` runs, bytes its result keeps alive, fake tensors laid out
+    as its result is), from the allocator."""
     kept: list[int] = []
+    layouts: list[torch.Tensor] = []
 
     def call() -> None:
         result = fn()
         kept.append(sum({storage_key(t): t.untyped_storage().nbytes()
                          for t in result if isinstance(t, torch.Tensor)}.values()))
+        with FakeTensorMode():
+            layouts.extend(_examples(list(result), device))
 
-    return allocated_during(call, device), kept[0]
+    return allocated_during(call, device), kept[0], layouts
 
 
 def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[torch.Tensor], keep: list[bool],
-           device: torch.device) -> tuple[int, int, str]:
+           device: torch.device) -> tuple[int, int, str, list[torch.Tensor]]:
     """Run both on zero inputs (those marked in ``keep`` stay referenced, as values read later
-    do in the step): (compiled peak, eager peak, why the compiled run is refused, or "")."""
+    do in the step): (compiled peak, eager peak, why the compiled run is refused, or "", the
+    compiled run's outputs as laid out, fake)."""
 
     def call(fn: Callable[[list], Any]) -> Callable[[], Any]:
         held: list[torch.Tensor] = []
 
         def run() -> Any:
-            box = [_example(v, device) for v in vals]
+            box = _examples(vals, device)
             held.extend(t for t, k in zip(box, keep) if k)
             return fn(box)
         return run
 
-    c_peak, c_kept = _peak_of(call(compiled), device)
-    e_peak, e_kept = _peak_of(call(eager), device)
+    c_peak, c_kept, layouts = _peak_of(call(compiled), device)
+    e_peak, e_kept, _ = _peak_of(call(eager), device)
     if c_kept > e_kept:
-        return c_peak, e_peak, f"outputs keep {c_kept} B > eager {e_kept} B"
-    return c_peak, e_peak, ""
+        return c_peak, e_peak, f"outputs keep {c_kept} B > eager {e_kept} B", layouts
+    return c_peak, e_peak, "", layouts
 
 
 def _seconds(fn: Callable[[list], Any], vals: list[torch.Tensor], device: torch.device, reps: int = 2) -> float:
     """The best of ``reps`` timed calls of ``fn`` on zero inputs (the inputs made outside the timing)."""
     best = float("inf")
     for _ in range(reps):
-        box = [_example(v, device) for v in vals]
+        box = _examples(vals, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
@@ -323,6 +353,11 @@ class _Segmenting:
     timeline: Any  # memory after each schedule step (for a compute: during it), the simulator's
     budget: int
     step_cost: list[float]  # each schedule step's predicted time (the cost model's units; 0 but for computes)
+    # Values a compiled run returns laid out otherwise than traced (Inductor may return a
+    # convolution's output channels-last): the later runs that read them are compiled for that
+    # layout. Shared by both segments: the backward reads what the forward carries.
+    laid_out: dict[str, torch.Tensor]
+    keep_strides: frozenset[str]  # values the segment hands out of the program: their strides stay as traced
 
     def planned_bytes(self, members: list[fx.Node]) -> int:
         """The most memory the plan has in use during ``members``' steps."""
@@ -366,12 +401,15 @@ class _Segmenting:
                     entry: RunReport) -> Callable[[list], Any] | None:
         """The compiled run, accepted by the check; None (and ``entry.reason``) when not."""
         by_name = {i.name: i for n in members for i in n.all_input_nodes}
-        vals = [self.constants[r] if r in self.constants else by_name[r].meta.get("val") for r in reads]
+        vals = [self.constants[r] if r in self.constants else self.laid_out.get(r, by_name[r].meta.get("val"))
+                for r in reads]
         if not all(isinstance(v, torch.Tensor) for v in vals):
             entry.reason = "an input is not a tensor (" + ", ".join(
                 f"{r}: {type(v).__name__}" for r, v in zip(reads, vals) if not isinstance(v, torch.Tensor)) + ")"
             return None
         positional = _run_module(self.root, members, reads, writes, boxed=False)
+        positional.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = [
+            i for i, w in enumerate(writes) if w in self.keep_strides]
         started = time.perf_counter()
         try:
             with torch.no_grad():
@@ -399,7 +437,8 @@ class _Segmenting:
         with torch.random.fork_rng(devices=devices):
             try:
                 with torch.no_grad():
-                    entry.compiled_peak, entry.eager_peak, why = _check(compiled, eager, vals, keep, self.device)
+                    entry.compiled_peak, entry.eager_peak, why, layouts = _check(compiled, eager, vals, keep,
+                                                                                 self.device)
             except Exception as exc:  # noqa: BLE001 - compiled code that fails to run is not used
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"
@@ -414,6 +453,10 @@ class _Segmenting:
                 self.report.refused += 1
                 return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
+            traced = {n.name: n.meta.get("val") for n in members}
+            for name, val in zip(self.escaping(members), layouts):
+                self.laid_out[name] = val
+                self.report.relaid += _layout(val) != _layout(traced[name])
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
             with torch.no_grad():
                 entry.compiled_s = _seconds(compiled, vals, self.device)
@@ -472,7 +515,8 @@ def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:
 
 def compile_segment(segment: Any, name: str, device: torch.device, report: CompileReport, timeline: Any,
                     budget: int, step_cost: list[float], compiler: Compiler = inductor_compiler,
-                    check: bool = True) -> CompiledSegment:
+                    check: bool = True, laid_out: dict[str, torch.Tensor] | None = None,
+                    free_layout: frozenset[str] = frozenset()) -> CompiledSegment:
     """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring)."""
     root = segment.module
     nodes = list(root.graph.nodes)
@@ -488,8 +532,9 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
             last_use[i.name] = position[n]
     for i in output.all_input_nodes:
         last_use[i.name] = len(body)
+    handed_out = frozenset(n.name for n in output.all_input_nodes) - free_layout
     seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
-                      step_cost)
+                      step_cost, {} if laid_out is None else laid_out, handed_out)
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
@@ -517,9 +562,12 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them
     report = CompileReport(predicted_peak=plan.predicted_peak - held)
     budget = plan.budget - held
+    laid_out: dict[str, torch.Tensor] = {}  # forward first: the backward is compiled for what it carries
+    # What the forward carries to the backward alone is the program's own: its layout may change.
+    inner = frozenset(program.carried) - set(program.user_outputs) - {name for _, name in program.buffer_updates}
     for segment in ("forward", "backward"):
         compiled = compile_segment(getattr(program, segment), segment, device, report, timeline, budget, step_cost,
-                                   compiler, check)
+                                   compiler, check, laid_out, inner)
         program = dataclasses.replace(program, **{segment: compiled})
     report.predicted_peak += held
     return dataclasses.replace(program, compile_report=report)
