@@ -97,6 +97,8 @@ class CompileReport:
         rejected = [r for r in self.runs if not r.compiled and r.reason]
         text = (f"{n} of {len(self.runs)} runs compiled ({self.compiled_ops} ops; {self.eager_ops} ops eager), "
                 f"Inductor {self.compile_s:.1f} s, {self.refused} compiled runs refused by the memory check")
+        if self.relaid:
+            text += f", {self.relaid} values handed on in Inductor's layout"
         if rejected:
             text += "; eager: " + ", ".join(f"{r.segment} run at {r.first} ({r.reason})" for r in rejected)
         return text
