@@ -122,6 +122,7 @@ class CompiledSegment:
         self.source = source  # the eager Segment it was made from
         self.inputs, self.outputs = source.inputs, source.outputs
         self.unpack, self.constants, self.stages, self.output_names = unpack, constants, stages, outputs
+        self.outputs_laid_out: dict[int, torch.Tensor] = {}  # by output position: laid out otherwise than traced
 
     def __call__(self, args: list[Any]) -> tuple[Any, ...]:
         env = dict(self.constants)
@@ -246,14 +247,15 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def _examples(vals: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def _examples(vals: list[torch.Tensor], device: torch.device, whole: bool = False) -> list[torch.Tensor]:
     """Zeros laid out like ``vals`` (zeros: valid as indices, so gathers stay in range), sharing
     storage where ``vals`` do (fake or real): a value and its alias (``detach``) are one buffer in
     the step, and a check that gave each its own would count a buffer the step does not hold
     (GPT's loss backward, its log-softmax read twice, was refused for one logits-size buffer)."""
     sizes: dict[int, int] = {}
     for v in vals:
-        sizes[storage_key(v)] = max(sizes.get(storage_key(v), 0), _extent(v))
+        size = v.untyped_storage().nbytes() if whole else _extent(v)
+        sizes[storage_key(v)] = max(sizes.get(storage_key(v), 0), size)
     buffers = {key: torch.zeros(size, dtype=torch.uint8, device=device) for key, size in sizes.items()}
     return [torch.empty(0, dtype=v.dtype, device=device).set_(
         buffers[storage_key(v)].untyped_storage(), v.storage_offset(), v.shape, v.stride()) for v in vals]
@@ -269,18 +271,32 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    # Outputs the caller sees (`KEEP_STRIDES`) leave with their traced strides: one computed in
+    # another (a weight's gradient from channels-last inputs) is copied into it, a copy Inductor
+    # fuses into the kernel that makes it. The others may leave in the layout Inductor prefers
+    # (channels-last convolutions), which the runs that read them are compiled for.
+    out = gm.graph.find_nodes(op="output")[0]
+    keep = out.meta.get(KEEP_STRIDES)
+    traced = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in out.args[0]]
+
+    def traced_layouts(*args: Any) -> tuple:
+        outs = gm(*args)
+        return tuple(torch.ops.prims.copy_strided.default(o, traced[i].stride())
+                     if keep is not None and i in keep and isinstance(o, torch.Tensor)
+                     and isinstance(traced[i], torch.Tensor) and o.stride() != traced[i].stride() else o
+                     for i, o in enumerate(outs))
+
     # fallback_random: a random op (a run's first, `_random`) is not decomposed but called as eager's
     # kernel, so it draws eager's mask from the state the plan saved for it.
     mode = FakeTensorMode()
     with mode, inductor_config.patch(fallback_random=True):
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
-        decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*fakes)
-    # Moving nodes for locality may hold a buffer past the point the plan frees it.
-    # Outputs the caller sees keep their traced strides (`KEEP_STRIDES`); the others may take the
-    # layout Inductor prefers (channels-last convolutions), which later runs are compiled for.
-    keep = gm.graph.find_nodes(op="output")[0].meta.get(KEEP_STRIDES)
+        decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
     if keep is not None:
-        decomposed.graph.find_nodes(op="output")[0].meta["user_visible_output_idxs"] = list(keep)
+        decomposed.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = list(keep)
+        # Inductor's graph cache keys on the module, node meta left out: the module's own meta is in.
+        decomposed.meta[KEEP_STRIDES] = tuple(keep)
+    # Moving nodes for locality may hold a buffer past the point the plan frees it.
     with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
         return compile_fx_inner(decomposed, fakes)
 
@@ -296,18 +312,19 @@ def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, lis
         kept.append(sum({storage_key(t): t.untyped_storage().nbytes()
                          for t in result if isinstance(t, torch.Tensor)}.values()))
         with FakeTensorMode():
-            layouts.extend(_examples(list(result), device))
+            layouts.extend(_examples(list(result), device, whole=True))
 
     return allocated_during(call, device), kept[0], layouts
 
 
 def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[torch.Tensor], keep: list[bool],
-           device: torch.device) -> tuple[int, int, str, list[torch.Tensor]]:
+           device: torch.device, traced: list[torch.Tensor] | None = None) -> tuple[int, int, str, list[torch.Tensor]]:
     """Run both on zero inputs (those marked in ``keep`` stay referenced, as values read later
-    do in the step): (compiled peak, eager peak, why the compiled run is refused, or "", the
-    compiled run's outputs as laid out, fake)."""
+    do in the step), the compiled run laid out as ``vals``, its eager twin as ``traced`` (as the
+    plan's eager step has them; default ``vals``): (compiled peak, eager peak, why the compiled
+    run is refused, or "", the compiled run's outputs as laid out, fake)."""
 
-    def call(fn: Callable[[list], Any]) -> Callable[[], Any]:
+    def call(fn: Callable[[list], Any], vals: list[torch.Tensor]) -> Callable[[], Any]:
         held: list[torch.Tensor] = []
 
         def run() -> Any:
@@ -316,8 +333,8 @@ def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[to
             return fn(box)
         return run
 
-    c_peak, c_kept, layouts = _peak_of(call(compiled), device)
-    e_peak, e_kept, _ = _peak_of(call(eager), device)
+    c_peak, c_kept, layouts = _peak_of(call(compiled, vals), device)
+    e_peak, e_kept, _ = _peak_of(call(eager, vals if traced is None else traced), device)
     if c_kept > e_kept:
         return c_peak, e_peak, f"outputs keep {c_kept} B > eager {e_kept} B", layouts
     return c_peak, e_peak, "", layouts
@@ -355,11 +372,12 @@ class _Segmenting:
     timeline: Any  # memory after each schedule step (for a compute: during it), the simulator's
     budget: int
     step_cost: list[float]  # each schedule step's predicted time (the cost model's units; 0 but for computes)
-    # Values a compiled run returns laid out otherwise than traced (Inductor may return a
-    # convolution's output channels-last): the later runs that read them are compiled for that
-    # layout. Shared by both segments: the backward reads what the forward carries.
+    # Values laid out otherwise than traced (Inductor may return a convolution's output
+    # channels-last): the later runs that read them are compiled for that layout. The backward
+    # starts with what the forward carries to it.
     laid_out: dict[str, torch.Tensor]
-    keep_strides: frozenset[str]  # values the segment hands out of the program: their strides stay as traced
+    keep_strides: frozenset[str]  # values the program hands out: their strides stay as traced
+    sources: frozenset[str]  # the step's inputs: parameters, buffers, the batch
 
     def planned_bytes(self, members: list[fx.Node]) -> int:
         """The most memory the plan has in use during ``members``' steps."""
@@ -397,14 +415,16 @@ class _Segmenting:
                           f"{entry.reason}", CompileWarning, stacklevel=5)
         else:
             self.report.runs.append(entry)
+        for w in writes:  # eager code lays its results out as traced, as far as is known
+            self.laid_out.pop(w, None)
         return [Stage(eager, reads, last, writes)]
 
     def compile_run(self, members: list[fx.Node], reads: list[str], writes: list[str], eager: fx.GraphModule,
                     entry: RunReport) -> Callable[[list], Any] | None:
         """The compiled run, accepted by the check; None (and ``entry.reason``) when not."""
         by_name = {i.name: i for n in members for i in n.all_input_nodes}
-        vals = [self.constants[r] if r in self.constants else self.laid_out.get(r, by_name[r].meta.get("val"))
-                for r in reads]
+        traced = [self.constants[r] if r in self.constants else by_name[r].meta.get("val") for r in reads]
+        vals = [self.laid_out.get(r, v) for r, v in zip(reads, traced)]
         if not all(isinstance(v, torch.Tensor) for v in vals):
             entry.reason = "an input is not a tensor (" + ", ".join(
                 f"{r}: {type(v).__name__}" for r, v in zip(reads, vals) if not isinstance(v, torch.Tensor)) + ")"
@@ -424,14 +444,17 @@ class _Segmenting:
             entry.compile_s = time.perf_counter() - started
             self.report.compile_s += entry.compile_s
         if self.check:
-            keep = [r not in self.last_of(members, reads) for r in reads]
-            return self._checked(compiled, eager, members, vals, keep, entry)
+            # held through the run: values read later, and the step's inputs (parameters, buffers,
+            # the batch), which the caller keeps however early the run lets go of them
+            keep = [r not in self.last_of(members, reads) or r in self.sources for r in reads]
+            return self._checked(compiled, eager, members, vals, traced, keep, entry)
         entry.compiled = True
         self.report.runs.append(entry)
         return LayoutGuard(compiled, eager, vals, f"{self.name} run at {members[0].name!r}")
 
     def _checked(self, compiled: Callable[[list], Any], eager: fx.GraphModule, members: list[fx.Node],
-                 vals: list[torch.Tensor], keep: list[bool], entry: RunReport) -> Callable[[list], Any] | None:
+                 vals: list[torch.Tensor], traced_vals: list[torch.Tensor], keep: list[bool],
+                 entry: RunReport) -> Callable[[list], Any] | None:
         """``compiled``, once its peak and outputs pass the check against ``eager`` (and timed); None
         and ``entry.reason`` when not. The trial runs draw from a forked generator: a run that opens
         with a random op must not move the caller's random stream."""
@@ -439,11 +462,21 @@ class _Segmenting:
         with torch.random.fork_rng(devices=devices):
             try:
                 with torch.no_grad():
+                    # its eager twin as the plan runs it, inputs laid out as traced
                     entry.compiled_peak, entry.eager_peak, why, layouts = _check(compiled, eager, vals, keep,
-                                                                                 self.device)
+                                                                                 self.device, traced_vals)
             except Exception as exc:  # noqa: BLE001 - compiled code that fails to run is not used
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"
+                return None
+            traced = {n.name: n.meta.get("val") for n in members}
+            # exact strides: autograd copies a gradient whose strides are not its parameter's, even
+            # where they differ only in a dimension of size 1 (a 1x1 convolution's weight)
+            moved = [w for w, val in zip(self.escaping(members), layouts)
+                     if w in self.keep_strides and val.stride() != traced[w].stride()]
+            if moved:  # a gradient or output laid out otherwise would be copied to its traced layout
+                entry.reason = f"compiled, it hands out {', '.join(moved[:3])} laid out otherwise than traced"
+                self.report.refused += 1
                 return None
             # The plan runs this stretch beside `planned - eager_peak` bytes; compiled, it must still fit.
             planned = self.planned_bytes(members) + entry.compiled_peak - entry.eager_peak
@@ -455,14 +488,14 @@ class _Segmenting:
                 self.report.refused += 1
                 return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
-            traced = {n.name: n.meta.get("val") for n in members}
             for name, val in zip(self.escaping(members), layouts):
-                self.laid_out[name] = val
-                self.report.relaid += _layout(val) != _layout(traced[name])
+                if _layout(val) != _layout(traced[name]):
+                    self.laid_out[name] = val
+                    self.report.relaid += 1
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
             with torch.no_grad():
                 entry.compiled_s = _seconds(compiled, vals, self.device)
-                entry.eager_s = _seconds(eager, vals, self.device)
+                entry.eager_s = _seconds(eager, traced_vals, self.device)
             steps = {n.meta["memplan_step"] for n in members if "memplan_step" in n.meta}
             planned_s = sum(self.step_cost[k] for k in steps)
             self.report.predicted_saving += planned_s * (1 - entry.compiled_s / max(entry.eager_s, 1e-9))
@@ -517,9 +550,14 @@ def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:
 
 def compile_segment(segment: Any, name: str, device: torch.device, report: CompileReport, timeline: Any,
                     budget: int, step_cost: list[float], compiler: Compiler = inductor_compiler,
-                    check: bool = True, laid_out: dict[str, torch.Tensor] | None = None,
-                    free_layout: frozenset[str] = frozenset()) -> CompiledSegment:
-    """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring)."""
+                    check: bool = True, inputs_laid_out: dict[int, torch.Tensor] | None = None,
+                    free_outputs: frozenset[int] = frozenset(), sources: frozenset[str] = frozenset()) -> CompiledSegment:
+    """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring).
+
+    ``inputs_laid_out``: by argument position, inputs that arrive laid out otherwise than traced;
+    ``free_outputs``: positions of outputs that may leave laid out otherwise (what the forward
+    carries to the backward alone). The result's ``outputs_laid_out`` says, by position, which did.
+    ``sources``: names of the step's inputs (parameters, buffers, the batch), which outlive it."""
     root = segment.module
     nodes = list(root.graph.nodes)
     box, output = nodes[0], nodes[-1]
@@ -534,9 +572,12 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
             last_use[i.name] = position[n]
     for i in output.all_input_nodes:
         last_use[i.name] = len(body)
-    handed_out = frozenset(n.name for n in output.all_input_nodes) - free_layout
+    results = list(output.args[0])
+    handed_out = frozenset(n.name for i, n in enumerate(results) if i not in free_outputs and isinstance(n, fx.Node))
+    names_of = dict(unpack)
+    laid_out = {names_of[i]: val for i, val in (inputs_laid_out or {}).items() if i in names_of}
     seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
-                      step_cost, {} if laid_out is None else laid_out, handed_out)
+                      step_cost, laid_out, handed_out, sources)
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
@@ -548,8 +589,10 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
         else:
             plan.append((kind, list(members)))
     stages = [stage for kind, members in plan for stage in seg.stages(members, kind)]
-    outputs = [n.name for n in output.args[0]]
-    return CompiledSegment(segment, unpack, constants, stages, outputs)
+    compiled = CompiledSegment(segment, unpack, constants, stages, [n.name for n in results])
+    compiled.outputs_laid_out = {i: laid_out[n.name] for i, n in enumerate(results)
+                                 if isinstance(n, fx.Node) and n.name in laid_out}
+    return compiled
 
 
 def compile_program(program: Any, plan: Any, device: torch.device, compiler: Compiler = inductor_compiler,
@@ -564,12 +607,16 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them
     report = CompileReport(predicted_peak=plan.predicted_peak - held)
     budget = plan.budget - held
-    laid_out: dict[str, torch.Tensor] = {}  # forward first: the backward is compiled for what it carries
-    # What the forward carries to the backward alone is the program's own: its layout may change.
-    inner = frozenset(program.carried) - set(program.user_outputs) - {name for _, name in program.buffer_updates}
-    for segment in ("forward", "backward"):
-        compiled = compile_segment(getattr(program, segment), segment, device, report, timeline, budget, step_cost,
-                                   compiler, check, laid_out, inner)
-        program = dataclasses.replace(program, **{segment: compiled})
+    # The forward returns outputs, buffer updates, then what it carries to the backward, which
+    # the backward takes first, in that order (by position: a segment names its values itself).
+    handed = len(program.user_outputs) + len(program.buffer_updates)
+    sources = frozenset(plan.analysis.lowered.sources)
+    forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,
+                              check, free_outputs=frozenset(range(handed, handed + len(program.carried))),
+                              sources=sources)
+    carried = {i - handed: val for i, val in forward.outputs_laid_out.items() if i >= handed}
+    backward = compile_segment(program.backward, "backward", device, report, timeline, budget, step_cost, compiler,
+                               check, inputs_laid_out=carried, sources=sources)
+    program = dataclasses.replace(program, forward=forward, backward=backward)
     report.predicted_peak += held
     return dataclasses.replace(program, compile_report=report)

@@ -257,6 +257,10 @@ def test_a_compiled_convolutional_plan_makes_room_for_kernel_scratch_by_default(
     print(f"cnn: budget {budget} predicted {opt.plan.predicted_peak} measured {peak}")
     assert peak <= budget
     _assert_close_grads(module, reference, **FUSED)
+    # What the program hands out keeps eager's layout: no gradient is copied to its parameter's.
+    ref = dict(reference.named_parameters())
+    assert {n: p.grad.stride() for n, p in module.named_parameters()} == {
+        n: ref[n].grad.stride() for n, p in module.named_parameters()}
 
 
 def test_a_run_reading_a_value_and_its_alias_is_checked_with_one_buffer():
