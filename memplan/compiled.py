@@ -118,11 +118,12 @@ class CompiledSegment:
     """A segment run as stages; same calling convention as `memplan.runtime.Segment`."""
 
     def __init__(self, source: Any, unpack: list[tuple[int, str]], constants: dict[str, Any],
-                 stages: list[Stage], outputs: list[str]):
+                 stages: list[Stage], outputs: list[str], outputs_laid_out: dict[int, torch.Tensor] | None = None):
         self.source = source  # the eager Segment it was made from
         self.inputs, self.outputs = source.inputs, source.outputs
         self.unpack, self.constants, self.stages, self.output_names = unpack, constants, stages, outputs
-        self.outputs_laid_out: dict[int, torch.Tensor] = {}  # by output position: laid out otherwise than traced
+        # by output position: the outputs laid out otherwise than traced
+        self.outputs_laid_out: dict[int, torch.Tensor] = outputs_laid_out or {}
 
     def __call__(self, args: list[Any]) -> tuple[Any, ...]:
         env = dict(self.constants)
@@ -301,9 +302,9 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
         return compile_fx_inner(decomposed, fakes)
 
 
-def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, list[torch.Tensor]]:
-    """(peak bytes allocated while ``fn`` runs, bytes its result keeps alive, fake tensors laid out
-    as its result is), from the allocator."""
+def _peak_of(fn: Callable[[], Any], device: torch.device, lay_out: bool = False) -> tuple[int, int, list[torch.Tensor]]:
+    """(peak bytes allocated while ``fn`` runs, bytes its result keeps alive, with ``lay_out`` fake
+    tensors laid out as its result is, else []), from the allocator."""
     kept: list[int] = []
     layouts: list[torch.Tensor] = []
 
@@ -311,8 +312,9 @@ def _peak_of(fn: Callable[[], Any], device: torch.device) -> tuple[int, int, lis
         result = fn()
         kept.append(sum({storage_key(t): t.untyped_storage().nbytes()
                          for t in result if isinstance(t, torch.Tensor)}.values()))
-        with FakeTensorMode():
-            layouts.extend(_examples(list(result), device, whole=True))
+        if lay_out:
+            with FakeTensorMode():
+                layouts.extend(_examples(list(result), device, whole=True))
 
     return allocated_during(call, device), kept[0], layouts
 
@@ -333,7 +335,7 @@ def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[to
             return fn(box)
         return run
 
-    c_peak, c_kept, layouts = _peak_of(call(compiled, vals), device)
+    c_peak, c_kept, layouts = _peak_of(call(compiled, vals), device, lay_out=True)
     e_peak, e_kept, _ = _peak_of(call(eager, vals if traced is None else traced), device)
     if c_kept > e_kept:
         return c_peak, e_peak, f"outputs keep {c_kept} B > eager {e_kept} B", layouts
@@ -469,11 +471,12 @@ class _Segmenting:
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"
                 return None
-            traced = {n.name: n.meta.get("val") for n in members}
+            writes = self.escaping(members)
+            traced_of = {n.name: n.meta.get("val") for n in members}
             # exact strides: autograd copies a gradient whose strides are not its parameter's, even
             # where they differ only in a dimension of size 1 (a 1x1 convolution's weight)
-            moved = [w for w, val in zip(self.escaping(members), layouts)
-                     if w in self.keep_strides and val.stride() != traced[w].stride()]
+            moved = [w for w, val in zip(writes, layouts)
+                     if w in self.keep_strides and val.stride() != traced_of[w].stride()]
             if moved:  # a gradient or output laid out otherwise would be copied to its traced layout
                 entry.reason = f"compiled, it hands out {', '.join(moved[:3])} laid out otherwise than traced"
                 self.report.refused += 1
@@ -488,8 +491,8 @@ class _Segmenting:
                 self.report.refused += 1
                 return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
-            for name, val in zip(self.escaping(members), layouts):
-                if _layout(val) != _layout(traced[name]):
+            for name, val in zip(writes, layouts):
+                if _layout(val) != _layout(traced_of[name]):
                     self.laid_out[name] = val
                     self.report.relaid += 1
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
@@ -589,10 +592,9 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
         else:
             plan.append((kind, list(members)))
     stages = [stage for kind, members in plan for stage in seg.stages(members, kind)]
-    compiled = CompiledSegment(segment, unpack, constants, stages, [n.name for n in results])
-    compiled.outputs_laid_out = {i: laid_out[n.name] for i, n in enumerate(results)
-                                 if isinstance(n, fx.Node) and n.name in laid_out}
-    return compiled
+    return CompiledSegment(segment, unpack, constants, stages, [n.name for n in results],
+                           {i: laid_out[n.name] for i, n in enumerate(results)
+                            if isinstance(n, fx.Node) and n.name in laid_out})
 
 
 def compile_program(program: Any, plan: Any, device: torch.device, compiler: Compiler = inductor_compiler,
