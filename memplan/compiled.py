@@ -41,7 +41,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.measure import allocated_during
-from memplan.runtime import clear_box
+from memplan.runtime import Replay, clear_box
 from memplan.storage import storage_key
 
 # The output node's meta key (Inductor's own) listing the outputs whose strides must stay as traced.
@@ -168,6 +168,16 @@ def _random(node: fx.Node) -> bool:
     saved the state of just before (a Python step, so always the run's first op), and so draws
     eager's mask. Its recomputations are replays, Python steps, never in a run."""
     return _pure_op(node, seeded=True)
+
+
+def drawn_from(root: torch.nn.Module, nodes: list[fx.Node]) -> frozenset[str]:
+    """The values random ops among ``nodes`` draw from, at their first run or a replay. They keep
+    their traced layout wherever they are made: a random kernel fills its mask in memory order,
+    so an input laid out otherwise (a convolution's output channels-last) would draw another
+    mask than eager's, and a replay another than the first run's."""
+    return frozenset(i.name for n in nodes
+                     if _random(n) or (n.op == "call_module" and isinstance(root.get_submodule(n.target), Replay))
+                     for i in n.all_input_nodes if _tensor_valued(i))
 
 
 def _tensor_valued(node: fx.Node) -> bool:
@@ -419,7 +429,18 @@ class _Segmenting:
             self.report.runs.append(entry)
         for w in writes:  # eager code lays its results out as traced, as far as is known
             self.laid_out.pop(w, None)
-        return [Stage(eager, reads, last, writes)]
+        # Eager code assumes the traced layouts (a `view` fails on others): values a compiled run
+        # handed on otherwise are laid out as traced first, each copy taking its original's place.
+        relaid = [r for r in reads if r in self.laid_out]
+        restride = [Stage(_Restrided([self.traced(r, members).stride() for r in relaid]), relaid,
+                          frozenset(relaid), relaid)] if relaid else []
+        for r in relaid:
+            del self.laid_out[r]
+        return [*restride, Stage(eager, reads, last, writes)]
+
+    def traced(self, name: str, members: list[fx.Node]) -> Any:
+        """The traced value (fake tensor) of ``name``, read by ``members``."""
+        return next(i.meta.get("val") for n in members for i in n.all_input_nodes if i.name == name)
 
     def compile_run(self, members: list[fx.Node], reads: list[str], writes: list[str], eager: fx.GraphModule,
                     entry: RunReport) -> Callable[[list], Any] | None:
@@ -507,6 +528,24 @@ class _Segmenting:
         return LayoutGuard(compiled, eager, vals, f"{self.name} run at {members[0].name!r}")
 
 
+class _Restrided:
+    """A Python step: its inputs copied into the given strides, the originals let go."""
+
+    def __init__(self, strides: list[tuple[int, ...]]):
+        self.strides = strides
+
+    def __call__(self, box: list) -> tuple[torch.Tensor, ...]:
+        values = list(box)
+        box.clear()
+        out = []
+        while values:  # each original is freed once its copy is made
+            t = values.pop(0)
+            out.append(torch.empty_strided(t.shape, self.strides[len(out)], dtype=t.dtype,
+                                           device=t.device).copy_(t))
+            del t
+        return tuple(out)
+
+
 def _layout(t: torch.Tensor) -> tuple[int, ...]:
     """The strides that matter: those of dimensions longer than 1 (others never move an index)."""
     return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
@@ -577,6 +616,7 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
         last_use[i.name] = len(body)
     results = list(output.args[0])
     handed_out = frozenset(n.name for i, n in enumerate(results) if i not in free_outputs and isinstance(n, fx.Node))
+    handed_out |= drawn_from(root, body)
     names_of = dict(unpack)
     laid_out = {names_of[i]: val for i, val in (inputs_laid_out or {}).items() if i in names_of}
     seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
@@ -613,8 +653,14 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     # the backward takes first, in that order (by position: a segment names its values itself).
     handed = len(program.user_outputs) + len(program.buffer_updates)
     sources = frozenset(plan.analysis.lowered.sources)
+    # what the forward carries may leave laid out otherwise, unless a random op in backward draws from it
+    backward_graph = program.backward.module.graph
+    position_of = {n.name: n.args[1] for n in backward_graph.nodes if n.op == "call_function"
+                   and n.target is operator.getitem and n.args[0].op == "placeholder"}
+    drawn = {position_of[v] for v in drawn_from(program.backward.module, list(backward_graph.nodes)) if v in position_of}
     forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,
-                              check, free_outputs=frozenset(range(handed, handed + len(program.carried))),
+                              check, free_outputs=frozenset(handed + i for i in range(len(program.carried))
+                                                            if i not in drawn),
                               sources=sources)
     carried = {i - handed: val for i, val in forward.outputs_laid_out.items() if i >= handed}
     backward = compile_segment(program.backward, "backward", device, report, timeline, budget, step_cost, compiler,

@@ -116,7 +116,7 @@ def _rng_state(device: str) -> torch.Tensor:
     return _generator(device)[0]()
 
 
-class _Replay(torch.nn.Module):
+class Replay(torch.nn.Module):
     """Run a random op again from the generator state of its first run, then restore the generator."""
 
     def __init__(self, target: Any, device: str):
@@ -236,7 +236,7 @@ def _build_segment(
             computed.add(name)
         else:
             replay = f"replay_{node.name}"
-            setattr(root, replay, _Replay(node.target, str(value_device(node))))
+            setattr(root, replay, Replay(node.target, str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
     _mark_step(graph, first_step + len(steps))

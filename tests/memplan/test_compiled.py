@@ -295,3 +295,81 @@ def test_a_run_reading_a_value_and_its_alias_is_checked_with_one_buffer():
     buffer = 256 * 512 * 4
     assert not why and c_peak < e_peak + buffer // 8, (c_peak, e_peak)  # a row sum's few KB more, at most
     assert c_apart >= e_apart + buffer  # what the check saw before: a whole buffer more, the run refused
+
+
+def _channels_last(gm, examples):
+    """A "compiler" whose runs hand on their 4-D results channels-last, as Inductor may."""
+    def run(box):
+        out = gm(*box)
+        box.clear()
+        return tuple(o.contiguous(memory_format=torch.channels_last) if o.dim() == 4 else o for o in out)
+    return run
+
+
+class _ConvDropout(torch.nn.Module):
+    """conv-BN-GELU, dropout, conv: the dropout draws from a value a run hands on (GELU's result,
+    which nothing else keeps: handed on channels-last, it takes no more memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                        torch.nn.GELU())
+        self.drop = torch.nn.Dropout(0.5)
+        self.conv = torch.nn.Conv2d(8, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):  # no view after the dropout: its run runs on any layout
+        return self.head(self.conv(self.drop(self.body(x))).mean((2, 3))).square().mean()
+
+
+def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on():
+    # Dropout fills its mask in memory order: from a channels-last input it would draw another
+    # mask than eager (and a replay another than its first run). The values random ops draw from
+    # keep their traced strides; a run that hands one on otherwise is refused.
+    torch.manual_seed(0)
+    module = _ConvDropout()
+    reference = copy.deepcopy(module)
+    args = (torch.randn(4, 3, 8, 8),)
+    budget = 2 * measure_peak(lambda: _step(module, args, {}))  # room: only layouts refuse runs
+    clear_grads(module)
+    opt = memplan.optimize(module, budget, compile=_channels_last, time_limit=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileWarning)
+        opt.prepare(*args)
+    report = opt.compile_report
+    assert report.relaid > 0 and report.refused > 0, report.summary()  # the test tests something
+    for seed in range(2):
+        clear_grads(module)
+        clear_grads(reference)
+        torch.testing.assert_close(_step(opt, args, {}, seed), _step(reference, args, {}, seed), **FUSED)
+        _assert_close_grads(module, reference, **FUSED)
+
+
+def _channels_last_but_views(gm, examples):
+    """Runs with a `view` take a megabyte more (refused, halved); the others hand on their 4-D
+    results channels-last."""
+    if any(n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default) for n in gm.graph.nodes):
+        return _wasteful(gm, examples)
+    return _channels_last(gm, examples)
+
+
+def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced():
+    # A run refused or not compiled runs as eager code, written for the traced layouts: its
+    # `view` of a value handed on channels-last would fail. It gets a copy laid out as traced.
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.GELU(),
+                                 torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 8, 3))
+    step = memplan.WithLoss(module, lambda out: out.square().mean())
+    reference = copy.deepcopy(step)
+    args = (torch.randn(4, 3, 8, 8),)
+    budget = 2 * measure_peak(lambda: _step(step, args, {}))
+    clear_grads(step)
+    opt = memplan.optimize(step, budget, compile=_channels_last_but_views, time_limit=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileWarning)
+        opt.prepare(*args)
+    report = opt.compile_report
+    assert report.relaid > 0 and report.eager_ops > 0, report.summary()  # the test tests something
+    clear_grads(step)
+    torch.testing.assert_close(_step(opt, args, {}), _step(reference, args, {}), **FUSED)
+    _assert_close_grads(step, reference, **FUSED)
