@@ -637,6 +637,22 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
                             if isinstance(n, fx.Node) and n.name in laid_out})
 
 
+def held_all_step(problem: Any, sources: list[str]) -> frozenset[str]:
+    """The step's sources (parameters, buffers, the batch) and every value that views one (a
+    weight's transpose): the model holds their storage all step, however early a run lets go of
+    them. A check that freed a carried transpose when the run did saw DistilBERT's compiled
+    backward 34 KB under its eager twin; in the step, with the parameters' storage held, it
+    peaked 359 KB over it (and over the budget)."""
+    roots = {problem.index[s] for s in sources if s in problem.index}
+
+    def root(i: int) -> int:
+        while problem.alias_of[i] >= 0:
+            i = int(problem.alias_of[i])
+        return i
+
+    return frozenset(sources) | {name for i, name in enumerate(problem.names) if root(i) in roots}
+
+
 def compile_program(program: Any, plan: Any, device: torch.device, compiler: Compiler = inductor_compiler,
                     check: bool = True) -> Any:
     """``program`` (`memplan.runtime.Program`, built from ``plan``) with both segments compiled; its
@@ -652,7 +668,7 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     # The forward returns outputs, buffer updates, then what it carries to the backward, which
     # the backward takes first, in that order (by position: a segment names its values itself).
     handed = len(program.user_outputs) + len(program.buffer_updates)
-    sources = frozenset(plan.analysis.lowered.sources)
+    sources = held_all_step(problem, plan.analysis.lowered.sources)
     # what the forward carries may leave laid out otherwise, unless a random op in backward draws from it
     backward_graph = program.backward.module.graph
     position_of = {n.name: n.args[1] for n in backward_graph.nodes if n.op == "call_function"

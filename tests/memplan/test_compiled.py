@@ -373,3 +373,42 @@ def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced(
     clear_grads(step)
     torch.testing.assert_close(_step(opt, args, {}), _step(reference, args, {}), **FUSED)
     _assert_close_grads(step, reference, **FUSED)
+
+
+def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its_budget():
+    # DistilBERT's forward carries weight transposes (views of parameters) to the backward. The
+    # model holds their storage all step; a check that freed them when the compiled backward let
+    # go of them saw that run 34 KB under its eager twin, and the step measured 359 KB over its
+    # eager twin's and 185 KB over the budget.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DistilBertConfig(n_layers=3, dim=128, hidden_dim=512, n_heads=4, vocab_size=1000,
+                                           num_labels=3)
+    model = transformers.DistilBertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(0)
+    ids, labels = torch.randint(0, 1000, (4, 128), generator=g), torch.randint(0, 3, (4,), generator=g)
+
+    class Step(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids, labels):
+            return self.inner(input_ids=ids, labels=labels).loss
+
+    module = Step(model)
+    reference = copy.deepcopy(module)
+    resident = [*module.parameters(), *module.buffers(), ids, labels]
+    budget = int(0.5 * profiled_peak(lambda: _step(reference, (ids, labels), {}), resident=resident))
+    opt = memplan.optimize(module, budget, compile=True, time_limit=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileWarning)
+        opt.prepare(ids, labels)
+    assert opt.compile_report.compiled_ops > 0
+    clear_grads(reference)
+    peak = profiled_peak(lambda: _step(opt, (ids, labels), {}), resident=resident)
+    print(f"distilbert: budget {budget} predicted {opt.plan.predicted_peak} measured {peak}\n"
+          f"{opt.compile_report.summary()}")
+    assert peak <= budget
+    _step(reference, (ids, labels), {})
+    _assert_close_grads(module, reference, rtol=1e-4, atol=1e-5)
