@@ -322,6 +322,18 @@ class _ConvDropout(torch.nn.Module):
         return self.head(self.conv(self.drop(self.body(x))).mean((2, 3))).square().mean()
 
 
+def _roomy_plan(module, args, compiler):
+    """``module`` planned at twice its eager peak (room enough that only layouts refuse runs),
+    compiled by ``compiler``, prepared."""
+    budget = 2 * measure_peak(lambda: _step(module, args, {}))
+    clear_grads(module)
+    opt = memplan.optimize(module, budget, compile=compiler, time_limit=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileWarning)
+        opt.prepare(*args)
+    return opt
+
+
 def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on():
     # Dropout fills its mask in memory order: from a channels-last input it would draw another
     # mask than eager (and a replay another than its first run). The values random ops draw from
@@ -330,12 +342,7 @@ def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on():
     module = _ConvDropout()
     reference = copy.deepcopy(module)
     args = (torch.randn(4, 3, 8, 8),)
-    budget = 2 * measure_peak(lambda: _step(module, args, {}))  # room: only layouts refuse runs
-    clear_grads(module)
-    opt = memplan.optimize(module, budget, compile=_channels_last, time_limit=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompileWarning)
-        opt.prepare(*args)
+    opt = _roomy_plan(module, args, _channels_last)
     report = opt.compile_report
     assert report.relaid > 0 and report.refused > 0, report.summary()  # the test tests something
     for seed in range(2):
@@ -362,12 +369,7 @@ def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced(
     step = memplan.WithLoss(module, lambda out: out.square().mean())
     reference = copy.deepcopy(step)
     args = (torch.randn(4, 3, 8, 8),)
-    budget = 2 * measure_peak(lambda: _step(step, args, {}))
-    clear_grads(step)
-    opt = memplan.optimize(step, budget, compile=_channels_last_but_views, time_limit=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompileWarning)
-        opt.prepare(*args)
+    opt = _roomy_plan(step, args, _channels_last_but_views)
     report = opt.compile_report
     assert report.relaid > 0 and report.eager_ops > 0, report.summary()  # the test tests something
     clear_grads(step)
