@@ -48,6 +48,10 @@ from memplan.storage import storage_key
 KEEP_STRIDES = "user_visible_output_idxs"
 # Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
 MIN_RUN_OPS = 3
+# A compiled run measured this much slower than its eager twin runs eagerly, and so does a whole
+# step predicted this much slower than eager (the margin: timing noise).
+SLOWER_MARGIN = 1.05
+STEP_SLOWER_MARGIN = 1.05
 Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Callable[[list], Any]]
 
 
@@ -77,6 +81,9 @@ class CompileReport:
 
     runs: list[RunReport] = field(default_factory=list)
     refused: int = 0  # compiled runs the memory check refused (each then tried as two halves)
+    slower: int = 0  # compiled runs measured slower than eager, run eagerly
+    # Set when the compiled step as a whole was predicted slower than eager, which then runs instead.
+    eager_instead: str = ""
     relaid: int = 0  # values compiled runs hand on laid out otherwise than traced (later runs compiled for it)
     compile_s: float = 0.0  # Inductor's time, refused runs included
     # The plan's predicted peak with the compiled runs' measured differences from eager added.
@@ -93,10 +100,14 @@ class CompileReport:
         return sum(r.ops for r in self.runs if not r.compiled)
 
     def summary(self) -> str:
+        if self.eager_instead:
+            return self.eager_instead
         n = sum(r.compiled for r in self.runs)
         rejected = [r for r in self.runs if not r.compiled and r.reason]
         text = (f"{n} of {len(self.runs)} runs compiled ({self.compiled_ops} ops; {self.eager_ops} ops eager), "
                 f"Inductor {self.compile_s:.1f} s, {self.refused} compiled runs refused by the memory check")
+        if self.slower:
+            text += f", {self.slower} slower than eager run eagerly"
         if self.relaid:
             text += f", {self.relaid} values handed on in Inductor's layout"
         if rejected:
@@ -302,7 +313,16 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     mode = FakeTensorMode()
     with mode, inductor_config.patch(fallback_random=True):
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
-        decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
+        try:
+            decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
+        except (RuntimeError, ValueError) as exc:
+            if not _is_view_error(exc):
+                raise
+            # A decomposition laid an intermediate out otherwise than the eager kernel, and a view
+            # the trace recorded cannot take it (T5's attention): those views become reshapes,
+            # which copy only where a view cannot be made (the memory check sees any copy).
+            _views_as_reshapes(gm)
+            decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
     if keep is not None:
         decomposed.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = list(keep)
         # Inductor's graph cache keys on the module, node meta left out: the module's own meta is in.
@@ -310,6 +330,21 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     # Moving nodes for locality may hold a buffer past the point the plan frees it.
     with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
         return compile_fx_inner(decomposed, fakes)
+
+
+def _is_view_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return "Cannot view a tensor" in text or "view size is not compatible" in text
+
+
+def _views_as_reshapes(gm: fx.GraphModule) -> None:
+    """Each ``view`` / ``_unsafe_view`` of ``gm`` as a ``reshape`` (in place): equal values, a copy
+    only where the input's layout admits no view. A run's ops are pure, so no write can tell."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                           torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+    gm.recompile()
 
 
 def _peak_of(fn: Callable[[], Any], device: torch.device, lay_out: bool = False) -> tuple[int, int, list[torch.Tensor]]:
@@ -415,28 +450,42 @@ class _Segmenting:
         last = self.last_of(members, reads)
         eager = _run_module(self.root, members, reads, writes, boxed=True)
         entry = RunReport(self.name, members[0].name, sum(n.op == "call_function" for n in members), compiled=False)
+        restride: list[Stage] = []
         if compile_it:
             compiled = self.compile_run(members, reads, writes, eager, entry)
+            if compiled is None and entry.compiled_peak is None and any(r in self.laid_out for r in reads):
+                # Compiled for the layouts earlier runs hand it, it failed (a `view` that cannot take
+                # them: ConvNeXt's whole backward ran eagerly): again, on copies laid out as traced.
+                restride = self.restrided(reads, members)
+                compiled = self.compile_run(members, reads, writes, eager, entry)
             if compiled is not None:
-                return [Stage(compiled, reads, last, writes)]
-            cut = _cut(members, self) if entry.compiled_peak is not None else None
+                return [*restride, Stage(compiled, reads, last, writes)]
+            # halved when over its memory (timed only once it fits: one slower than eager is not)
+            refused = entry.compiled_peak is not None and entry.compiled_s is None
+            cut = _cut(members, self) if refused else None
             if cut is not None:
-                return self.stages(members[:cut], True) + self.stages(members[cut:], True)
+                return [*restride, *self.stages(members[:cut], True), *self.stages(members[cut:], True)]
             self.report.runs.append(entry)
-            warnings.warn(f"memplan: {self.name} run at {members[0].name!r} ({len(members)} ops) runs eagerly: "
-                          f"{entry.reason}", CompileWarning, stacklevel=5)
+            if entry.compiled_s is None:  # not a choice of speed: say why it is not compiled
+                warnings.warn(f"memplan: {self.name} run at {members[0].name!r} ({len(members)} ops) runs eagerly: "
+                              f"{entry.reason}", CompileWarning, stacklevel=5)
         else:
             self.report.runs.append(entry)
         for w in writes:  # eager code lays its results out as traced, as far as is known
             self.laid_out.pop(w, None)
-        # Eager code assumes the traced layouts (a `view` fails on others): values a compiled run
-        # handed on otherwise are laid out as traced first, each copy taking its original's place.
+        # Eager code assumes the traced layouts (a `view` fails on others).
+        return [*restride, *self.restrided(reads, members), Stage(eager, reads, last, writes)]
+
+    def restrided(self, reads: list[str], members: list[fx.Node]) -> list[Stage]:
+        """A Python step laying out as traced the ``reads`` a compiled run handed on otherwise (each
+        copy taking its original's place; none when there are none); from then on they are traced."""
         relaid = [r for r in reads if r in self.laid_out]
-        restride = [Stage(_Restrided([self.traced(r, members).stride() for r in relaid]), relaid,
-                          frozenset(relaid), relaid)] if relaid else []
-        for r in relaid:
-            del self.laid_out[r]
-        return [*restride, Stage(eager, reads, last, writes)]
+        if not relaid:
+            return []
+        copy = _Restrided([self.traced(r, members).stride() for r in relaid])
+        # the copies are time the compiled runs cost beyond their own
+        self.report.predicted_saving -= _seconds(copy, [self.laid_out.pop(r) for r in relaid], self.device)
+        return [Stage(copy, relaid, frozenset(relaid), relaid)]
 
     def traced(self, name: str, members: list[fx.Node]) -> Any:
         """The traced value (fake tensor) of ``name``, read by ``members``."""
@@ -511,15 +560,22 @@ class _Segmenting:
                 entry.reason = f"compiled, it takes more memory than planned ({why})"
                 self.report.refused += 1
                 return None
+            # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
+            with torch.no_grad():
+                entry.compiled_s = _seconds(compiled, vals, self.device)
+                entry.eager_s = _seconds(eager, traced_vals, self.device)
+            if entry.compiled_s > SLOWER_MARGIN * entry.eager_s:
+                # Inductor's kernels are not always faster (small depthwise convolutions and layer
+                # norms on a channels-last layout: ConvNeXt's ran 17-21% slower than eager's)
+                entry.reason = (f"compiled, it runs slower than eager ({entry.compiled_s * 1e3:.2f} ms against "
+                                f"{entry.eager_s * 1e3:.2f} ms)")
+                self.report.slower += 1
+                return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
             for name, val in zip(writes, layouts):
                 if _layout(val) != _layout(traced_of[name]):
                     self.laid_out[name] = val
                     self.report.relaid += 1
-            # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
-            with torch.no_grad():
-                entry.compiled_s = _seconds(compiled, vals, self.device)
-                entry.eager_s = _seconds(eager, traced_vals, self.device)
             steps = {n.meta["memplan_step"] for n in members if "memplan_step" in n.meta}
             planned_s = sum(self.step_cost[k] for k in steps)
             self.report.predicted_saving += planned_s * (1 - entry.compiled_s / max(entry.eager_s, 1e-9))
@@ -681,6 +737,13 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     carried = {i - handed: val for i, val in forward.outputs_laid_out.items() if i >= handed}
     backward = compile_segment(program.backward, "backward", device, report, timeline, budget, step_cost, compiler,
                                check, inputs_laid_out=carried, sources=sources)
-    program = dataclasses.replace(program, forward=forward, backward=backward)
     report.predicted_peak += held
+    if -report.predicted_saving > (STEP_SLOWER_MARGIN - 1) * plan.predicted_time:
+        # Inductor's code is not faster everywhere (small convolutions, layouts copied between runs)
+        report.eager_instead = (f"compiled, the step was predicted {-report.predicted_saving * 1e3:.2f} ms slower "
+                                f"than eager ({sum(r.compiled for r in report.runs)} of {len(report.runs)} runs "
+                                "compiled): it runs eagerly")
+        report.predicted_peak, report.predicted_saving, report.runs = plan.predicted_peak, 0.0, []
+        return dataclasses.replace(program, compile_report=report)
+    program = dataclasses.replace(program, forward=forward, backward=backward)
     return dataclasses.replace(program, compile_report=report)
