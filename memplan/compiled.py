@@ -52,6 +52,7 @@ MIN_RUN_OPS = 3
 # step predicted this much slower than eager (the margin: timing noise).
 SLOWER_MARGIN = 1.05
 STEP_SLOWER_MARGIN = 1.05
+TIMING_ROUNDS = 3  # a compiled run and its eager twin, timed in turn, the best of each
 Compiler = Callable[[fx.GraphModule, list[torch.Tensor]], Callable[[list], Any]]
 
 
@@ -389,17 +390,25 @@ def _check(compiled: Callable[[list], Any], eager: fx.GraphModule, vals: list[to
 
 def _seconds(fn: Callable[[list], Any], vals: list[torch.Tensor], device: torch.device, reps: int = 2) -> float:
     """The best of ``reps`` timed calls of ``fn`` on zero inputs (the inputs made outside the timing)."""
-    best = float("inf")
+    return _best_of([(fn, vals)], device, reps)[0]
+
+
+def _best_of(calls: list[tuple[Callable[[list], Any], list[torch.Tensor]]], device: torch.device,
+             reps: int) -> list[float]:
+    """Each call's best of ``reps`` timings on zero inputs, the calls taken in turn each round, so
+    that a burst of other work on the machine falls on all of them alike."""
+    best = [float("inf")] * len(calls)
     for _ in range(reps):
-        box = _examples(vals, device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        out = fn(box)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
-        del out
+        for i, (fn, vals) in enumerate(calls):
+            box = _examples(vals, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            out = fn(box)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - started)
+            del out
     return best
 
 
@@ -562,8 +571,8 @@ class _Segmenting:
                 return None
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
             with torch.no_grad():
-                entry.compiled_s = _seconds(compiled, vals, self.device)
-                entry.eager_s = _seconds(eager, traced_vals, self.device)
+                entry.compiled_s, entry.eager_s = _best_of([(compiled, vals), (eager, traced_vals)], self.device,
+                                                           TIMING_ROUNDS)
             if entry.compiled_s > SLOWER_MARGIN * entry.eager_s:
                 # Inductor's kernels are not always faster (small depthwise convolutions and layer
                 # norms on a channels-last layout: ConvNeXt's ran 17-21% slower than eager's)
