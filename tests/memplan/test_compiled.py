@@ -416,20 +416,25 @@ def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its
     ids, labels = torch.randint(0, 1000, (4, 128), generator=g), torch.randint(0, 3, (4,), generator=g)
 
     module = _HFLoss(model)
+    _compiled_step_within_budget(module, (ids, labels), 0.5, time_limit=10)
+
+
+def _compiled_step_within_budget(module, args, fraction, **options):
+    """``module`` planned with compile=True at ``fraction`` of its eager peak (allocator events):
+    the step's measured peak within the budget, eager's gradients."""
     reference = copy.deepcopy(module)
-    resident = [*module.parameters(), *module.buffers(), ids, labels]
-    budget = int(0.5 * profiled_peak(lambda: _step(reference, (ids, labels), {}), resident=resident))
-    opt = memplan.optimize(module, budget, compile=True, time_limit=10)
+    resident = [*module.parameters(), *module.buffers(), *args]
+    budget = int(fraction * profiled_peak(lambda: _step(reference, args, {}), resident=resident))
+    opt = memplan.optimize(module, budget, compile=True, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompileWarning)
-        opt.prepare(ids, labels)
+        opt.prepare(*args)
     assert opt.compile_report.compiled_ops > 0
     clear_grads(reference)
-    peak = profiled_peak(lambda: _step(opt, (ids, labels), {}), resident=resident)
-    print(f"distilbert: budget {budget} predicted {opt.plan.predicted_peak} measured {peak}\n"
-          f"{opt.compile_report.summary()}")
+    peak = profiled_peak(lambda: _step(opt, args, {}), resident=resident)
+    print(f"budget {budget} predicted {opt.plan.predicted_peak} measured {peak}\n{opt.compile_report.summary()}")
     assert peak <= budget
-    _step(reference, (ids, labels), {})
+    _step(reference, args, {})
     _assert_close_grads(module, reference, rtol=1e-4, atol=1e-5)
 
 
@@ -532,17 +537,4 @@ def test_a_compiled_resnet_whose_refused_runs_read_channels_last_values_holds_it
     g = torch.Generator().manual_seed(0)
     pixels, labels = torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
     module = _HFLoss(transformers.ResNetForImageClassification(config), "pixel_values")
-    reference = copy.deepcopy(module)
-    resident = [*module.parameters(), *module.buffers(), pixels, labels]
-    budget = int(0.9 * profiled_peak(lambda: _step(reference, (pixels, labels), {}), resident=resident))
-    opt = memplan.optimize(module, budget, compile=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompileWarning)
-        opt.prepare(pixels, labels)
-    clear_grads(reference)
-    peak = profiled_peak(lambda: _step(opt, (pixels, labels), {}), resident=resident)
-    print(f"resnet: budget {budget} predicted {opt.plan.predicted_peak} measured {peak}\n"
-          f"{opt.compile_report.summary()}")
-    assert peak <= budget
-    _step(reference, (pixels, labels), {})
-    _assert_close_grads(module, reference, rtol=1e-4, atol=1e-5)
+    _compiled_step_within_budget(module, (pixels, labels), 0.9)
