@@ -532,13 +532,13 @@ class _Segmenting:
             # held through the run: values read later, and the step's inputs (parameters, buffers,
             # the batch), which the caller keeps however early the run lets go of them
             keep = [r not in self.last_of(members, reads) or r in self.sources for r in reads]
-            return self._checked(compiled, eager, members, vals, traced, keep, entry)
+            return self._checked(compiled, eager, members, writes, vals, traced, keep, entry)
         entry.compiled = True
         self.report.runs.append(entry)
         return LayoutGuard(compiled, eager, vals, f"{self.name} run at {members[0].name!r}")
 
     def _checked(self, compiled: Callable[[list], Any], eager: fx.GraphModule, members: list[fx.Node],
-                 vals: list[torch.Tensor], traced_vals: list[torch.Tensor], keep: list[bool],
+                 writes: list[str], vals: list[torch.Tensor], traced_vals: list[torch.Tensor], keep: list[bool],
                  entry: RunReport) -> Callable[[list], Any] | None:
         """``compiled``, once its peak and outputs pass the check against ``eager`` (and timed); None
         and ``entry.reason`` when not. The trial runs draw from a forked generator: a run that opens
@@ -554,7 +554,6 @@ class _Segmenting:
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"
                 return None
-            writes = self.escaping(members)
             traced_of = {n.name: n.meta.get("val") for n in members}
             # exact strides: autograd copies a gradient whose strides are not its parameter's, even
             # where they differ only in a dimension of size 1 (a 1x1 convolution's weight)
@@ -755,7 +754,8 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     keep_backward: frozenset[str] = frozenset()
     # Eager code (a refused run) gets values a compiled run laid out otherwise as copies in their
     # traced layout; copies cost memory the plan does not have (Hugging Face ResNet at 90% measured
-    # 769 KB over its budget). So a second pass makes those values in their traced layout.
+    # 769 KB over its budget). So each later pass makes the values the last one copied in their
+    # traced layout where they are made.
     for _ in range(COMPILE_PASSES):
         report = CompileReport(predicted_peak=plan.predicted_peak - held)
         forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import memplan
+from benchmarks import hf_compiled
 from memplan.compiled import CompileWarning
 from memplan.measure import measure_peak, profiled_peak
 
@@ -391,32 +392,14 @@ def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced(
     _assert_close_grads(step, reference, **FUSED)
 
 
-class _HFLoss(torch.nn.Module):
-    """A Hugging Face model's training step: its own loss of ``labels`` for ``inputs``."""
-
-    def __init__(self, inner, input_name="input_ids"):
-        super().__init__()
-        self.inner, self.input_name = inner, input_name
-
-    def forward(self, inputs, labels):
-        return self.inner(**{self.input_name: inputs, "labels": labels}).loss
-
-
 def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its_budget():
     # DistilBERT's forward carries weight transposes (views of parameters) to the backward. The
     # model holds their storage all step; a check that freed them when the compiled backward let
     # go of them saw that run 34 KB under its eager twin, and the step measured 359 KB over its
     # eager twin's and 185 KB over the budget.
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.DistilBertConfig(n_layers=3, dim=128, hidden_dim=512, n_heads=4, vocab_size=1000,
-                                           num_labels=3)
-    model = transformers.DistilBertForSequenceClassification(config)
-    g = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, 1000, (4, 128), generator=g), torch.randint(0, 3, (4,), generator=g)
-
-    module = _HFLoss(model)
-    _compiled_step_within_budget(module, (ids, labels), 0.5, time_limit=10)
+    pytest.importorskip("transformers")
+    module, args = hf_compiled.build("distilbert")
+    _compiled_step_within_budget(module, args, 0.5, time_limit=10)
 
 
 def _compiled_step_within_budget(module, args, fraction, **options):
@@ -485,7 +468,7 @@ def test_a_run_whose_decomposition_a_recorded_view_cannot_take_still_compiles():
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 200, (2, 32), generator=g), torch.randint(0, 200, (2, 16), generator=g)
 
-    module = _HFLoss(model)
+    module = hf_compiled.LossStep(model, "input_ids")
     reference = copy.deepcopy(module)
     budget = _budget(module, (ids, labels), {}, 0.8)
     opt = memplan.optimize(module, budget, compile=True, time_limit=5)
@@ -528,13 +511,8 @@ def test_a_run_that_cannot_take_the_layouts_it_is_handed_compiles_on_traced_copi
 def test_a_compiled_resnet_whose_refused_runs_read_channels_last_values_holds_its_budget():
     # Hugging Face ResNet at 90%: runs the check refuses read convolution outputs Inductor handed
     # on channels-last. Run eagerly on them, the step measured 149 KB over its budget; copied into
-    # their traced layout for the eager code, 769 KB over. The second pass has them made in their
+    # their traced layout for the eager code, 769 KB over. Later compile passes have them made in their
     # traced layout instead.
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
-                                       layer_type="bottleneck", num_labels=10)
-    g = torch.Generator().manual_seed(0)
-    pixels, labels = torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)
-    module = _HFLoss(transformers.ResNetForImageClassification(config), "pixel_values")
-    _compiled_step_within_budget(module, (pixels, labels), 0.9)
+    pytest.importorskip("transformers")
+    module, args = hf_compiled.build("resnet")
+    _compiled_step_within_budget(module, args, 0.9)
