@@ -70,6 +70,7 @@ class RunReport:
     ops: int
     compiled: bool
     reason: str = ""  # why it runs eagerly
+    random_ops: int = 0  # random ops' first draws in it (eager's kernels, called by the compiled code)
     compiled_peak: int | None = None  # measured when checked, bytes above what was live before the run
     eager_peak: int | None = None
     compile_s: float = 0.0
@@ -177,11 +178,42 @@ def _compilable(node: fx.Node) -> bool:
 
 
 def _random(node: fx.Node) -> bool:
-    """A random ATen op's first run (dropout's mask drawn). It may open a run: Inductor compiles it
-    as a call of eager's own kernel (``fallback_random``), which draws from the generator the plan
-    saved the state of just before (a Python step, so always the run's first op), and so draws
-    eager's mask. Its recomputations are replays, Python steps, never in a run."""
+    """A random ATen op's first run (dropout's mask drawn). Inductor compiles it as a call of eager's
+    own kernel (``fallback_random``), which draws eager's mask from the generator as it stands
+    there. Where the plan replays the op, the state was saved just before it (a Python step), so
+    the op opens a run; the replays are Python steps, never in a run."""
     return _pure_op(node, seeded=True)
+
+
+def _layout_pinned(op: Any) -> bool:
+    """Inductor pins the inputs of ``op`` to the layout of the graph it compiles (with
+    ``fallback_random``, dropout's: its kernel fills the mask in its input's memory order)."""
+    try:
+        from torch._inductor.lowering import maybe_layout_constraints
+    except ImportError:  # an Inductor without the registry: the op opens a run, as before
+        return False
+    return maybe_layout_constraints(op) is not None
+
+
+def _draws_mid_run(node: fx.Node, run: list[fx.Node]) -> bool:
+    """Whether random op ``node`` (no state saved before it) may join ``run``: Inductor keeps its
+    input laid out as compiled (`_as_traced_for_random_ops` makes that eager's layout), and
+    every random op already in the run is its ancestor, so that no order Inductor may pick
+    draws them otherwise than eager."""
+    if not _layout_pinned(node.target):
+        return False
+    earlier = {n for n in run if _random(n)}
+    if not earlier:
+        return True
+    members, seen, stack = set(run), set(), list(node.all_input_nodes)
+    while stack and earlier:
+        n = stack.pop()
+        if n in seen or n not in members:
+            continue
+        seen.add(n)
+        earlier.discard(n)
+        stack.extend(n.all_input_nodes)
+    return not earlier
 
 
 def drawn_from(root: torch.nn.Module, nodes: list[fx.Node]) -> frozenset[str]:
@@ -205,9 +237,13 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
     for node in nodes:
         # an item of a multi-output value stays with the op that made it, compiled or not
         kind = groups[-1][0] if node.target is operator.getitem and node.args[0] in members else _compilable(node)
-        if _random(node):  # opens a run of its own: one random op per run, first, so eager's draw order holds
-            groups.append((True, [node]))
-            members = {node}
+        if _random(node):
+            if groups and groups[-1][0] and _draws_mid_run(node, groups[-1][1]):
+                groups[-1][1].append(node)
+                members.add(node)
+            else:  # opens a run of its own (after its saved state, or where Inductor might reorder draws)
+                groups.append((True, [node]))
+                members = {node}
             continue
         if groups and groups[-1][0] == kind:
             groups[-1][1].append(node)
@@ -305,7 +341,7 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     traced = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in out.args[0]]
 
     def traced_layouts(*args: Any) -> tuple:
-        outs = gm(*args)
+        outs = _DrawingAsTraced(gm).run(*args)
         return tuple(torch.ops.prims.copy_strided.default(o, traced[i].stride())
                      if keep is not None and i in keep and isinstance(o, torch.Tensor)
                      and isinstance(traced[i], torch.Tensor) and o.stride() != traced[i].stride() else o
@@ -333,6 +369,28 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     # Moving nodes for locality may hold a buffer past the point the plan frees it.
     with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
         return compile_fx_inner(decomposed, fakes)
+
+
+class _DrawingAsTraced(fx.Interpreter):
+    """Runs a run's graph, handing each random op its inputs laid out as traced (a copy where a
+    decomposition laid one out otherwise): Inductor pins a random op's inputs to the layout of
+    the graph it compiles, and a random kernel fills its output in its input's memory order, so
+    this is what makes a random op in mid-run draw eager's values."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        if not _random(n):
+            return super().run_node(n)
+
+        def as_traced(i: fx.Node) -> Any:
+            value, traced = self.env[i], i.meta.get("val")
+            relaid = isinstance(value, torch.Tensor) and isinstance(traced, torch.Tensor) \
+                and value.stride() != traced.stride()
+            if relaid:
+                return torch.ops.prims.copy_strided.default(value, traced.stride())
+            return value
+
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), as_traced)
+        return getattr(self, n.op)(n.target, args, kwargs)
 
 
 def _is_view_error(exc: BaseException) -> bool:
@@ -461,7 +519,8 @@ class _Segmenting:
         writes = self.escaping(members)
         last = self.last_of(members, reads)
         eager = _run_module(self.root, members, reads, writes, boxed=True)
-        entry = RunReport(self.name, members[0].name, sum(n.op == "call_function" for n in members), compiled=False)
+        entry = RunReport(self.name, members[0].name, sum(n.op == "call_function" for n in members), compiled=False,
+                          random_ops=sum(_random(n) for n in members))
         restride: list[Stage] = []
         if compile_it:
             compiled = self.compile_run(members, reads, writes, eager, entry)

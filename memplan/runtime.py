@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -142,15 +143,18 @@ def _build_segment(
     computed: set[str],
     updater: UpdateRunner | None = None,
     first_step: int = 0,
+    replayed: frozenset[str] = frozenset(),
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
     Only inputs that are read are unpacked. ``free`` steps need no code: fx's
     codegen drops each value after its last use, which is never later than
     the schedule's own free. ``computed`` holds the random ops already run
-    (by an earlier segment); it is updated. Each node made for a step records that step's index in
-    the whole schedule (``steps[0]`` is step ``first_step``) as ``meta["memplan_step"]``: where the
-    simulator's timeline says how much memory the step runs beside (`memplan.compiled`).
+    (by an earlier segment); it is updated; ``replayed`` names those the schedule runs
+    again, whose first run saves the generator state the replays draw from. Each node made
+    for a step records that step's index in the whole schedule (``steps[0]`` is step
+    ``first_step``) as ``meta["memplan_step"]``: where the simulator's timeline says how much
+    memory the step runs beside (`memplan.compiled`).
     """
     fx_nodes = low.fx_nodes
     root = torch.nn.Module()
@@ -230,8 +234,11 @@ def _build_segment(
         if rng is None:
             env[name] = graph.node_copy(node, arg)
         elif name not in computed:
-            # first run: remember the generator state it draws from
-            env[rng] = graph.create_node("call_function", _rng_state, (str(value_device(node)),), name=_identifier(rng))
+            if name in replayed:  # first run of a replayed op: remember the generator state it draws from
+                env[rng] = graph.create_node("call_function", _rng_state, (str(value_device(node)),),
+                                             name=_identifier(rng))
+            # (an op never replayed saves nothing: no Python step between it and the ops around it,
+            # which a compiled run can then take in one piece)
             env[name] = graph.node_copy(node, arg)
             computed.add(name)
         else:
@@ -327,6 +334,8 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
             resident[host_name(name)] = None  # host copies are never freed within the step
     bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None} | applied
     computed: set[str] = set()
+    runs = Counter(name for op, name in fw_steps + bw_steps if op == "compute" and name in low.rng_of)
+    replayed = frozenset(name for name, count in runs.items() if count > 1)
     # A generator state exists once its op has run; one whose op first runs in backward is made there.
     rng_made_in_forward = {low.rng_of[name] for op, name in fw_steps if op == "compute" and name in low.rng_of}
     carried = [
@@ -339,10 +348,10 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
     ]
     fw_outputs = list(user_outputs) + [name for _, name in buffer_updates] + carried
     constants = cap.graph_module
-    forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed)
+    forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed, replayed=replayed)
     bw_outputs = [g for g in grad_outputs if g is not None]
     backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater,
-                              first_step=len(fw_steps) + 1)
+                              first_step=len(fw_steps) + 1, replayed=replayed)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]

@@ -112,6 +112,36 @@ def test_recomputed_dropout_draws_the_eager_mask():
     torch.testing.assert_close(after_planned, after_eager)  # the generator is left where eager leaves it
 
 
+@pytest.mark.parametrize("solver, saves", [("recompute_all", True), ("store_all", False)])
+def test_only_a_replayed_random_op_saves_the_generator_state(solver, saves):
+    """A replay draws from the state saved before the op's first run; a random op the plan never
+    runs again saves none (no Python step then cuts a compiled run at each dropout)."""
+    from memplan.runtime import _rng_state
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 64), nn.Dropout(0.3), nn.Linear(64, 1))
+    step = WithLoss(model, lambda out: out.pow(2).sum())
+    reference = copy.deepcopy(step)
+    x = torch.randn(32, 16)
+    opt = memplan.optimize(step, 10**12, solver=solver, example_inputs=(x,))
+    computes = [str(node) for op, node in opt.plan.schedule if op == "compute"]
+    replayed = [d for d in opt.plan.analysis.lowered.rng_of if computes.count(d) > 1]
+    assert bool(replayed) == saves
+    program = opt._plans[opt._last_signature][1]
+    captures = [n for segment in (program.forward, program.backward) for n in segment.module.graph.nodes
+                if n.target is _rng_state]
+    assert len(captures) == len(replayed)
+    torch.manual_seed(7)
+    loss = opt(x)
+    loss.backward()
+    torch.manual_seed(7)
+    ref = reference(x)
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    for p, q in zip(step.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_inplace_relu_and_views_are_functionalized():
     class M(nn.Module):
         def __init__(self):
