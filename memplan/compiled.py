@@ -197,7 +197,7 @@ def _layout_pinned(op: Any) -> bool:
 
 def _draws_mid_run(node: fx.Node, run: list[fx.Node]) -> bool:
     """Whether random op ``node`` (no state saved before it) may join ``run``: Inductor keeps its
-    input laid out as compiled (`_as_traced_for_random_ops` makes that eager's layout), and
+    input laid out as compiled (`_DrawingAsTraced` makes that eager's layout), and
     every random op already in the run is its ancestor, so that no order Inductor may pick
     draws them otherwise than eager."""
     if not _layout_pinned(node.target):
@@ -252,6 +252,26 @@ def _groups(nodes: list[fx.Node]) -> list[tuple[bool, list[fx.Node]]]:
             members = set()
         members.add(node)
     return groups
+
+
+def _around_escaping_tuples(run: list[fx.Node], escaping: list[str]) -> list[list[fx.Node]]:
+    """``run`` cut around each multi-output op whose tuple is read after it (by the segment's
+    output: the backward takes a dropout's mask from the tuple the forward carries). A compiled run
+    hands on tensors only, so that op and its items run eagerly; the stretches on either side may
+    still compile (ViT at 50%: a 149-op run ran eagerly for one dropout's tuple)."""
+    pieces: list[list[fx.Node]] = [[]]
+    tuples = {n for n in run if n.name in escaping and not _tensor_valued(n)}
+    for n in run:
+        is_item = n.target is operator.getitem and n.args[0] in tuples
+        if n in tuples:
+            pieces.append([n])
+        elif is_item:
+            pieces[-1].append(n)
+        elif pieces[-1] and pieces[-1][0] in tuples:
+            pieces.append([n])
+        else:
+            pieces[-1].append(n)
+    return [p for p in pieces if p]
 
 
 def _items_with_their_op(body: list[fx.Node]) -> list[fx.Node]:
@@ -757,13 +777,14 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
-    for kind, members in _groups(body):
-        kind = kind and len(members) >= MIN_RUN_OPS and all(
-            _tensor_valued(n) for n in members if n.name in seg.escaping(members))
-        if plan and not kind and not plan[-1][0]:
-            plan[-1][1].extend(members)
-        else:
-            plan.append((kind, list(members)))
+    for kind, group in _groups(body):
+        for members in (_around_escaping_tuples(group, seg.escaping(group)) if kind else [group]):
+            compiles = kind and len(members) >= MIN_RUN_OPS and all(
+                _tensor_valued(n) for n in members if n.name in seg.escaping(members))
+            if plan and not compiles and not plan[-1][0]:
+                plan[-1][1].extend(members)
+            else:
+                plan.append((compiles, list(members)))
     stages = [stage for kind, members in plan for stage in seg.stages(members, kind)]
     compiled = CompiledSegment(segment, unpack, constants, stages, [n.name for n in results],
                                {i: laid_out[n.name] for i, n in enumerate(results)

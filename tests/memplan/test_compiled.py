@@ -8,6 +8,7 @@ runs differ from eager's by float reassociation in fused kernels: compared at rt
 from __future__ import annotations
 
 import copy
+import operator
 import time
 import warnings
 
@@ -575,3 +576,24 @@ def test_a_random_op_in_mid_run_draws_eager_values_whatever_layout_the_run_is_ha
     eager_out, eager_mask = gm(x, w)
     assert torch.equal(mask, eager_mask)
     torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-5)  # a convolution summed in another order
+
+
+def test_a_tuple_read_after_its_run_runs_eagerly_with_its_items_alone():
+    # The backward may take a dropout's mask from the tuple the forward carries: a compiled run
+    # hands on tensors only, so the dropout and its items run eagerly, and only they (ViT at 50%:
+    # a 149-op run ran eagerly for one such tuple).
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memplan.compiled import _around_escaping_tuples
+
+    def body(x):
+        h = x.sin()
+        out, mask = torch.ops.aten.native_dropout(h, 0.5, True)
+        return out.cos().exp()
+
+    gm = make_fx(body)(torch.randn(4))
+    run = [n for n in gm.graph.nodes if n.op == "call_function"]
+    pieces = [[n.target.__name__ if n.target is not operator.getitem else "item" for n in p]
+              for p in _around_escaping_tuples(run, ["native_dropout"])]
+    assert pieces == [["sin.default"], ["native_dropout.default", "item", "item"], ["cos.default", "exp.default"]], pieces
+    assert _around_escaping_tuples(run, ["exp"]) == [run]  # tensors escaping: one run
