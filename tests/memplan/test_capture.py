@@ -85,39 +85,9 @@ def test_dropout_replays_its_generator_state():
         assert low.graph.nodes[n]["recomputable"] is True
 
 
-def test_recomputed_dropout_draws_the_eager_mask():
-    """Force every recomputable value to be recomputed; masks and gradients still match eager."""
-    import copy
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 64), nn.Dropout(0.3), nn.Linear(64, 1))
-    step = WithLoss(model, lambda out: out.pow(2).sum())
-    reference = copy.deepcopy(step)
-    x = torch.randn(32, 16)
-    opt = memplan.optimize(step, 10**12, solver="recompute_all", example_inputs=(x,))
-    computes = [str(node) for op, node in opt.plan.schedule if op == "compute"]
-    dropouts = [n for n in opt.plan.analysis.lowered.rng_of]
-    assert any(computes.count(d) > 1 for d in dropouts), "the plan must recompute a dropout"
-    torch.manual_seed(7)
-    loss = opt(x)
-    loss.backward()  # replays dropout's generator state, then restores the generator
-    after_planned = torch.rand(3)
-    torch.manual_seed(7)
-    ref = reference(x)
-    ref.backward()
-    after_eager = torch.rand(3)
-    torch.testing.assert_close(loss, ref)
-    for p, q in zip(step.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
-    torch.testing.assert_close(after_planned, after_eager)  # the generator is left where eager leaves it
-
-
-@pytest.mark.parametrize("solver, saves", [("recompute_all", True), ("store_all", False)])
-def test_only_a_replayed_random_op_saves_the_generator_state(solver, saves):
-    """A replay draws from the state saved before the op's first run; a random op the plan never
-    runs again saves none (no Python step then cuts a compiled run at each dropout)."""
-    from memplan.runtime import _rng_state
-
+def _two_dropout_plan(solver):
+    """(optimized step, its eager twin, input, the dropouts the plan replays): an MLP with two
+    dropouts, planned by ``solver`` with room for everything."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 64), nn.Dropout(0.3), nn.Linear(64, 1))
     step = WithLoss(model, lambda out: out.pow(2).sum())
@@ -126,20 +96,47 @@ def test_only_a_replayed_random_op_saves_the_generator_state(solver, saves):
     opt = memplan.optimize(step, 10**12, solver=solver, example_inputs=(x,))
     computes = [str(node) for op, node in opt.plan.schedule if op == "compute"]
     replayed = [d for d in opt.plan.analysis.lowered.rng_of if computes.count(d) > 1]
+    return opt, reference, x, replayed
+
+
+def _seeded_step(module, x):
+    """The step's loss from seed 7, and the generator's next draws after its backward."""
+    torch.manual_seed(7)
+    loss = module(x)
+    loss.backward()
+    return loss, torch.rand(3)
+
+
+def _assert_eager_step(opt, reference, x):
+    """Loss, every gradient and the generator left behind: eager's."""
+    loss, after_planned = _seeded_step(opt, x)  # backward replays dropout's state, then restores the generator
+    ref, after_eager = _seeded_step(reference, x)
+    torch.testing.assert_close(loss, ref)
+    for p, q in zip(opt.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(after_planned, after_eager)  # the generator is left where eager leaves it
+
+
+def test_recomputed_dropout_draws_the_eager_mask():
+    """Force every recomputable value to be recomputed; masks and gradients still match eager."""
+    opt, reference, x, replayed = _two_dropout_plan("recompute_all")
+    assert replayed, "the plan must recompute a dropout"
+    _assert_eager_step(opt, reference, x)
+
+
+@pytest.mark.parametrize("solver, saves", [("recompute_all", True), ("store_all", False)])
+def test_only_a_replayed_random_op_saves_the_generator_state(solver, saves):
+    """A replay draws from the state saved before the op's first run; a random op the plan never
+    runs again saves none (no Python step then cuts a compiled run at each dropout)."""
+    from memplan.runtime import _rng_state
+
+    opt, reference, x, replayed = _two_dropout_plan(solver)
     assert bool(replayed) == saves
     program = opt._plans[opt._last_signature][1]
     captures = [n for segment in (program.forward, program.backward) for n in segment.module.graph.nodes
                 if n.target is _rng_state]
     assert len(captures) == len(replayed)
-    torch.manual_seed(7)
-    loss = opt(x)
-    loss.backward()
-    torch.manual_seed(7)
-    ref = reference(x)
-    ref.backward()
-    torch.testing.assert_close(loss, ref)
-    for p, q in zip(step.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    _assert_eager_step(opt, reference, x)
 
 
 def test_inplace_relu_and_views_are_functionalized():

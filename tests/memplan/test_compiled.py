@@ -335,7 +335,7 @@ class _ConvDropout(torch.nn.Module):
         return self.head(self.conv(self.drop(self.body(x))).mean((2, 3))).square().mean()
 
 
-def _roomy_plan(module, args, compiler, monkeypatch):
+def _roomy_plan(module, args, compiler):
     """``module`` planned at twice its eager peak (room enough that only layouts refuse runs),
     compiled by ``compiler``, prepared."""
     budget = 2 * measure_peak(lambda: _step(module, args, {}))
@@ -347,7 +347,7 @@ def _roomy_plan(module, args, compiler, monkeypatch):
     return opt
 
 
-def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on(monkeypatch):
+def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on():
     # Dropout fills its mask in memory order: from a channels-last input it would draw another
     # mask than eager (and a replay another than its first run). The values random ops draw from
     # keep their traced strides; a run that hands one on otherwise is refused.
@@ -355,7 +355,7 @@ def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on(monkeypa
     module = _ConvDropout()
     reference = copy.deepcopy(module)
     args = (torch.randn(4, 3, 8, 8),)
-    opt = _roomy_plan(module, args, _channels_last, monkeypatch)
+    opt = _roomy_plan(module, args, _channels_last)
     report = opt.compile_report
     # the test tests something: the run making the dropout's input would hand it on channels-last
     assert "hands out gelu laid out otherwise" in report.summary(), report.summary()
@@ -386,12 +386,12 @@ def _channels_last_but_views(gm, examples):
     return _channels_last(gm, examples)
 
 
-def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced(monkeypatch):
+def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced():
     # A run refused or not compiled runs as eager code, written for the traced layouts: its
     # `view` of a value handed on channels-last would fail. It gets a copy laid out as traced.
     step, args = _conv_view_step()
     reference = copy.deepcopy(step)
-    opt = _roomy_plan(step, args, _channels_last_but_views, monkeypatch)
+    opt = _roomy_plan(step, args, _channels_last_but_views)
     report = opt.compile_report
     # the test tests something: eager code got values laid out otherwise (copied), and the second
     # pass had them made in their traced layout, which this "compiler" does not do (runs refused)
@@ -504,12 +504,12 @@ def _views_of_traced_layouts_only(gm, examples):
     return _channels_last(gm, examples)
 
 
-def test_a_run_that_cannot_take_the_layouts_it_is_handed_compiles_on_traced_copies(monkeypatch):
+def test_a_run_that_cannot_take_the_layouts_it_is_handed_compiles_on_traced_copies():
     step, args = _conv_view_step(torch.nn.Tanh())
     reference = copy.deepcopy(step)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileWarning)
-        opt = _roomy_plan(step, args, _views_of_traced_layouts_only, monkeypatch)
+        opt = _roomy_plan(step, args, _views_of_traced_layouts_only)
     failed = [str(w.message) for w in caught if "did not compile" in str(w.message)]
     report = opt.compile_report
     # (a later pass has the values made in their traced layout, which this "compiler" refuses)
