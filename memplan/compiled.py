@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from memplan.kernels import aten_target, with_aten_targets
 from memplan.measure import allocated_during
 from memplan.runtime import Replay, clear_box
 from memplan.storage import storage_key
@@ -167,7 +168,7 @@ def _is_header(node: fx.Node, box: fx.Node) -> bool:
 
 def _pure_op(node: fx.Node, seeded: bool) -> bool:
     """An ATen op that writes none of its inputs, random (``seeded``) or deterministic."""
-    op = node.target
+    op = aten_target(node)  # a stand-in (`memplan.kernels`) computes its op: Inductor gets the op
     return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and not op._schema.is_mutable
             and (torch.Tag.nondeterministic_seeded in op.tags) == seeded)
 
@@ -200,7 +201,7 @@ def _draws_mid_run(node: fx.Node, run: list[fx.Node]) -> bool:
     input laid out as compiled (`_DrawingAsTraced` makes that eager's layout), and
     every random op already in the run is its ancestor, so that no order Inductor may pick
     draws them otherwise than eager."""
-    if not _layout_pinned(node.target):
+    if not _layout_pinned(aten_target(node)):
         return False
     earlier = {n for n in run if _random(n)}
     if not earlier:
@@ -316,8 +317,22 @@ def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], w
     for node in nodes:
         env[node.name] = graph.node_copy(node, lambda n: env[n.name])
     graph.output(tuple(env[n] for n in writes))
+    # In-place variants (`memplan.kernels`) assume each value an op made is a buffer of its own,
+    # which a compiled run's outputs need not be (one may view another's buffer); and the plan's
+    # timeline, which a compiled run is checked against, counts the functional ops' buffers.
+    with_aten_targets(graph, only_in_place=True)
     graph.lint()
     return fx.GraphModule(root, graph)
+
+
+def _calling_aten(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` calling the ATen ops themselves, not their stand-ins (`memplan.kernels`): the code the
+    plan's timeline and its kernels' measured scratch describe, which a compiled run is checked
+    against (a dropout compiled calls the op's own kernel, with its scratch)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    with_aten_targets(graph)
+    return fx.GraphModule(gm, graph)
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -594,6 +609,8 @@ class _Segmenting:
                 f"{r}: {type(v).__name__}" for r, v in zip(reads, vals) if not isinstance(v, torch.Tensor)) + ")"
             return None
         positional = _run_module(self.root, members, reads, writes, boxed=False)
+        with_aten_targets(positional.graph)  # Inductor compiles the ops; eager code calls their stand-ins
+        positional.recompile()
         positional.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = [
             i for i, w in enumerate(writes) if w in self.keep_strides]
         started = time.perf_counter()
@@ -627,8 +644,8 @@ class _Segmenting:
             try:
                 with torch.no_grad():
                     # its eager twin as the plan runs it, inputs laid out as traced
-                    entry.compiled_peak, entry.eager_peak, why, layouts = _check(compiled, eager, vals, keep,
-                                                                                 self.device, traced_vals)
+                    entry.compiled_peak, entry.eager_peak, why, layouts = _check(
+                        compiled, _calling_aten(eager), vals, keep, self.device, traced_vals)
             except Exception as exc:  # noqa: BLE001 - compiled code that fails to run is not used
                 first = str(exc).splitlines()[0] if str(exc) else ""
                 entry.reason = f"it compiled but failed to run ({type(exc).__name__}: {first[:200]})"

@@ -408,7 +408,7 @@ def make_plan(
                             solver=solver, clock=clock, offload=offload)
     phases.lap("solve")
     runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
-    program = build_program(cap, plan.analysis.lowered, plan.schedule, runner)
+    program = build_program(cap, plan.analysis.lowered, plan.schedule, runner, plan.simulated.timeline)
     phases.lap("runtime")
     return dataclasses.replace(plan, planning_time=phases.seconds), program
 

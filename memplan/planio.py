@@ -175,7 +175,7 @@ def make_plan_from_saved(
         )
     plan = saved.bind(analysis, budget)
     runner = update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
-    return plan, build_program(cap, analysis.lowered, plan.schedule, runner)
+    return plan, build_program(cap, analysis.lowered, plan.schedule, runner, plan.simulated.timeline)
 
 
 def _check_whole_step(saved: SavedPlan, where: str, optimizer: torch.optim.Optimizer | None,

@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from memplan.kernels import eager_kernel
+
 
 def _materialize(val: Any, device: torch.device) -> Any:
     def make(t: torch.Tensor) -> torch.Tensor:
@@ -81,8 +83,9 @@ def measure_op_times(
                 args, kwargs = pytree.tree_map_only(
                     fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs)
                 )
-                node.target(*args, **kwargs)  # warm-up: first-call allocations, kernel selection
-                times[node.name] = median_seconds(lambda: node.target(*args, **kwargs), device, repeats)
+                kernel = eager_kernel(node)  # what the eager runtime calls (`memplan.kernels`)
+                kernel(*args, **kwargs)  # warm-up: first-call allocations, kernel selection
+                times[node.name] = median_seconds(lambda: kernel(*args, **kwargs), device, repeats)
             except Exception:  # noqa: BLE001 - value-checking ops keep their estimate
                 continue
     return times
@@ -164,6 +167,8 @@ def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[s
                 try:
                     args, kwargs = pytree.tree_map_only(
                         fx.Node, lambda n: _materialize(n.meta.get("val"), device), (node.args, node.kwargs))
+                    # The op itself, not its CPU stand-in (`memplan.kernels`, which needs no scratch):
+                    # it is what compiled runs call (dropout), and what a compiled run is checked against.
                     node.target(*args, **kwargs)  # warm-up: kernel selection, first-call allocations
                     peak = allocated_during(lambda: held.append(node.target(*args, **kwargs)), device)
                     inputs = {t.untyped_storage().data_ptr()

@@ -3,7 +3,8 @@
 The schedule is cut at its ``BACKWARD`` step into two segments. Each segment
 becomes an ``fx.Graph`` holding one node per compute step, in schedule order
 (a recomputation is simply a second copy of the node), and torch.fx generates
-its Python code, which frees every value right after its last use. The
+its Python code, which frees every value right after its last use (an op
+with a faster exact kernel on the device, `memplan.kernels`, calls that). The
 forward segment returns the model's outputs, the buffer updates and the
 values the backward segment reads; the backward segment returns gradients.
 
@@ -37,6 +38,7 @@ import solvers
 from solvers.transforms.ordering import storage_readers
 from memplan.capture import Capture
 from memplan.costs import value_device
+from memplan.kernels import eager_kernel, use_stand_ins
 from memplan.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
 from memplan.transfer import arrive, offload, prefetch
@@ -144,6 +146,7 @@ def _build_segment(
     updater: UpdateRunner | None = None,
     first_step: int = 0,
     replayed: frozenset[str] = frozenset(),
+    timeline: Any = None,
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
@@ -154,7 +157,8 @@ def _build_segment(
     again, whose first run saves the generator state the replays draw from. Each node made
     for a step records that step's index in the whole schedule (``steps[0]`` is step
     ``first_step``) as ``meta["memplan_step"]``: where the simulator's timeline says how much
-    memory the step runs beside (`memplan.compiled`).
+    memory the step runs beside (`memplan.compiled`); with the plan's ``timeline``, ops below its
+    peak may run in place (`memplan.kernels.use_stand_ins`).
     """
     fx_nodes = low.fx_nodes
     root = torch.nn.Module()
@@ -243,11 +247,12 @@ def _build_segment(
             computed.add(name)
         else:
             replay = f"replay_{node.name}"
-            setattr(root, replay, Replay(node.target, str(value_device(node))))
+            setattr(root, replay, Replay(eager_kernel(node), str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
     _mark_step(graph, first_step + len(steps))
     graph.output(tuple(value(name) for name in outputs))
+    use_stand_ins(graph, timeline)
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
 
@@ -301,9 +306,11 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
 
 
 def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
-                  updater: UpdateRunner | None = None) -> Program:
+                  updater: UpdateRunner | None = None, timeline: Any = None) -> Program:
     """Turn a validated schedule into a :class:`Program`; ``updater`` applies the optimizer
-    updates of ``low`` (`memplan.optimizer`) where the schedule computes them."""
+    updates of ``low`` (`memplan.optimizer`) where the schedule computes them; ``timeline`` (the
+    simulator's memory at each step) keeps the step's peak the one predicted (`memplan.kernels`):
+    without it, every op whose input dies there may run in place."""
     fw_steps, bw_steps = _split(schedule)
     if low.updates and updater is None:
         raise ValueError("memplan runtime: the plan updates parameters, but no UpdateRunner was given")
@@ -348,10 +355,11 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
     ]
     fw_outputs = list(user_outputs) + [name for _, name in buffer_updates] + carried
     constants = cap.graph_module
-    forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed, replayed=replayed)
+    forward = _build_segment(fw_steps, low, low.sources, fw_outputs, constants, computed, replayed=replayed,
+                             timeline=timeline)
     bw_outputs = [g for g in grad_outputs if g is not None]
     backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater,
-                              first_step=len(fw_steps) + 1, replayed=replayed)
+                              first_step=len(fw_steps) + 1, replayed=replayed, timeline=timeline)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]

@@ -1,0 +1,173 @@
+"""The eager runtime's faster code (`memplan.kernels`): exact to the bit, and in place only where safe."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import memplan
+from memplan import WithLoss
+from memplan.kernels import ATEN_TARGET, IN_PLACE, native_dropout, native_dropout_backward, use_stand_ins
+
+from .helpers import assert_same_step, twin
+
+aten = torch.ops.aten
+
+
+def _awkward(shape, dtype, layout):
+    """Values with every special a product can meet (NaN, infinities, signed zeros), laid out as asked."""
+    x = torch.randn(shape, dtype=torch.float64)
+    flat = x.view(-1)
+    flat[:4] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0], dtype=torch.float64)
+    x = x.to(dtype)
+    if layout == "transposed":
+        return x.transpose(0, 1)
+    if layout == "channels_last":
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _assert_bitwise(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.signbit(a), torch.signbit(b))  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
+@pytest.mark.parametrize("p", [0.0, 0.1, 1.0])
+def test_dropout_stand_ins_compute_the_op_bit_for_bit(dtype, layout, p):
+    """Same mask (same draws, same layout), same output, same gradient, NaN and -0.0 included,
+    and the generator left where the op leaves it."""
+    x = _awkward((6, 5, 4, 3), dtype, layout)
+    torch.manual_seed(3)
+    out, mask = aten.native_dropout.default(x, p, True)
+    after_op = torch.get_rng_state()
+    torch.manual_seed(3)
+    got_out, got_mask = native_dropout(x, p, True)
+    assert torch.equal(torch.get_rng_state(), after_op)
+    _assert_bitwise(got_mask, mask)
+    _assert_bitwise(got_out, out)
+
+    grad = _awkward(tuple(x.shape), dtype, "contiguous")
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    _assert_bitwise(native_dropout_backward(grad, mask, scale), aten.native_dropout_backward.default(grad, mask, scale))
+
+
+@pytest.mark.parametrize("case", ["eval", "empty"])
+def test_dropout_stand_in_leaves_eval_and_empty_inputs_to_the_op(case):
+    x = torch.randn(0, 3) if case == "empty" else torch.randn(4, 3)
+    train = case != "eval"
+    torch.manual_seed(0)
+    out, mask = aten.native_dropout.default(x, 0.5, train)
+    torch.manual_seed(0)
+    got_out, got_mask = native_dropout(x, 0.5, train)
+    assert torch.equal(got_out, out) and torch.equal(got_mask, mask) and got_mask.dtype == mask.dtype
+
+
+def _traced(fn, *args):
+    """``fn`` traced to a functional ATen graph with fake values in its meta, as capture makes them."""
+    return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def _rewritten(fn, *args):
+    """(``fn``'s graph with `use_stand_ins` applied, {op name: ran in place}) after checking that it
+    computes what ``fn`` computes and leaves its inputs untouched."""
+    gm = _traced(fn, *args)
+    expected = gm(*[a.clone() for a in args])
+    use_stand_ins(gm.graph)
+    gm.recompile()
+    inputs = [a.clone() for a in args]
+    got = gm(*inputs)
+    for a, b in zip(inputs, args):
+        assert torch.equal(a, b), "an input was written"
+    for g, e in zip(got if isinstance(got, (tuple, list)) else [got], expected if isinstance(expected, (tuple, list))
+                    else [expected]):
+        assert torch.equal(g, e)
+    return {str(n.meta[ATEN_TARGET]): bool(n.meta.get(IN_PLACE)) for n in gm.graph.nodes if ATEN_TARGET in n.meta}
+
+
+def test_an_elementwise_op_runs_in_place_where_its_input_dies_there():
+    """``relu(x @ w)``: the product dies at the ReLU, the ReLU's result at the add: both in place."""
+    def f(x, w, b):
+        return torch.relu(x @ w) + b
+
+    changed = _rewritten(f, torch.randn(4, 5), torch.randn(5, 6), torch.randn(4, 6))
+    assert changed == {"aten.relu.default": True, "aten.add.Tensor": True}
+
+
+def test_no_op_runs_in_place_over_a_value_read_later_through_a_view():
+    """The product's storage is read after the ReLU, through a view of it: the ReLU must not write it."""
+    def f(x, w):
+        a = x @ w
+        flat = a.view(-1)
+        return torch.relu(a).sum(), flat * 2
+
+    assert _rewritten(f, torch.randn(4, 5), torch.randn(5, 6)) == {}
+
+
+def test_no_op_runs_in_place_over_a_step_input_or_a_view_of_one():
+    """Inputs (parameters, the batch) outlive the step; a transpose views its input's storage. (The
+    ReLUs' own results die at the add and the multiply, which take them over.)"""
+    def f(x, w):
+        return torch.relu(x) + 1, torch.relu(w.t()) * 3
+
+    assert _rewritten(f, torch.randn(4, 5), torch.randn(5, 4)) == {"aten.add.Tensor": True, "aten.mul.Tensor": True}
+
+
+def test_no_op_runs_in_place_where_the_result_is_laid_out_otherwise_or_broadcast():
+    def f(x, w, bias):
+        a = x @ w  # (4, 6)
+        column = a[:, :1].contiguous()  # (4, 1): broadcast by the add, not its shape
+        return column + a, (x @ w).t() * 2  # the product's transpose: strides the multiply does not keep
+
+    changed = _rewritten(f, torch.randn(4, 5), torch.randn(5, 6), torch.randn(6))
+    assert "aten.add.Tensor" not in changed and "aten.mul.Tensor" not in changed
+
+
+def test_a_planned_resnet_block_runs_its_relus_and_skip_adds_in_place_and_trains_as_eager():
+    """A residual block with BatchNorm: the ReLUs and the skip add run in place in the eager runtime,
+    gradients, loss and running statistics stay eager's exactly."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.bn1 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+            self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            y = torch.relu(self.bn1(self.conv1(x)))
+            return torch.relu(self.bn2(self.conv2(y)) + x)
+
+    torch.manual_seed(0)
+    step = WithLoss(nn.Sequential(Block(), Block()), lambda out: out.square().mean())
+    reference = twin(step)
+    x = torch.randn(4, 8, 12, 12)
+    opt = memplan.optimize(step, 10**12, solver="store_all", example_inputs=(x,))
+    loss, ref_loss = opt(x), reference(x)
+    loss.backward()
+    ref_loss.backward()
+    assert_same_step(opt, reference, loss, ref_loss)
+    for b, rb in zip(opt.buffers(), reference.buffers()):
+        assert torch.equal(b, rb)
+    program = opt._plans[opt._last_signature][1]
+    in_place = [str(n.meta[ATEN_TARGET]) for n in program.forward.module.graph.nodes if n.meta.get(IN_PLACE)]
+    assert in_place.count("aten.relu.default") == 4 and in_place.count("aten.add.Tensor") >= 2
+
+
+def test_an_op_the_plan_runs_at_its_peak_stays_out_of_place():
+    """In place, the op would lower the step's peak below the plan's prediction (which tests and
+    users hold to the byte): given the plan's timeline, only ops below its peak change."""
+    def f(x, w, b):
+        return torch.relu(x @ w) + b
+
+    gm = _traced(f, torch.randn(4, 5), torch.randn(5, 6), torch.randn(4, 6))
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for step, node in enumerate(ops):
+        node.meta["memplan_step"] = step
+    relu = next(n for n in ops if n.target is aten.relu.default)
+    timeline = [100.0] * len(ops)
+    timeline[ops.index(relu)] = 140.0  # the ReLU runs at the peak; the add below it
+    use_stand_ins(gm.graph, timeline)
+    assert relu.target is aten.relu.default and IN_PLACE not in relu.meta
+    assert [str(n.meta[ATEN_TARGET]) for n in ops if n.meta.get(IN_PLACE)] == ["aten.add.Tensor"]
