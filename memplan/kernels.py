@@ -174,8 +174,8 @@ def _dies_into(node: fx.Node, position: int, storages: _Storages) -> bool:
     if not _same_layout(first.meta.get("val"), node.meta.get("val")):
         return False
     keys = storages.of(first)
-    others = [i for i in node.all_input_nodes if i is not first]
-    if len(keys) != 1 or any(keys & storages.of(i) for i in others) or first in others:
+    # (``add(a, a)`` may run in place: each element is read before it is written)
+    if len(keys) != 1 or any(keys & storages.of(i) for i in node.all_input_nodes if i is not first):
         return False
     return storages.last_read.get(next(iter(keys))) == position
 

@@ -171,3 +171,16 @@ def test_an_op_the_plan_runs_at_its_peak_stays_out_of_place():
     use_stand_ins(gm.graph, timeline)
     assert relu.target is aten.relu.default and IN_PLACE not in relu.meta
     assert [str(n.meta[ATEN_TARGET]) for n in ops if n.meta.get(IN_PLACE)] == ["aten.add.Tensor"]
+
+
+def test_an_op_reading_its_dying_input_twice_runs_in_place_and_one_reading_a_view_of_it_does_not():
+    def twice(x, w):
+        a = x @ w
+        return a + a
+
+    def through_a_view(x, w):
+        a = x @ w
+        return a + a.t()  # (6, 6): the transpose reads the storage the add would write
+
+    assert _rewritten(twice, torch.randn(4, 5), torch.randn(5, 6)) == {"aten.add.Tensor": True}
+    assert _rewritten(through_a_view, torch.randn(6, 5), torch.randn(5, 6)) == {}
