@@ -302,8 +302,9 @@ def _items_with_their_op(body: list[fx.Node]) -> list[fx.Node]:
 
 
 def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], writes: list[str],
-                boxed: bool) -> fx.GraphModule:
-    """``nodes`` as their own GraphModule: inputs ``reads`` (boxed or positional), outputs ``writes``."""
+                boxed: bool, calls_aten: bool = False) -> fx.GraphModule:
+    """``nodes`` as their own GraphModule: inputs ``reads`` (boxed or positional), outputs ``writes``;
+    with ``calls_aten`` (for Inductor) every node calls its ATen op, not its stand-in (`memplan.kernels`)."""
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     if boxed:
@@ -320,7 +321,7 @@ def _run_module(root: torch.nn.Module, nodes: list[fx.Node], reads: list[str], w
     # In-place variants (`memplan.kernels`) assume each value an op made is a buffer of its own,
     # which a compiled run's outputs need not be (one may view another's buffer); and the plan's
     # timeline, which a compiled run is checked against, counts the functional ops' buffers.
-    with_aten_targets(graph, only_in_place=True)
+    with_aten_targets(graph, only_in_place=not calls_aten)
     graph.lint()
     return fx.GraphModule(root, graph)
 
@@ -608,9 +609,7 @@ class _Segmenting:
             entry.reason = "an input is not a tensor (" + ", ".join(
                 f"{r}: {type(v).__name__}" for r, v in zip(reads, vals) if not isinstance(v, torch.Tensor)) + ")"
             return None
-        positional = _run_module(self.root, members, reads, writes, boxed=False)
-        with_aten_targets(positional.graph)  # Inductor compiles the ops; eager code calls their stand-ins
-        positional.recompile()
+        positional = _run_module(self.root, members, reads, writes, boxed=False, calls_aten=True)
         positional.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = [
             i for i, w in enumerate(writes) if w in self.keep_strides]
         started = time.perf_counter()
