@@ -58,20 +58,23 @@ class DeviceProfile:
 
 
 # Published peak figures (dense, no sparsity). The CPU profile describes a
-# small 2-core x86 VM, one thread, fitted to its measured op times on Hugging
-# Face GPT-2, ViT and ResNet steps (`python -m benchmarks.calibrate_cpu`: the
-# roofline of the old profile, 60 GFLOP/s and 12 GB/s, was 1.49x the measured
-# total, and ten times too fast for dropout's random numbers); `profile=True`
-# measures the real machine instead.
+# small 2-core x86 VM (Sapphire Rapids, AVX-512 and AMX), one thread, fitted
+# to its measured op times on Hugging Face GPT-2, ViT and ResNet steps
+# (`python -m benchmarks.calibrate_cpu`, refitted on 2026-12-05 once the
+# eager runtime's dropout and in-place kernels (`memplan.kernels`) changed what
+# runs: the previous profile, 97 GFLOP/s and 35 GB/s, summed to 1.35x the
+# measured total and put matmuls 1.8x too slow; two runs gave 161 and 159
+# GFLOP/s, 21.6 and 20.2 GB/s); `profile=True` measures the real machine instead.
 CPU_OP_FACTORS = (
-    ("_log_softmax", 3.1), ("_native_batch_norm_legit_functional", 5.7), ("_safe_softmax", 6.9),
-    ("_scaled_dot_product_flash_attention_for_cpu", 9.5), ("_scaled_dot_product_flash_attention_for_cpu_backward", 10.9),
-    ("add", 0.53), ("cat", 2.1), ("gelu_backward", 1.8), ("max_pool2d_with_indices", 30.0), ("mul", 0.59),
-    ("native_batch_norm_backward", 1.8), ("native_dropout", 30.0), ("native_dropout_backward", 2.75),
-    ("native_layer_norm", 2.0), ("tanh", 9.5),
+    ("_log_softmax", 2.85), ("_log_softmax_backward_data", 1.77), ("_native_batch_norm_legit_functional", 3.59),
+    ("_safe_softmax", 6.41), ("_scaled_dot_product_flash_attention_for_cpu", 4.89),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", 5.44), ("cat", 2.47), ("convolution", 1.6),
+    ("convolution_backward", 1.99), ("gelu_backward", 1.51), ("max_pool2d_with_indices", 19.66),
+    ("max_pool2d_with_indices_backward", 1.9), ("native_batch_norm_backward", 1.65), ("native_dropout", 13.42),
+    ("nll_loss_backward", 3.45),
 )
 PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile("cpu", 97e9, 48e9, 35e9, 12e9, 4e-6, op_factors=CPU_OP_FACTORS),
+    "cpu": DeviceProfile("cpu", 161e9, 80e9, 21.6e9, 12e9, 4e-6, op_factors=CPU_OP_FACTORS),
     "a100": DeviceProfile("a100", 19.5e12, 312e12, 2.0e12, 25e9, 6e-6, 512),
     "h100": DeviceProfile("h100", 67e12, 989e12, 3.35e12, 50e9, 5e-6, 512),
     "h200": DeviceProfile("h200", 67e12, 989e12, 4.8e12, 50e9, 5e-6, 512),
