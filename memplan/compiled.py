@@ -9,7 +9,8 @@ op taken right after it, so that a run hands on tensors, never a tuple):
 maximal stretches of pure,
 deterministic ATen ops (a run never crosses a Python step, so no value moves
 across one), each of which may open with one random op's first run (dropout's
-mask drawn by eager's own kernel, ``fallback_random``: `_random`). Each run
+mask drawn by eager's own kernel, ``fallback_random``: `_random`; on the CPU the mask alone,
+`memplan.kernels.native_dropout_to_fuse`, its multiply fused). Each run
 long enough to gain from fusion is decomposed with Inductor's table and
 compiled by Inductor
 (``compile_fx_inner``) on fake inputs; everything else runs as generated fx
@@ -40,7 +41,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.kernels import aten_target, with_aten_targets
+from memplan.kernels import aten_target, native_dropout_to_fuse, with_aten_targets
 from memplan.measure import allocated_during
 from memplan.runtime import Replay, clear_box
 from memplan.storage import storage_key
@@ -385,11 +386,14 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
 
     # fallback_random: a random op (a run's first, `_random`) is not decomposed but called as eager's
     # kernel, so it draws eager's mask from the state the plan saved for it.
+    # On the CPU dropout's mask alone is eager's kernel (`native_dropout_to_fuse`): the op's own
+    # multiply by a bool mask converts it through a scalar loop, a copy that fused code never makes.
     mode = FakeTensorMode()
     with mode, inductor_config.patch(fallback_random=True):
+        table = {**select_decomp_table(), torch.ops.aten.native_dropout.default: native_dropout_to_fuse}
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
         try:
-            decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
+            decomposed = make_fx(traced_layouts, decomposition_table=table)(*fakes)
         except (RuntimeError, ValueError) as exc:
             if not _is_view_error(exc):
                 raise
@@ -397,7 +401,7 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
             # the trace recorded cannot take it (T5's attention): those views become reshapes,
             # which copy only where a view cannot be made (the memory check sees any copy).
             _views_as_reshapes(gm)
-            decomposed = make_fx(traced_layouts, decomposition_table=select_decomp_table())(*fakes)
+            decomposed = make_fx(traced_layouts, decomposition_table=table)(*fakes)
     if keep is not None:
         decomposed.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = list(keep)
         # Inductor's graph cache keys on the module, node meta left out: the module's own meta is in.

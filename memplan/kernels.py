@@ -29,7 +29,9 @@ place: the plan did not count on the room.
 The eager runtime (`memplan.runtime`) runs these where they apply (`use_stand_ins`); the op
 itself stays in the node's meta (`aten_target`), which is what compiled runs
 (`memplan.compiled`) hand to Inductor and check their memory against, and the cost model
-(`memplan.profiling`) times and measures the kernel that runs (`eager_kernel`).
+(`memplan.profiling`) times and measures the kernel that runs (`eager_kernel`). Inductor
+decomposes a CPU dropout as `native_dropout_to_fuse`: the mask drawn by eager's kernel, an op
+of its own (`memplan::dropout_mask`), and a multiply it fuses with the ops around it.
 """
 from __future__ import annotations
 
@@ -56,16 +58,56 @@ def _dropout_scale(p: float) -> float:
     return 0.0 if kept == 0 else 1.0 / kept
 
 
+def _drawn_as_the_op(x: torch.Tensor, train: bool | None) -> bool:
+    """Whether the shortcuts below draw ``native_dropout``'s mask for ``x`` as the CPU op does: in
+    training, on a non-empty input laid out contiguous (the op's multiply lays out the output of a
+    strided one by rules not worth copying)."""
+    return (train is None or train) and x.numel() > 0 and x.is_contiguous()
+
+
+@torch.library.custom_op("memplan::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The bool mask ``aten.native_dropout`` draws for contiguous ``x`` on the CPU (its kept entries
+    True), the generator advanced as the op advances it. An op of its own so that Inductor calls
+    it as a kernel, after ``x`` is made: a draw that read no input could be moved before another."""
+    return _draw_mask(x, p)
+
+
+def _draw_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format).bernoulli_(1.0 - p)
+
+
+@dropout_mask.register_fake
+def _dropout_mask_fake(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format)
+
+
+def _scale_as_the_op(p: float, dtype: torch.dtype) -> float:
+    """The factor ``native_dropout``'s output is scaled by: a Scalar, which the op's kernel rounds
+    to a half-precision input's dtype first (its backward multiplies by a wrapped number, which it
+    does not round: `native_dropout_backward`)."""
+    return float(torch.tensor(_dropout_scale(p), dtype=dtype))
+
+
 def native_dropout(x: torch.Tensor, p: float, train: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``aten.native_dropout``: the mask drawn as the op draws it, the output made in one buffer."""
-    if (train is not None and not train) or x.numel() == 0 or not x.is_contiguous():
-        # (a strided input: the op's multiply lays its output out by rules not worth copying)
+    if not _drawn_as_the_op(x, train):
         return aten.native_dropout.default(x, p, train)
-    mask = torch.empty_like(x, dtype=torch.bool).bernoulli_(1.0 - p)
+    mask = _draw_mask(x, p)  # (not through the dispatcher: the eager runtime calls this every step)
     out = mask.view(torch.uint8).to(x.dtype).mul_(x)
-    # The op scales by a Scalar, rounded to a half-precision input's dtype first (its backward
-    # multiplies by a wrapped number, which is not: `native_dropout_backward`).
     return aten.mul_.Scalar(out, _dropout_scale(p)), mask
+
+
+def native_dropout_to_fuse(x: torch.Tensor, p: float, train: bool | None = None) -> Any:
+    """``aten.native_dropout`` for Inductor to compile (a decomposition, on the CPU): eager's mask
+    (`dropout_mask`), then ``x * mask * scale``, which Inductor fuses with the ops around it;
+    ``NotImplemented`` (the op itself, called as eager's kernel) where the mask would be drawn
+    otherwise. The same values as the op: a mask entry is 0 or 1, so ``x * mask`` is exact, and the
+    one rounding left is the scaling's, by the op's own factor."""
+    if not _drawn_as_the_op(x, train) or x.device.type != "cpu" or not x.dtype.is_floating_point:
+        return NotImplemented
+    mask = torch.ops.memplan.dropout_mask(x, p)
+    return x * mask * _scale_as_the_op(p, x.dtype), mask
 
 
 def native_dropout_backward(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

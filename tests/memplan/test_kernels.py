@@ -184,3 +184,51 @@ def test_an_op_reading_its_dying_input_twice_runs_in_place_and_one_reading_a_vie
 
     assert _rewritten(twice, torch.randn(4, 5), torch.randn(5, 6)) == {"aten.add.Tensor": True}
     assert _rewritten(through_a_view, torch.randn(6, 5), torch.randn(5, 6)) == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_a_compiled_dropout_draws_eager_mask_and_fuses_its_multiply_bit_for_bit(dtype, p):
+    """Inductor gets dropout as eager's mask (`memplan::dropout_mask`, eager's draws) and a multiply
+    it fuses: the op itself is not called, and the output, mask and generator state are the op's,
+    NaN and -0.0 included."""
+    from torch.profiler import profile
+
+    from memplan.compiled import inductor_compiler
+
+    def step(x):
+        return aten.native_dropout.default(x * 1.0, p, True)
+
+    x = _awkward((33, 17), dtype, "contiguous")
+    compiled = inductor_compiler(make_fx(step)(x), [x])
+    torch.manual_seed(5)
+    out, mask = aten.native_dropout.default(x * 1.0, p, True)
+    after_op = torch.get_rng_state()
+    torch.manual_seed(5)
+    with profile() as prof:
+        got_out, got_mask = compiled([x])
+    assert torch.equal(torch.get_rng_state(), after_op)
+    _assert_bitwise(got_mask, mask)
+    _assert_bitwise(got_out, out)
+    called = {e.key for e in prof.key_averages()}
+    assert "memplan::dropout_mask" in called and "aten::native_dropout" not in called, called
+
+
+def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
+    """Where the mask would be drawn in another order (a transposed input), Inductor calls the op."""
+    from torch.profiler import profile
+
+    from memplan.compiled import inductor_compiler
+
+    def step(x):
+        return aten.native_dropout.default(x.t(), 0.3, True)
+
+    x = torch.randn(8, 6)
+    compiled = inductor_compiler(make_fx(step)(x), [x])
+    torch.manual_seed(5)
+    out, mask = aten.native_dropout.default(x.t(), 0.3, True)
+    torch.manual_seed(5)
+    with profile() as prof:
+        got_out, got_mask = compiled([x])
+    assert torch.equal(got_mask, mask) and torch.equal(got_out, out)
+    assert "aten::native_dropout" in {e.key for e in prof.key_averages()}
