@@ -35,6 +35,7 @@ of its own (`memplan::dropout_mask`), and a multiply it fuses with the ops aroun
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any, Callable, Sequence
 
@@ -65,7 +66,12 @@ def _drawn_as_the_op(x: torch.Tensor, train: bool | None) -> bool:
     return (train is None or train) and x.numel() > 0 and x.is_contiguous()
 
 
-@torch.library.custom_op("memplan::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+# Random: no pass may merge two draws (a custom op's tags need torch 2.5)
+_SEEDED = ({"tags": (torch.Tag.nondeterministic_seeded,)}
+           if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+@torch.library.custom_op("memplan::dropout_mask", mutates_args=(), **_SEEDED)
 def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     """The bool mask ``aten.native_dropout`` draws for contiguous ``x`` on the CPU (its kept entries
     True), the generator advanced as the op advances it. An op of its own so that Inductor calls
