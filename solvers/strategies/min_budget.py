@@ -15,8 +15,10 @@ simulator.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
+from collections import OrderedDict
 from functools import partial
 
 from ..core.method import OBLIVIOUS, portfolio
@@ -106,14 +108,39 @@ def _recompute_down(floor: Problem, best: tuple[int, Schedule], deadline: float)
     return (peak, repaired) if peak < best[0] else best
 
 
+# Searches remembered by problem content, across Problem objects (`min_budget_cached`).
+_FOUND: OrderedDict[bytes, tuple[int, Schedule]] = OrderedDict()
+FOUND_KEPT = 32  # the most recent searches remembered (each holds one schedule)
+
+
+def _content_key(problem: Problem) -> bytes:
+    """A digest of everything but the budget that a schedule's peak depends on."""
+    digest = hashlib.blake2b(digest_size=20)
+    digest.update(repr((problem.names, problem.preds, problem.host_bandwidth, problem.host_capacity)).encode())
+    for arr in (problem.mem, problem.cost, problem.recomputable, problem.alias_of, problem.offloadable,
+                problem.same_storage, problem.host_work):
+        digest.update(arr.tobytes())
+    return digest.digest()
+
+
 def min_budget_cached(problem: Problem, deadline: float = math.inf) -> tuple[int, Schedule]:
     """`min_budget`, remembered per graph and host link (the budget does not change the
-    answer, so every `Problem.with_budget` variant shares it); a search
-    cut short by ``deadline`` is returned but not remembered."""
+    answer, so every `Problem.with_budget` variant shares it), and for the process by the
+    problem's content: the search's repair and paging stop at time limits, so a second search
+    on a busier machine may stop higher, and a user who plans at the minimum an `Infeasible`
+    reported (a second `memplan.optimize` builds a new Problem) must get that minimum's plan.
+    A search cut short by ``deadline`` is returned but not remembered."""
     cache = problem.budget_free_cache
     if "min_budget" not in cache:
-        found = min_budget(problem, deadline)
-        if time.perf_counter() >= deadline:
-            return found  # cut short: not the answer to remember
-        cache["min_budget"] = found
+        key = _content_key(problem)
+        if key in _FOUND:
+            _FOUND.move_to_end(key)
+        else:
+            found = min_budget(problem, deadline)
+            if time.perf_counter() >= deadline:
+                return found  # cut short: not the answer to remember
+            _FOUND[key] = found
+            while len(_FOUND) > FOUND_KEPT:
+                _FOUND.popitem(last=False)
+        cache["min_budget"] = _FOUND[key]
     return cache["min_budget"]

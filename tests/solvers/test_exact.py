@@ -177,3 +177,26 @@ def test_infeasible_carries_exact_min_budget():
         sol = solve(p.with_budget(lo))
         assert sol.fits and sol.peak <= lo
         validate(p.with_budget(lo), sol.schedule)
+
+
+def test_a_minimum_reported_once_is_planned_at_by_a_new_problem_of_the_same_graph():
+    """The minimum-budget search stops its repair at a time limit, so a second search may stop
+    higher: a second `memplan.optimize` at the minimum an Infeasible reported (a new Problem of
+    the same graph) reuses the first search, and is met."""
+    from dataclasses import replace
+
+    from solvers.strategies.min_budget import EXACT_MIN_BUDGET_NODES, min_budget_cached
+
+    first = Problem.from_networkx(gen.training(gen.transformer(2, seed=3), seed=3), budget=1)
+    assert first.n_compute > EXACT_MIN_BUDGET_NODES  # searched, not exhaustive
+    with pytest.raises(Infeasible) as e:
+        solve(first)
+    lo = e.value.min_budget
+    again = replace(first, budget=lo)  # a new Problem object: its own caches, empty
+    assert again.budget_free_cache == {}
+    assert min_budget_cached(again) is min_budget_cached(first)
+    sol = solve(again)
+    assert sol.fits and sol.peak <= lo
+    validate(again, sol.schedule)
+    other = replace(first, mem=first.mem + 1)  # another graph's sizes: searched anew
+    assert min_budget_cached(other) is not min_budget_cached(first)
