@@ -79,13 +79,18 @@ def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     return _draw_mask(x, p)
 
 
+def _empty_mask(x: torch.Tensor) -> torch.Tensor:
+    """The buffer ``native_dropout``'s mask is drawn into for contiguous ``x``: bool, contiguous."""
+    return torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format)
+
+
 def _draw_mask(x: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format).bernoulli_(1.0 - p)
+    return _empty_mask(x).bernoulli_(1.0 - p)
 
 
 @dropout_mask.register_fake
 def _dropout_mask_fake(x: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(x, dtype=torch.bool, memory_format=torch.contiguous_format)
+    return _empty_mask(x)
 
 
 def _scale_as_the_op(p: float, dtype: torch.dtype) -> float:
