@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.compaction import copy_out_late_views
+from memplan.dropout_split import split_dropouts
 from memplan.output_use import OutputUse, addend_only, make_tangents_optional
 from memplan.storage import storage_key
 
@@ -251,6 +252,7 @@ class Capture:
     user_requires_grad: list[bool]  # per model output the graph returns (`OutputTree.sources`)
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
+    dropouts_split: list = field(default_factory=list)  # memplan.dropout_split: dropouts now a mask draw and a multiply
     # Model outputs (graph output indices, `OutputTree.sources`) whose gradient is an addend only
     # (memplan.output_use), and how the step this graph was made for uses the outputs (the
     # no_grad ones have optional tangents).
@@ -1069,6 +1071,7 @@ def capture(
     if not output_use.dropped <= set(range(n_user)):
         raise ValueError(f"outputs {sorted(output_use.dropped)} to drop: the model has {n_user} output tensors")
     make_tangents_optional([tangent_of_user[i] for i in sorted(output_use.no_grad)])
+    dropouts_split = split_dropouts(gm)
     copied_views = copy_out_late_views(gm)
     return Capture(
         graph_module=gm,
@@ -1085,6 +1088,7 @@ def capture(
         user_requires_grad=user_requires_grad,
         signature=signature,
         copied_views=copied_views,
+        dropouts_split=dropouts_split,
         addend_only_outputs=addend_only_outputs,
         output_use=output_use,
     )

@@ -41,7 +41,12 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.kernels import aten_target, native_dropout_to_fuse, with_aten_targets
+from memplan.kernels import (
+    aten_target,
+    dropout_apply_to_fuse,
+    native_dropout_to_fuse,
+    with_aten_targets,
+)
 from memplan.measure import allocated_during
 from memplan.runtime import Replay, clear_box
 from memplan.storage import storage_key
@@ -197,12 +202,18 @@ def _layout_pinned(op: Any) -> bool:
     return maybe_layout_constraints(op) is not None
 
 
+def _draws_whatever_the_layout(node: fx.Node) -> bool:
+    """Whether random op ``node`` draws the same values whatever its input's layout: memplan's
+    dropout mask (`memplan.dropout_split`) fills a contiguous buffer of its own."""
+    return aten_target(node) is torch.ops.memplan.dropout_mask.default
+
+
 def _draws_mid_run(node: fx.Node, run: list[fx.Node]) -> bool:
-    """Whether random op ``node`` (no state saved before it) may join ``run``: Inductor keeps its
-    input laid out as compiled (`_DrawingAsTraced` makes that eager's layout), and
-    every random op already in the run is its ancestor, so that no order Inductor may pick
-    draws them otherwise than eager."""
-    if not _layout_pinned(aten_target(node)):
+    """Whether random op ``node`` (no state saved before it) may join ``run``: it draws the same
+    values whatever its input's layout, or Inductor keeps that input laid out as compiled
+    (`_DrawingAsTraced` makes that eager's layout); and every random op already in the run is
+    its ancestor, so that no order Inductor may pick draws them otherwise than eager."""
+    if not (_draws_whatever_the_layout(node) or _layout_pinned(aten_target(node))):
         return False
     earlier = {n for n in run if _random(n)}
     if not earlier:
@@ -224,7 +235,7 @@ def drawn_from(root: torch.nn.Module, nodes: list[fx.Node]) -> frozenset[str]:
     so an input laid out otherwise (a convolution's output channels-last) would draw another
     mask than eager's, and a replay another than the first run's."""
     return frozenset(i.name for n in nodes
-                     if _random(n) or (n.op == "call_module" and isinstance(root.get_submodule(n.target), Replay))
+                     if (_random(n) and not _draws_whatever_the_layout(n)) or (n.op == "call_module" and isinstance(root.get_submodule(n.target), Replay))
                      for i in n.all_input_nodes if _tensor_valued(i))
 
 
@@ -390,7 +401,8 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
     # multiply by a bool mask converts it through a scalar loop, a copy that fused code never makes.
     mode = FakeTensorMode()
     with mode, inductor_config.patch(fallback_random=True):
-        table = {**select_decomp_table(), torch.ops.aten.native_dropout.default: native_dropout_to_fuse}
+        table = {**select_decomp_table(), torch.ops.aten.native_dropout.default: native_dropout_to_fuse,
+                 torch.ops.memplan.dropout_apply.default: dropout_apply_to_fuse}
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
         try:
             decomposed = make_fx(traced_layouts, decomposition_table=table)(*fakes)

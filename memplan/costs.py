@@ -60,21 +60,26 @@ class DeviceProfile:
 # Published peak figures (dense, no sparsity). The CPU profile describes a
 # small 2-core x86 VM (Sapphire Rapids, AVX-512 and AMX), one thread, fitted
 # to its measured op times on Hugging Face GPT-2, ViT and ResNet steps
-# (`python -m benchmarks.calibrate_cpu`, refitted on 2026-12-05 once the
-# eager runtime's dropout and in-place kernels (`memplan.kernels`) changed what
-# runs: the previous profile, 97 GFLOP/s and 35 GB/s, summed to 1.35x the
-# measured total and put matmuls 1.8x too slow; two runs gave 161 and 159
-# GFLOP/s, 21.6 and 20.2 GB/s); `profile=True` measures the real machine instead.
+# (`python -m benchmarks.calibrate_cpu`). Refitted on 2026-12-05 once the
+# capture split CPU dropouts into their mask's draw and a multiply
+# (`memplan.dropout_split`): three runs gave 128, 131 and 130 GFLOP/s, 16.1,
+# 19.1 and 20.5 GB/s (the third is this profile); a fit earlier the same day,
+# on the same kernels but the dropout, gave 161 GFLOP/s and 21.6 GB/s, and
+# summed to 0.80x this machine's measured op times now: its speed drifts
+# between hours, so compare timings only within one process. `profile=True`
+# measures the real machine instead.
 CPU_OP_FACTORS = (
-    ("_log_softmax", 2.85), ("_log_softmax_backward_data", 1.77), ("_native_batch_norm_legit_functional", 3.59),
-    ("_safe_softmax", 6.41), ("_scaled_dot_product_flash_attention_for_cpu", 4.89),
-    ("_scaled_dot_product_flash_attention_for_cpu_backward", 5.44), ("cat", 2.47), ("convolution", 1.6),
-    ("convolution_backward", 1.99), ("gelu_backward", 1.51), ("max_pool2d_with_indices", 19.66),
-    ("max_pool2d_with_indices_backward", 1.9), ("native_batch_norm_backward", 1.65), ("native_dropout", 13.42),
-    ("nll_loss_backward", 3.45),
+    ("_log_softmax", 2.96), ("_log_softmax_backward_data", 1.99), ("_native_batch_norm_legit_functional", 4.44),
+    ("_safe_softmax", 7.77), ("_scaled_dot_product_flash_attention_for_cpu", 5.34),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", 6.57), ("cat", 2.87), ("convolution", 1.72),
+    ("convolution_backward", 2.07), ("dropout_apply", 1.64), ("dropout_mask", 22.5), ("gelu", 1.55),
+    ("gelu_backward", 1.56), ("max_pool2d_with_indices", 21.68), ("max_pool2d_with_indices_backward", 2.21),
+    ("native_batch_norm_backward", 2.63), ("native_dropout_backward", 1.6), ("native_layer_norm_backward", 1.57),
+    # a dropout the capture leaves whole (a strided input): its two halves' time over its bytes
+    ("native_dropout", 14.1),
 )
 PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile("cpu", 161e9, 80e9, 21.6e9, 12e9, 4e-6, op_factors=CPU_OP_FACTORS),
+    "cpu": DeviceProfile("cpu", 130e9, 65e9, 20.5e9, 12e9, 4e-6, op_factors=CPU_OP_FACTORS),
     "a100": DeviceProfile("a100", 19.5e12, 312e12, 2.0e12, 25e9, 6e-6, 512),
     "h100": DeviceProfile("h100", 67e12, 989e12, 3.35e12, 50e9, 5e-6, 512),
     "h200": DeviceProfile("h200", 67e12, 989e12, 4.8e12, 50e9, 5e-6, 512),
@@ -178,12 +183,6 @@ def _allocated_nbytes(node: fx.Node, t: torch.Tensor, granularity: int) -> int:
     if isinstance(base, torch.Tensor) and not any(st == 0 and sz > 1 for st, sz in zip(base.stride(), base.shape)):
         n = max(n, storage_nbytes(base, granularity))
     return n
-
-
-def value_device(node: fx.Node) -> torch.device:
-    """The device of a node's (first) tensor value; CPU for nodes without one."""
-    tensors = dense_tensors(node.meta.get("val"))
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def _is_random(node: fx.Node) -> bool:

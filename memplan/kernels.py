@@ -31,7 +31,10 @@ itself stays in the node's meta (`aten_target`), which is what compiled runs
 (`memplan.compiled`) hand to Inductor and check their memory against, and the cost model
 (`memplan.profiling`) times and measures the kernel that runs (`eager_kernel`). Inductor
 decomposes a CPU dropout as `native_dropout_to_fuse`: the mask drawn by eager's kernel, an op
-of its own (`memplan::dropout_mask`), and a multiply it fuses with the ops around it.
+of its own (`memplan::dropout_mask`), and a multiply it fuses with the ops around it. The
+capture splits a CPU dropout into the same two ops (`memplan.dropout_split`): the mask's draw,
+and ``memplan::dropout_apply`` (the output from the mask, deterministic), whose eager kernel
+makes it in one buffer and which Inductor gets as the multiply (`dropout_apply_to_fuse`).
 """
 from __future__ import annotations
 
@@ -42,8 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from memplan.costs import value_device
-from memplan.storage import dense_tensors, storage_key
+from memplan.storage import dense_tensors, storage_key, value_device
 
 aten = torch.ops.aten
 
@@ -59,7 +61,7 @@ def _dropout_scale(p: float) -> float:
     return 0.0 if kept == 0 else 1.0 / kept
 
 
-def _drawn_as_the_op(x: torch.Tensor, train: bool | None) -> bool:
+def drawn_as_the_op(x: torch.Tensor, train: bool | None) -> bool:
     """Whether the shortcuts below draw ``native_dropout``'s mask for ``x`` as the CPU op does: in
     training, on a non-empty input laid out contiguous (the op's multiply lays out the output of a
     strided one by rules not worth copying)."""
@@ -100,25 +102,50 @@ def _scale_as_the_op(p: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(_dropout_scale(p), dtype=dtype))
 
 
+@torch.library.custom_op("memplan::dropout_apply", mutates_args=())
+def dropout_apply(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """``aten.native_dropout``'s output for contiguous ``x`` and the bool ``mask`` it drew, without
+    drawing: a deterministic op, so a plan recomputes a dropout's output by one multiply (the mask
+    kept, `memplan.dropout_split`) where replaying the op draws the whole mask again."""
+    return _apply_mask(x, mask, p)
+
+
+@dropout_apply.register_fake
+def _dropout_apply_fake(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """The op's output in one buffer: the mask converted from its bytes, times ``x``, times the
+    op's factor (not through the dispatcher: the eager runtime calls this every step)."""
+    out = mask.view(torch.uint8).to(x.dtype).mul_(x)
+    return aten.mul_.Scalar(out, _dropout_scale(p))
+
+
 def native_dropout(x: torch.Tensor, p: float, train: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``aten.native_dropout``: the mask drawn as the op draws it, the output made in one buffer."""
-    if not _drawn_as_the_op(x, train):
+    if not drawn_as_the_op(x, train):
         return aten.native_dropout.default(x, p, train)
-    mask = _draw_mask(x, p)  # (not through the dispatcher: the eager runtime calls this every step)
-    out = mask.view(torch.uint8).to(x.dtype).mul_(x)
-    return aten.mul_.Scalar(out, _dropout_scale(p)), mask
+    mask = _draw_mask(x, p)
+    return _apply_mask(x, mask, p), mask
 
 
 def native_dropout_to_fuse(x: torch.Tensor, p: float, train: bool | None = None) -> Any:
     """``aten.native_dropout`` for Inductor to compile (a decomposition, on the CPU): eager's mask
     (`dropout_mask`), then ``x * mask * scale``, which Inductor fuses with the ops around it;
     ``NotImplemented`` (the op itself, called as eager's kernel) where the mask would be drawn
-    otherwise. The same values as the op: a mask entry is 0 or 1, so ``x * mask`` is exact, and the
-    one rounding left is the scaling's, by the op's own factor."""
-    if not _drawn_as_the_op(x, train) or x.device.type != "cpu" or not x.dtype.is_floating_point:
+    otherwise. The same values as the op (`dropout_apply_to_fuse`)."""
+    if not drawn_as_the_op(x, train) or x.device.type != "cpu" or not x.dtype.is_floating_point:
         return NotImplemented
     mask = torch.ops.memplan.dropout_mask(x, p)
-    return x * mask * _scale_as_the_op(p, x.dtype), mask
+    return dropout_apply_to_fuse(x, mask, p), mask
+
+
+def dropout_apply_to_fuse(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
+    """`dropout_apply` for Inductor to compile (a decomposition): ``x * mask * scale``. The same
+    values: a mask entry is 0 or 1, so ``x * mask`` is exact, and the one rounding left is the
+    scaling's, by the op's own factor."""
+    return x * mask * _scale_as_the_op(p, x.dtype)
 
 
 def native_dropout_backward(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -134,6 +161,9 @@ def native_dropout_backward(grad: torch.Tensor, mask: torch.Tensor, scale: float
 CPU_STAND_INS: dict[Any, Callable[..., Any]] = {
     aten.native_dropout.default: native_dropout,
     aten.native_dropout_backward.default: native_dropout_backward,
+    # memplan's own ops: their kernels called straight, not through the dispatcher
+    torch.ops.memplan.dropout_mask.default: _draw_mask,
+    torch.ops.memplan.dropout_apply.default: _apply_mask,
 }
 
 

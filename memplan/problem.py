@@ -46,7 +46,7 @@ import torch.fx as fx
 import solvers
 from solvers.transforms.ordering import after_last_reads
 from memplan.capture import Capture
-from memplan.costs import GraphCosts, value_device
+from memplan.costs import GraphCosts
 from memplan.optimizer import (
     ACCUM_PREFIX,
     GRADS_FINAL,
@@ -59,6 +59,7 @@ from memplan.optimizer import (
     ParamUpdate,
     UpdatePlacement,
 )
+from memplan.storage import value_device
 
 BACKWARD = "__backward__"
 START = "__start__"

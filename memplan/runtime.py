@@ -37,10 +37,10 @@ import torch.fx as fx
 import solvers
 from solvers.transforms.ordering import storage_readers
 from memplan.capture import Capture
-from memplan.costs import value_device
 from memplan.kernels import eager_kernel, use_stand_ins
 from memplan.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
 from memplan.problem import BACKWARD, RNG_PREFIX, Lowered, is_reference
+from memplan.storage import value_device
 from memplan.transfer import arrive, offload, prefetch
 
 
@@ -250,6 +250,7 @@ def _build_segment(
             setattr(root, replay, Replay(eager_kernel(node), str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
+            env[name].meta["val"] = node.meta.get("val")  # what the runs that read it are compiled for
     _mark_step(graph, first_step + len(steps))
     graph.output(tuple(value(name) for name in outputs))
     use_stand_ins(graph, timeline)

@@ -52,3 +52,9 @@ def storage_key(t: torch.Tensor) -> int:
     real and fake tensors alike.
     """
     return t.untyped_storage()._cdata
+
+
+def value_device(node: "torch.fx.Node") -> torch.device:
+    """The device of a node's (first) tensor value; CPU for nodes without one."""
+    tensors = dense_tensors(node.meta.get("val"))
+    return tensors[0].device if tensors else torch.device("cpu")

@@ -321,18 +321,23 @@ def _channels_last(gm, examples):
 
 class _ConvDropout(torch.nn.Module):
     """conv-BN-GELU, dropout, conv: the dropout draws from a value a run hands on (GELU's result,
-    which nothing else keeps: handed on channels-last, it takes no more memory)."""
+    which nothing else keeps: handed on channels-last, it takes no more memory). ``transposed``:
+    the dropout's input is GELU's result transposed, a dropout the capture does not split
+    (`memplan.dropout_split`), whose mask follows its input's layout."""
 
-    def __init__(self):
+    def __init__(self, transposed: bool = False):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
                                         torch.nn.GELU())
         self.drop = torch.nn.Dropout(0.5)
         self.conv = torch.nn.Conv2d(8, 4, 3, padding=1)
         self.head = torch.nn.Linear(4, 3)
+        self.transposed = transposed
 
     def forward(self, x):  # no view after the dropout: its run runs on any layout
-        return self.head(self.conv(self.drop(self.body(x))).mean((2, 3))).square().mean()
+        h = self.body(x)
+        h = h.transpose(2, 3) if self.transposed else h
+        return self.head(self.conv(self.drop(h)).mean((2, 3))).square().mean()
 
 
 def _roomy_plan(module, args, compiler):
@@ -347,18 +352,21 @@ def _roomy_plan(module, args, compiler):
     return opt
 
 
-def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on():
-    # Dropout fills its mask in memory order: from a channels-last input it would draw another
-    # mask than eager (and a replay another than its first run). The values random ops draw from
-    # keep their traced strides; a run that hands one on otherwise is refused.
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on(transposed):
+    # The op `native_dropout` fills its mask in its input's memory order: from a channels-last
+    # input it would draw another mask than eager (and a replay another than its first run). The
+    # values such an op draws from keep their traced strides; a run that hands one on otherwise
+    # is refused. A split dropout's mask (`memplan::dropout_mask`) is drawn contiguous whatever
+    # its input's layout: that input may be handed on channels-last.
     torch.manual_seed(0)
-    module = _ConvDropout()
+    module = _ConvDropout(transposed)
     reference = copy.deepcopy(module)
     args = (torch.randn(4, 3, 8, 8),)
     opt = _roomy_plan(module, args, _channels_last)
     report = opt.compile_report
     # the test tests something: the run making the dropout's input would hand it on channels-last
-    assert "hands out gelu laid out otherwise" in report.summary(), report.summary()
+    assert ("gelu laid out otherwise" in report.summary()) == transposed, report.summary()
     for seed in range(2):
         clear_grads(module)
         clear_grads(reference)

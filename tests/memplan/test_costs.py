@@ -37,17 +37,19 @@ def test_op_factors_scale_the_roofline_of_their_kind_only():
     p = PROFILES["cpu"]
     factors = dict(p.op_factors)
     plain = p.op_time(0.0, 4e6)
-    assert p.op_time(0.0, 4e6, kind="native_dropout") == pytest.approx(
-        p.op_overhead + factors["native_dropout"] * (plain - p.op_overhead))
+    assert p.op_time(0.0, 4e6, kind="dropout_mask") == pytest.approx(
+        p.op_overhead + factors["dropout_mask"] * (plain - p.op_overhead))
     assert p.op_time(0.0, 4e6, kind="relu") == plain  # no factor: the roofline as it is
-    # A graph's dropout node is costed as its kind: far above an elementwise op of its size.
+    # A graph's dropout mask is costed as its kind: far above an elementwise op of its size, and
+    # far above the multiply that applies it (`memplan.dropout_split`).
     x = torch.randn(64, 256, requires_grad=True)
     cap = capture(nn.Sequential(nn.Dropout(0.1), nn.ReLU()), (x,))
     costs = annotate(cap.graph_module, p)
     by_target = {n.target: costs.values[n.name].time for n in cap.graph.nodes if n.op == "call_function"}
-    dropout = by_target[torch.ops.aten.native_dropout.default]
+    mask = by_target[torch.ops.memplan.dropout_mask.default]
+    apply = by_target[torch.ops.memplan.dropout_apply.default]
     relu = by_target[torch.ops.aten.relu.default]
-    assert dropout > 5 * relu
+    assert mask > 5 * relu and mask > 5 * apply
 
 
 def test_bytes_of_a_linear_step():
