@@ -13,7 +13,7 @@ from memplan.dropout_split import split_dropouts
 from memplan.measure import measure_peak
 
 from .helpers import assert_same_step, twin
-from .test_kernels import _assert_bitwise, _awkward
+from .test_kernels import _assert_bitwise, _awkward, compiled_as_eager
 
 aten = torch.ops.aten
 
@@ -65,25 +65,15 @@ def test_a_dropout_drawn_otherwise_is_not_split(case):
 def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype):
     """Inductor calls the mask's kernel (eager's draws) and fuses `dropout_apply` away: not called.
     (bfloat16: one dropout, as Inductor's fused chains round once where eager rounds after each op.)"""
-    from torch.profiler import profile
-
     from memplan.compiled import inductor_compiler
 
+    def step(x):
+        return _dropouts(x, 0.3) if dtype == torch.float32 else aten.native_dropout.default(x * 1.0, 0.3, True)
+
     x = _awkward((33, 17), dtype, "contiguous")
-    gm = make_fx(lambda x: _dropouts(x, 0.3) if dtype == torch.float32
-                 else aten.native_dropout.default(x * 1.0, 0.3, True))(x)
-    torch.manual_seed(5)
-    out, mask = gm(x)
-    after = torch.get_rng_state()
+    gm = make_fx(step)(x)
     split_dropouts(gm)
-    compiled = inductor_compiler(gm, [x])
-    torch.manual_seed(5)
-    with profile() as prof:
-        got_out, got_mask = compiled([x])
-    assert torch.equal(torch.get_rng_state(), after)
-    _assert_bitwise(got_mask, mask)
-    _assert_bitwise(got_out, out)
-    called = {e.key for e in prof.key_averages()}
+    called = compiled_as_eager(inductor_compiler(gm, [x]), step, x)
     assert "memplan::dropout_mask" in called and "memplan::dropout_apply" not in called, called
 
 

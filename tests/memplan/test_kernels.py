@@ -192,17 +192,23 @@ def test_a_compiled_dropout_draws_eager_mask_and_fuses_its_multiply_bit_for_bit(
     """Inductor gets dropout as eager's mask (`memplan::dropout_mask`, eager's draws) and a multiply
     it fuses: the op itself is not called, and the output, mask and generator state are the op's,
     NaN and -0.0 included."""
-    from torch.profiler import profile
-
     from memplan.compiled import inductor_compiler
 
     def step(x):
         return aten.native_dropout.default(x * 1.0, p, True)
 
     x = _awkward((33, 17), dtype, "contiguous")
-    compiled = inductor_compiler(make_fx(step)(x), [x])
+    called = compiled_as_eager(inductor_compiler(make_fx(step)(x), [x]), step, x)
+    assert "memplan::dropout_mask" in called and "aten::native_dropout" not in called, called
+
+
+def compiled_as_eager(compiled, step, x) -> set[str]:
+    """Run ``compiled`` and ``step`` (eager) on ``x`` from one seed: their (output, mask) and the
+    generator's state after them are the same to the bit. Returns the ops the compiled run called."""
+    from torch.profiler import profile
+
     torch.manual_seed(5)
-    out, mask = aten.native_dropout.default(x * 1.0, p, True)
+    out, mask = step(x)
     after_op = torch.get_rng_state()
     torch.manual_seed(5)
     with profile() as prof:
@@ -210,8 +216,7 @@ def test_a_compiled_dropout_draws_eager_mask_and_fuses_its_multiply_bit_for_bit(
     assert torch.equal(torch.get_rng_state(), after_op)
     _assert_bitwise(got_mask, mask)
     _assert_bitwise(got_out, out)
-    called = {e.key for e in prof.key_averages()}
-    assert "memplan::dropout_mask" in called and "aten::native_dropout" not in called, called
+    return {e.key for e in prof.key_averages()}
 
 
 def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
