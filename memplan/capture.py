@@ -252,7 +252,7 @@ class Capture:
     user_requires_grad: list[bool]  # per model output the graph returns (`OutputTree.sources`)
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
-    dropouts_split: list = field(default_factory=list)  # memplan.dropout_split: dropouts now a mask draw and a multiply
+    dropouts_split: list = field(default_factory=list)  # memplan.dropout_split.SplitDropout: dropouts now a mask draw and a multiply
     # Model outputs (graph output indices, `OutputTree.sources`) whose gradient is an addend only
     # (memplan.output_use), and how the step this graph was made for uses the outputs (the
     # no_grad ones have optional tangents).

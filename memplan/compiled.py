@@ -235,7 +235,8 @@ def drawn_from(root: torch.nn.Module, nodes: list[fx.Node]) -> frozenset[str]:
     so an input laid out otherwise (a convolution's output channels-last) would draw another
     mask than eager's, and a replay another than the first run's."""
     return frozenset(i.name for n in nodes
-                     if (_random(n) and not _draws_whatever_the_layout(n)) or (n.op == "call_module" and isinstance(root.get_submodule(n.target), Replay))
+                     if (_random(n) and not _draws_whatever_the_layout(n))
+                     or (n.op == "call_module" and isinstance(root.get_submodule(n.target), Replay))
                      for i in n.all_input_nodes if _tensor_valued(i))
 
 

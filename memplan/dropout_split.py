@@ -10,12 +10,13 @@ two ops of `memplan.kernels`: ``memplan::dropout_mask`` (the random draw, exactl
 ``memplan::dropout_apply`` (``x * mask * scale``, deterministic). The mask is a quarter of the
 output's bytes and backward reads it anyway, so a plan keeps it and recomputes the output by one
 multiply, which a compiled run fuses with the ops around it. Values, masks and the generator's
-state stay the op's to the bit (`tests/memplan/test_kernels.py`). CUDA's dropout is one fused
+state stay the op's to the bit (`tests/memplan/test_dropout_split.py`). CUDA's dropout is one fused
 kernel that draws otherwise; it stays as it is.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -23,6 +24,16 @@ import torch.fx as fx
 from memplan.kernels import drawn_as_the_op
 
 aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class SplitDropout:
+    """One dropout the pass split: its node's name, and its two nodes' (``apply`` None where
+    nothing read the output)."""
+
+    dropout: str
+    mask: str
+    apply: str | None
 
 
 def _splittable(node: fx.Node) -> bool:
@@ -35,8 +46,8 @@ def _splittable(node: fx.Node) -> bool:
             and drawn_as_the_op(val, train) and all(u.target is operator.getitem for u in node.users))
 
 
-def split_dropouts(gm: fx.GraphModule) -> list[str]:
-    """Rewrite ``gm`` in place (see the module docstring); returns the dropouts split, by name."""
+def split_dropouts(gm: fx.GraphModule) -> list[SplitDropout]:
+    """Rewrite ``gm`` in place (see the module docstring); returns the dropouts split."""
     split = []
     for node in list(gm.graph.nodes):
         if not _splittable(node):
@@ -58,7 +69,7 @@ def split_dropouts(gm: fx.GraphModule) -> list[str]:
             item.replace_all_uses_with(out if item.args[1] == 0 else mask)
             gm.graph.erase_node(item)
         gm.graph.erase_node(node)
-        split.append(node.name)
+        split.append(SplitDropout(node.name, mask.name, out.name if out is not None else None))
     if split:
         gm.recompile()
     return split

@@ -278,6 +278,12 @@ class Plan:
             lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "
                          f"so the rest of their storages ({format_bytes(sum(c.storage_bytes - c.view_bytes for c in copied))}) "
                          "is freed early")
+        if a.capture.dropouts_split:
+            split = a.capture.dropouts_split
+            applied = {s.apply for s in split}
+            by_multiply = sum(d.decision == "recompute" and d.name in applied for d in self.decisions)
+            lines.append(f"  dropouts         {len(split)} split into their mask's draw and a multiply; "
+                         f"{by_multiply} outputs recomputed by the multiply alone, their masks kept")
         if self.transfers:
             lines.append(f"  host link        {format_bytes(self.host_bytes)} held on host at most; compute waits "
                          f"{self.predicted_wait * 1e3:.2f} ms for copies (predicted)")

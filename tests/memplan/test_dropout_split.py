@@ -38,7 +38,11 @@ def test_a_split_dropout_computes_the_op_bit_for_bit(dtype, p):
     torch.manual_seed(3)
     out, mask = gm(x, p)
     after = torch.get_rng_state()
-    assert split_dropouts(gm) == ["native_dropout", "native_dropout_1"]
+    split = split_dropouts(gm)
+    assert [s.dropout for s in split] == ["native_dropout", "native_dropout_1"]
+    assert {s.mask for s in split} | {s.apply for s in split} == {
+        n.name for n in gm.graph.nodes if n.target in (torch.ops.memplan.dropout_mask.default,
+                                                       torch.ops.memplan.dropout_apply.default)}
     targets = _targets(gm)
     assert "aten.native_dropout.default" not in targets
     assert targets.count("memplan.dropout_mask.default") == 2 and targets.count("memplan.dropout_apply.default") == 2
@@ -106,8 +110,11 @@ def test_a_plan_recomputes_dropout_outputs_by_the_multiply_and_trains_as_eager(c
     budget = int(0.6 * eager_peak)
     # (kernel_scratch off: compile=True would plan room for the eager ops' scratch, another plan)
     opt = memplan.optimize(step, budget, example_inputs=(x,), compile=compile, kernel_scratch=False, time_limit=10)
+    applies = {s.apply for s in opt.plan.analysis.capture.dropouts_split}
     recomputed = [d.name for d in opt.plan.decisions if d.decision == "recompute"]
-    assert any(name.endswith("_apply") for name in recomputed), recomputed
+    by_multiply = len(applies.intersection(recomputed))
+    assert by_multiply > 0, recomputed
+    assert f"4 split into their mask's draw and a multiply; {by_multiply} outputs recomputed" in opt.plan.report()
     torch.manual_seed(1)
     loss = opt(x)
     loss.backward()
