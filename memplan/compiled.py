@@ -9,8 +9,8 @@ op taken right after it, so that a run hands on tensors, never a tuple):
 maximal stretches of pure,
 deterministic ATen ops (a run never crosses a Python step, so no value moves
 across one), each of which may open with one random op's first run (dropout's
-mask drawn by eager's own kernel, ``fallback_random``: `_random`; on the CPU the mask alone,
-`memplan.kernels.native_dropout_to_fuse`, its multiply fused). Each run
+mask drawn by eager's own kernel, ``fallback_random``: `_random`; on the CPU the capture split
+the mask's draw from its multiply, `memplan.dropout_split`, and the multiply is fused). Each run
 long enough to gain from fusion is decomposed with Inductor's table and
 compiled by Inductor
 (``compile_fx_inner``) on fake inputs; everything else runs as generated fx
@@ -41,12 +41,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memplan.kernels import (
-    aten_target,
-    dropout_apply_to_fuse,
-    native_dropout_to_fuse,
-    with_aten_targets,
-)
+from memplan.kernels import aten_target, dropout_apply_to_fuse, with_aten_targets
 from memplan.measure import allocated_during
 from memplan.runtime import Replay, clear_box
 from memplan.storage import storage_key
@@ -398,12 +393,12 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
 
     # fallback_random: a random op (a run's first, `_random`) is not decomposed but called as eager's
     # kernel, so it draws eager's mask from the state the plan saved for it.
-    # On the CPU dropout's mask alone is eager's kernel (`native_dropout_to_fuse`): the op's own
-    # multiply by a bool mask converts it through a scalar loop, a copy that fused code never makes.
+    # On the CPU a dropout split at capture (`memplan.dropout_split`) is its mask's kernel and
+    # `dropout_apply` as a multiply to fuse: the op's own multiply by a bool mask converts it
+    # through a scalar loop, a copy that fused code never makes.
     mode = FakeTensorMode()
     with mode, inductor_config.patch(fallback_random=True):
-        table = {**select_decomp_table(), torch.ops.aten.native_dropout.default: native_dropout_to_fuse,
-                 torch.ops.memplan.dropout_apply.default: dropout_apply_to_fuse}
+        table = {**select_decomp_table(), torch.ops.memplan.dropout_apply.default: dropout_apply_to_fuse}
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in examples]
         try:
             decomposed = make_fx(traced_layouts, decomposition_table=table)(*fakes)

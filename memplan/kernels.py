@@ -8,11 +8,14 @@ first copies the mask into a float temporary through a scalar conversion loop (a
 slower than converting from ``uint8``), and the backward allocates two results where one
 would do. ViT's store-all plan ran 5-6% slower than eager autograd, most of it there.
 
-A stand-in computes what its op computes, bit for bit: the same generator draws in the same
+The capture splits a CPU dropout of a contiguous input into two ops of this module
+(`memplan.dropout_split`): ``memplan::dropout_mask``, the op's draw, and
+``memplan::dropout_apply``, the output made from the mask. Their kernels, and the backward's
+stand-in, compute what the op computes, bit for bit: the same generator draws in the same
 order, the same products (a mask entry is 0 or 1, so ``mask * x`` equals ``x * mask`` and
 ``(g * m) * s`` equals ``(m * g) * s``, NaN and signed zeros included), the mask in the same
-layout (inputs laid out otherwise than contiguous go to the op itself). It only takes a shorter way: the mask converted from its bytes, the products made in
-place in the one buffer that is returned.
+layout (a dropout of a strided input stays the op). They only take a shorter way: the mask
+converted from its bytes, the products made in place in the one buffer that is returned.
 
 A traced graph is functional: ``relu`` where ResNet's module runs ``relu_``, ``add`` where it
 adds the skip connection in place. Each result is a fresh buffer, written while the input it
@@ -29,12 +32,9 @@ place: the plan did not count on the room.
 The eager runtime (`memplan.runtime`) runs these where they apply (`use_stand_ins`); the op
 itself stays in the node's meta (`aten_target`), which is what compiled runs
 (`memplan.compiled`) hand to Inductor and check their memory against, and the cost model
-(`memplan.profiling`) times and measures the kernel that runs (`eager_kernel`). Inductor
-decomposes a CPU dropout as `native_dropout_to_fuse`: the mask drawn by eager's kernel, an op
-of its own (`memplan::dropout_mask`), and a multiply it fuses with the ops around it. The
-capture splits a CPU dropout into the same two ops (`memplan.dropout_split`): the mask's draw,
-and ``memplan::dropout_apply`` (the output from the mask, deterministic), whose eager kernel
-makes it in one buffer and which Inductor gets as the multiply (`dropout_apply_to_fuse`).
+(`memplan.profiling`) times and measures the kernel that runs (`eager_kernel`). Inductor calls
+the mask's kernel as an op of its own and gets ``dropout_apply`` as a multiply it fuses with
+the ops around it (`dropout_apply_to_fuse`).
 """
 from __future__ import annotations
 
@@ -62,9 +62,9 @@ def _dropout_scale(p: float) -> float:
 
 
 def drawn_as_the_op(x: torch.Tensor, train: bool | None) -> bool:
-    """Whether the shortcuts below draw ``native_dropout``'s mask for ``x`` as the CPU op does: in
-    training, on a non-empty input laid out contiguous (the op's multiply lays out the output of a
-    strided one by rules not worth copying)."""
+    """Whether `dropout_mask` and `dropout_apply` compute ``native_dropout`` of ``x`` as the CPU op
+    does: in training, on a non-empty input laid out contiguous (the op's multiply lays out the
+    output of a strided one by rules not worth copying)."""
     return (train is None or train) and x.numel() > 0 and x.is_contiguous()
 
 
@@ -122,25 +122,6 @@ def _apply_mask(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     return aten.mul_.Scalar(out, _dropout_scale(p))
 
 
-def native_dropout(x: torch.Tensor, p: float, train: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``aten.native_dropout``: the mask drawn as the op draws it, the output made in one buffer."""
-    if not drawn_as_the_op(x, train):
-        return aten.native_dropout.default(x, p, train)
-    mask = _draw_mask(x, p)
-    return _apply_mask(x, mask, p), mask
-
-
-def native_dropout_to_fuse(x: torch.Tensor, p: float, train: bool | None = None) -> Any:
-    """``aten.native_dropout`` for Inductor to compile (a decomposition, on the CPU): eager's mask
-    (`dropout_mask`), then ``x * mask * scale``, which Inductor fuses with the ops around it;
-    ``NotImplemented`` (the op itself, called as eager's kernel) where the mask would be drawn
-    otherwise. The same values as the op (`dropout_apply_to_fuse`)."""
-    if not drawn_as_the_op(x, train) or x.device.type != "cpu" or not x.dtype.is_floating_point:
-        return NotImplemented
-    mask = torch.ops.memplan.dropout_mask(x, p)
-    return dropout_apply_to_fuse(x, mask, p), mask
-
-
 def dropout_apply_to_fuse(x: torch.Tensor, mask: torch.Tensor, p: float) -> torch.Tensor:
     """`dropout_apply` for Inductor to compile (a decomposition): ``x * mask * scale``. The same
     values: a mask entry is 0 or 1, so ``x * mask`` is exact, and the one rounding left is the
@@ -159,7 +140,6 @@ def native_dropout_backward(grad: torch.Tensor, mask: torch.Tensor, scale: float
 
 # Per ATen op, the stand-in run on the CPU. (CUDA's kernels for these ops are already fused.)
 CPU_STAND_INS: dict[Any, Callable[..., Any]] = {
-    aten.native_dropout.default: native_dropout,
     aten.native_dropout_backward.default: native_dropout_backward,
     # memplan's own ops: their kernels called straight, not through the dispatcher
     torch.ops.memplan.dropout_mask.default: _draw_mask,

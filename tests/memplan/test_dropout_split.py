@@ -13,7 +13,7 @@ from memplan.dropout_split import split_dropouts
 from memplan.measure import measure_peak
 
 from .helpers import assert_same_step, twin
-from .test_kernels import _assert_bitwise, _awkward, compiled_as_eager
+from .test_kernels import _assert_bitwise, _awkward
 
 aten = torch.ops.aten
 
@@ -53,32 +53,60 @@ def test_a_split_dropout_computes_the_op_bit_for_bit(dtype, p):
     _assert_bitwise(got_out, out)
 
 
-@pytest.mark.parametrize("case", ["transposed", "eval"])
+@pytest.mark.parametrize("case", ["transposed", "eval", "empty"])
 def test_a_dropout_drawn_otherwise_is_not_split(case):
-    """A strided input (the op's mask follows its layout) and eval (no draw) keep the op."""
-    def step(x):
-        return aten.native_dropout.default(x.t(), 0.3, True) if case == "transposed" else \
-            aten.native_dropout.default(x, 0.3, False)
+    """A strided input (the op's mask follows its layout), eval (no draw) and an empty input keep
+    the op, and the graph computes the op's values."""
+    x = torch.randn(0, 5) if case == "empty" else torch.randn(6, 5)
 
-    gm = make_fx(step)(torch.randn(6, 5))
+    def step(x):
+        return aten.native_dropout.default(x.t() if case == "transposed" else x, 0.3, case != "eval")
+
+    gm = make_fx(step)(x)
     assert split_dropouts(gm) == []
     assert "aten.native_dropout.default" in _targets(gm)
+    torch.manual_seed(0)
+    out, mask = step(x)
+    torch.manual_seed(0)
+    got_out, got_mask = gm(x)
+    assert torch.equal(got_out, out) and torch.equal(got_mask, mask) and got_mask.dtype == mask.dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype):
-    """Inductor calls the mask's kernel (eager's draws) and fuses `dropout_apply` away: not called.
-    (bfloat16: one dropout, as Inductor's fused chains round once where eager rounds after each op.)"""
+# (bfloat16 with one dropout only: Inductor's fused chains round it once where eager rounds after each op)
+@pytest.mark.parametrize("dtype, chain", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype, chain, p):
+    """Inductor calls the mask's kernel (eager's draws) and fuses `dropout_apply` away: neither it
+    nor the op is called; output, mask and generator state are the op's, NaN and -0.0 included
+    (``chain``: two dropouts)."""
     from memplan.compiled import inductor_compiler
 
     def step(x):
-        return _dropouts(x, 0.3) if dtype == torch.float32 else aten.native_dropout.default(x * 1.0, 0.3, True)
+        return _dropouts(x, p) if chain else aten.native_dropout.default(x * 1.0, p, True)
 
     x = _awkward((33, 17), dtype, "contiguous")
     gm = make_fx(step)(x)
     split_dropouts(gm)
     called = compiled_as_eager(inductor_compiler(gm, [x]), step, x)
     assert "memplan::dropout_mask" in called and "memplan::dropout_apply" not in called, called
+    assert "aten::native_dropout" not in called, called
+
+
+def compiled_as_eager(compiled, step, x) -> set[str]:
+    """Run ``compiled`` and ``step`` (eager) on ``x`` from one seed: their (output, mask) and the
+    generator's state after them are the same to the bit. Returns the ops the compiled run called."""
+    from torch.profiler import profile
+
+    torch.manual_seed(5)
+    out, mask = step(x)
+    after_op = torch.get_rng_state()
+    torch.manual_seed(5)
+    with profile() as prof:
+        got_out, got_mask = compiled([x])
+    assert torch.equal(torch.get_rng_state(), after_op)
+    _assert_bitwise(got_mask, mask)
+    _assert_bitwise(got_out, out)
+    return {e.key for e in prof.key_averages()}
 
 
 class _DropoutMLP(nn.Module):

@@ -8,7 +8,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.kernels import ATEN_TARGET, IN_PLACE, native_dropout, native_dropout_backward, use_stand_ins
+from memplan.kernels import (ATEN_TARGET, IN_PLACE, dropout_apply, dropout_mask, drawn_as_the_op,
+                             native_dropout_backward, use_stand_ins)
 
 from .helpers import assert_same_step, twin
 
@@ -37,33 +38,27 @@ def _assert_bitwise(a, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "channels_last"])
 @pytest.mark.parametrize("p", [0.0, 0.1, 1.0])
-def test_dropout_stand_ins_compute_the_op_bit_for_bit(dtype, layout, p):
-    """Same mask (same draws, same layout), same output, same gradient, NaN and -0.0 included,
-    and the generator left where the op leaves it."""
+def test_dropout_kernels_compute_the_op_bit_for_bit(dtype, layout, p):
+    """The split dropout's two ops (a contiguous input; a strided one stays the op): same mask
+    (same draws, same layout), same output; the backward's stand-in the same gradient; NaN and
+    -0.0 included, and the generator left where the op leaves it."""
     x = _awkward((6, 5, 4, 3), dtype, layout)
     torch.manual_seed(3)
     out, mask = aten.native_dropout.default(x, p, True)
     after_op = torch.get_rng_state()
-    torch.manual_seed(3)
-    got_out, got_mask = native_dropout(x, p, True)
-    assert torch.equal(torch.get_rng_state(), after_op)
-    _assert_bitwise(got_mask, mask)
-    _assert_bitwise(got_out, out)
+    if layout == "contiguous":
+        torch.manual_seed(3)
+        got_mask = dropout_mask(x, p)
+        got_out = dropout_apply(x, got_mask, p)
+        assert torch.equal(torch.get_rng_state(), after_op)
+        _assert_bitwise(got_mask, mask)
+        _assert_bitwise(got_out, out)
+    else:
+        assert not drawn_as_the_op(x, True)
 
     grad = _awkward(tuple(x.shape), dtype, "contiguous")
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     _assert_bitwise(native_dropout_backward(grad, mask, scale), aten.native_dropout_backward.default(grad, mask, scale))
-
-
-@pytest.mark.parametrize("case", ["eval", "empty"])
-def test_dropout_stand_in_leaves_eval_and_empty_inputs_to_the_op(case):
-    x = torch.randn(0, 3) if case == "empty" else torch.randn(4, 3)
-    train = case != "eval"
-    torch.manual_seed(0)
-    out, mask = aten.native_dropout.default(x, 0.5, train)
-    torch.manual_seed(0)
-    got_out, got_mask = native_dropout(x, 0.5, train)
-    assert torch.equal(got_out, out) and torch.equal(got_mask, mask) and got_mask.dtype == mask.dtype
 
 
 def _traced(fn, *args):
@@ -184,39 +179,6 @@ def test_an_op_reading_its_dying_input_twice_runs_in_place_and_one_reading_a_vie
 
     assert _rewritten(twice, torch.randn(4, 5), torch.randn(5, 6)) == {"aten.add.Tensor": True}
     assert _rewritten(through_a_view, torch.randn(6, 5), torch.randn(5, 6)) == {}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
-def test_a_compiled_dropout_draws_eager_mask_and_fuses_its_multiply_bit_for_bit(dtype, p):
-    """Inductor gets dropout as eager's mask (`memplan::dropout_mask`, eager's draws) and a multiply
-    it fuses: the op itself is not called, and the output, mask and generator state are the op's,
-    NaN and -0.0 included."""
-    from memplan.compiled import inductor_compiler
-
-    def step(x):
-        return aten.native_dropout.default(x * 1.0, p, True)
-
-    x = _awkward((33, 17), dtype, "contiguous")
-    called = compiled_as_eager(inductor_compiler(make_fx(step)(x), [x]), step, x)
-    assert "memplan::dropout_mask" in called and "aten::native_dropout" not in called, called
-
-
-def compiled_as_eager(compiled, step, x) -> set[str]:
-    """Run ``compiled`` and ``step`` (eager) on ``x`` from one seed: their (output, mask) and the
-    generator's state after them are the same to the bit. Returns the ops the compiled run called."""
-    from torch.profiler import profile
-
-    torch.manual_seed(5)
-    out, mask = step(x)
-    after_op = torch.get_rng_state()
-    torch.manual_seed(5)
-    with profile() as prof:
-        got_out, got_mask = compiled([x])
-    assert torch.equal(torch.get_rng_state(), after_op)
-    _assert_bitwise(got_mask, mask)
-    _assert_bitwise(got_out, out)
-    return {e.key for e in prof.key_averages()}
 
 
 def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
