@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.compaction import copy_out_late_views
 from memplan.dropout_split import split_dropouts
+from memplan.loss_fusion import fuse_cross_entropy_backward
 from memplan.output_use import OutputUse, addend_only, make_tangents_optional
 from memplan.storage import storage_key
 
@@ -253,6 +254,7 @@ class Capture:
     signature: InputSignature
     copied_views: list = field(default_factory=list)  # memplan.compaction.CopiedView: views copied out of their storage
     dropouts_split: list = field(default_factory=list)  # memplan.dropout_split.SplitDropout: dropouts now a mask draw and a multiply
+    losses_fused: list = field(default_factory=list)  # memplan.loss_fusion.FusedLossBackward: cross-entropy backwards in one buffer
     # Model outputs (graph output indices, `OutputTree.sources`) whose gradient is an addend only
     # (memplan.output_use), and how the step this graph was made for uses the outputs (the
     # no_grad ones have optional tangents).
@@ -1072,6 +1074,7 @@ def capture(
         raise ValueError(f"outputs {sorted(output_use.dropped)} to drop: the model has {n_user} output tensors")
     make_tangents_optional([tangent_of_user[i] for i in sorted(output_use.no_grad)])
     dropouts_split = split_dropouts(gm)
+    losses_fused = fuse_cross_entropy_backward(gm)
     copied_views = copy_out_late_views(gm)
     return Capture(
         graph_module=gm,
@@ -1089,6 +1092,7 @@ def capture(
         signature=signature,
         copied_views=copied_views,
         dropouts_split=dropouts_split,
+        losses_fused=losses_fused,
         addend_only_outputs=addend_only_outputs,
         output_use=output_use,
     )

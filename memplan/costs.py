@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from memplan.storage import dense_tensors, storage_key
+from memplan.storage import SCRATCH_BYTES, dense_tensors, storage_key
 
 if TYPE_CHECKING:
     from memplan.capture import Capture
@@ -73,8 +73,10 @@ CPU_OP_FACTORS = (
     ("_safe_softmax", 7.77), ("_scaled_dot_product_flash_attention_for_cpu", 5.34),
     ("_scaled_dot_product_flash_attention_for_cpu_backward", 6.57), ("cat", 2.87), ("convolution", 1.72),
     ("convolution_backward", 2.07), ("dropout_apply", 1.64), ("dropout_mask", 22.5), ("gelu", 1.55),
-    ("gelu_backward", 1.56), ("max_pool2d_with_indices", 21.68), ("max_pool2d_with_indices_backward", 2.21),
+    ("gelu_backward", 1.56), ("log_softmax_nll_backward", 4.5), ("max_pool2d_with_indices", 21.68), ("max_pool2d_with_indices_backward", 2.21),
     ("native_batch_norm_backward", 2.63), ("native_dropout_backward", 1.6), ("native_layer_norm_backward", 1.57),
+    # (log_softmax_nll_backward: `memplan.loss_fusion`'s op, fitted in a later run at 152 GFLOP/s and
+    # 22.3 GB/s as 4.91, scaled to this profile's bandwidth)
     # a dropout the capture leaves whole (a strided input): its two halves' time over its bytes
     ("native_dropout", 14.1),
 )
@@ -210,6 +212,20 @@ def node_flops(node: fx.Node) -> float:
     return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
 
 
+def _views_another_fake(node: fx.Node, values: dict[str, "ValueCost"]) -> bool:
+    """Whether ``node`` is an ATen view (its result aliases its first argument) whose fake value was
+    traced from another fake tensor than its argument's node holds: make_fx gives a graph constant a
+    fake value of its own, and an optional tangent's sum (`memplan.output_use`) is a new node."""
+    first = node.args[0] if node.op == "call_function" and node.args else None
+    schema = getattr(node.target, "_schema", None)
+    if (not isinstance(first, fx.Node) or schema is None or len(schema.returns) != 1 or not schema.arguments
+            or schema.returns[0].alias_info is None or schema.arguments[0].alias_info is None
+            or schema.returns[0].alias_info.is_write or not values[first.name].storages):
+        return False
+    keys = {storage_key(t) for t in dense_tensors(node.meta.get("val"))}
+    return len(keys) == 1 and not keys & set(values[first.name].storages)
+
+
 def annotate(
     gm: fx.GraphModule, profile: DeviceProfile | None = None, measured_times: dict[str, float] | None = None,
     scratch: dict[str, int] | None = None,
@@ -230,6 +246,12 @@ def annotate(
     owner_of: dict[int, str] = {}  # storage key -> node whose value first held it
     for node in gm.graph.nodes:
         if node.op == "output":
+            continue
+        if _views_another_fake(node, values):
+            # the view is its argument's storage all the same
+            base = values[node.args[0].name]
+            values[node.name] = ValueCost(storages=base.storages, nbytes=base.nbytes, new_bytes=0,
+                                          alias_of=node.args[0].name, flops=0.0, time=0.0, is_random=False)
             continue
         tensors = dense_tensors(node.meta.get("val"))
         keys: list[int] = []
@@ -270,7 +292,7 @@ def annotate(
             flops=flops,
             time=time,
             is_random=node.op == "call_function" and _is_random(node),
-            scratch=scratch.get(node.name, 0),
+            scratch=scratch.get(node.name, node.meta.get(SCRATCH_BYTES, 0)),
             moved=moved,
         )
     return GraphCosts(values, storage_bytes, owner_of, profile)

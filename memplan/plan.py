@@ -284,6 +284,10 @@ class Plan:
             by_multiply = sum(d.decision == "recompute" and d.name in applied for d in self.decisions)
             lines.append(f"  dropouts         {len(split)} split into their mask's draw and a multiply; "
                          f"{by_multiply} outputs recomputed by the multiply alone, their masks kept")
+        if a.capture.losses_fused:
+            saved = sum(a.costs.values[f.fused].nbytes - a.costs.values[f.fused].scratch for f in a.capture.losses_fused)
+            lines.append(f"  loss backward    {len(a.capture.losses_fused)} cross-entropy backward(s) in one buffer: "
+                         f"{format_bytes(saved)} less held while they run")
         if self.transfers:
             lines.append(f"  host link        {format_bytes(self.host_bytes)} held on host at most; compute waits "
                          f"{self.predicted_wait * 1e3:.2f} ms for copies (predicted)")

@@ -21,6 +21,7 @@ from memplan.output_use import OutputUse
 from memplan.optimizer import Accumulation, UpdatePlacement, learn_updates
 from memplan.plan import Plan, plan_from_schedule, update_runner
 from memplan.problem import SCRATCH_PREFIX
+from memplan.storage import SCRATCH_BYTES
 from memplan.planformat import (
     PlanMismatchError,
     count_params,
@@ -163,7 +164,9 @@ def make_plan_from_saved(
     saved.check(cap)  # before the eager replay: a mismatch should fail fast
     updates = (learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
                              measure_times=measure_on is not None) if optimizer is not None else [])
-    with_scratch = any(str(name).startswith(SCRATCH_PREFIX) for _, name in saved.schedule)
+    # (scratch a graph pass declared on its node is not measured: every plan counts it)
+    declared = {SCRATCH_PREFIX + n.name for n in cap.graph_module.graph.nodes if SCRATCH_BYTES in n.meta}
+    with_scratch = any(str(name).startswith(SCRATCH_PREFIX) and name not in declared for _, name in saved.schedule)
     analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on,
                                updates, saved.placement or UpdatePlacement(),
                                scratch_on=scratch_on if with_scratch else None)

@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
+# Node meta key: bytes the node's kernel allocates for itself while it runs, where the pass that
+# made the node knows them (`memplan.loss_fusion`); the cost model counts them as its scratch.
+SCRATCH_BYTES = "memplan_scratch_bytes"
+
 _SPARSE_PARTS = {
     torch.sparse_coo: ("_indices", "_values"),
     torch.sparse_csr: ("crow_indices", "col_indices", "values"),

@@ -21,7 +21,7 @@ def saved(tmp_path_factory):
     """A tight plan for the tiny GPT step (with recomputation), saved to disk."""
     module, args, kwargs = build_step("gpt")
     eager_peak = memplan.analyze(module, args, kwargs).eager_peak
-    opt = memplan.optimize(module, int(eager_peak * 0.85), example_inputs=args, example_kwargs=kwargs)
+    opt = memplan.optimize(module, int(eager_peak * 0.75), example_inputs=args, example_kwargs=kwargs)
     path = tmp_path_factory.mktemp("plans") / "gpt.json"
     opt.plan.save(path)
     return opt.plan, path
