@@ -474,6 +474,45 @@ def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
     _assert_close_grads(module, reference, **FUSED)
 
 
+def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_compiled(monkeypatch):
+    # Noise, not Inductor: each run's first timings are 20 ms slow, the rounds taken in doubt are not.
+    # (margins wide: the stand-in "compiled" code is the ATen graph, not always as fast as eager's)
+    monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", 1.5)
+    monkeypatch.setattr(memplan.compiled, "STEP_SLOWER_MARGIN", float("inf"))
+    monkeypatch.setattr(memplan.compiled, "DOUBTFUL", float("inf"))
+    slow, rounds = {"now": False}, []
+    best_of = memplan.compiled._best_of
+
+    def first_timings_slow(calls, device, reps):
+        rounds.append(reps)
+        slow["now"] = reps == memplan.compiled.TIMING_ROUNDS
+        try:
+            return best_of(calls, device, reps)
+        finally:
+            slow["now"] = False
+
+    def compiler(gm, examples):
+        def run(box):
+            if slow["now"]:
+                time.sleep(0.02)
+            out = gm(*box)
+            box.clear()
+            return out
+        return run
+
+    monkeypatch.setattr(memplan.compiled, "_best_of", first_timings_slow)
+    module, args, kwargs = build_step("mlp")
+    reference = copy.deepcopy(module)
+    opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=5)  # (store-all: no memory refusal)
+    opt.prepare(*args, **kwargs)
+    report = opt.compile_report
+    assert memplan.compiled.DOUBT_ROUNDS in rounds, rounds
+    assert report.slower == 0 and report.compiled_ops > 0, report.summary()
+    clear_grads(module)
+    torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
+    _assert_close_grads(module, reference, **FUSED)
+
+
 def test_a_run_whose_decomposition_a_recorded_view_cannot_take_still_compiles():
     # T5's attention: Inductor's decompositions lay an intermediate out otherwise than eager's
     # kernel, and a `view` the trace recorded cannot take it. Traced again with those views as
