@@ -10,7 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.loss_fusion import SCRATCH_BLOCKS, fuse_cross_entropy_backward
+from memplan.loss_fusion import (SCRATCH_BLOCKS, fuse_cross_entropy_backward, softmax_backward_block_by_block,
+                                 softmax_backward_over_its_input)
 from memplan.measure import measure_peak
 
 from .helpers import assert_same_step, twin
@@ -56,6 +57,21 @@ def test_the_fused_backward_computes_the_two_ops_bit_for_bit(dtype, reduction, r
     assert got.dtype == expected.dtype and got.shape == expected.shape and got.is_contiguous()
     for a, b in ((got_loss, loss), (got, expected)):  # (NaN where every row is ignored)
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows", [1, SCRATCH_BLOCKS - 1, 3 * SCRATCH_BLOCKS + 5])
+@pytest.mark.parametrize("way", [softmax_backward_over_its_input, softmax_backward_block_by_block])
+def test_both_ways_of_making_the_gradient_where_it_lies_are_the_kernel_bit_for_bit(dtype, rows, way):
+    """Over its input (the CPU's way) and block by block (elsewhere; run here on the CPU): the
+    log-softmax backward's values, written into the buffer it read, which is what is returned."""
+    torch.manual_seed(1)
+    logp = torch.log_softmax(torch.randn(rows, 300) * 3, 1).to(dtype)
+    grad = torch.randn(rows, 300, dtype=dtype)
+    expected = aten._log_softmax_backward_data.default(grad, logp, 1, dtype)
+    got = way(grad, logp, 1, dtype)
+    assert got.data_ptr() == grad.data_ptr()
+    assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))
 
 
 def _smoothed(logits, target):
