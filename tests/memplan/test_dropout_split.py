@@ -12,7 +12,7 @@ from memplan import WithLoss
 from memplan.dropout_split import split_dropouts
 from memplan.measure import measure_peak
 
-from .helpers import assert_same_step, twin
+from .helpers import assert_close_step, assert_same_step, twin
 from .test_kernels import _assert_bitwise, _awkward
 
 aten = torch.ops.aten
@@ -150,9 +150,7 @@ def test_a_plan_recomputes_dropout_outputs_by_the_multiply_and_trains_as_eager(c
     ref_loss = reference(x)
     ref_loss.backward()
     if compile:
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for (name, p), rp in zip(opt.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_close_step(opt, reference, loss, ref_loss)
     else:
         assert_same_step(opt, reference, loss, ref_loss)
         for p in step.parameters():

@@ -14,7 +14,7 @@ from memplan.loss_fusion import (SCRATCH_BLOCKS, fuse_cross_entropy_backward, so
                                  softmax_backward_over_its_input)
 from memplan.measure import measure_peak
 
-from .helpers import assert_same_step, twin
+from .helpers import assert_close_step, assert_same_step, twin
 
 aten = torch.ops.aten
 FUSED = torch.ops.memplan.log_softmax_nll_backward.default
@@ -164,9 +164,7 @@ def test_a_plan_under_a_budget_below_eager_loss_trains_as_eager(compile):
     ref_loss = reference(ids)
     ref_loss.backward()
     if compile:
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-        for (name, p), rp in zip(opt.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert_close_step(opt, reference, loss, ref_loss)
         from memplan.measure import profiled_peak
         peak = profiled_peak(lambda: opt(ids).backward(), resident=[*step.parameters(), ids])
     else:
