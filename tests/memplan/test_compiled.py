@@ -476,8 +476,9 @@ def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
 
 def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_compiled(monkeypatch):
     # Noise, not Inductor: each run's first timings are 20 ms slow, the rounds taken in doubt are not.
-    # (margins wide: the stand-in "compiled" code is the ATen graph, not always as fast as eager's)
-    monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", 1.5)
+    # (margins wide: the stand-in "compiled" code is the ATen graph, without eager's faster kernels,
+    # 1.7x eager's time on a busy machine; 20 ms of sleep is 40x)
+    monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", 4.0)
     monkeypatch.setattr(memplan.compiled, "STEP_SLOWER_MARGIN", float("inf"))
     monkeypatch.setattr(memplan.compiled, "DOUBTFUL", float("inf"))
     slow, rounds = {"now": False}, []
