@@ -5,9 +5,9 @@
 ``_log_softmax_backward_data``, which reads that buffer and the log-probabilities and writes a
 third. For a language model the logits are the step's largest tensor (GPT small: 2048 rows of a
 4096-word vocabulary, 33.6 MB), and the backward's start holds three of them at once: the
-log-probabilities, the one-hot buffer and the gradient. That is where the whole step peaks,
-so the loss alone decides how much a plan must
-recompute elsewhere: at half of GPT small's eager peak, 100 of 163 MB.
+log-probabilities, the one-hot buffer and the gradient. That is where the whole step peaks, so
+the loss alone decides how much a plan must recompute elsewhere: at half of GPT small's eager
+peak, 100 of 163 MB.
 
 `fuse_cross_entropy_backward` rewrites each such pair as one op, ``memplan::log_softmax_nll_backward``,
 whose kernel writes the one-hot buffer and then turns it into the gradient where it lies. On the
@@ -55,6 +55,16 @@ def _block_rows(rows: int) -> int:
     return max(1, -(-rows // SCRATCH_BLOCKS))
 
 
+def _over_its_input(device: torch.device) -> bool:
+    """Whether the kernel writes the gradient over its input on ``device`` (else block by block)."""
+    return device.type == "cpu"
+
+
+def _scratch_bytes(val: torch.Tensor) -> int:
+    """What `fused_kernel` allocates beside the buffer it returns, for a result like ``val``."""
+    return 0 if _over_its_input(val.device) else _block_rows(val.shape[0]) * val.shape[1] * val.element_size()
+
+
 @torch.library.custom_op("memplan::log_softmax_nll_backward", mutates_args=())
 def log_softmax_nll_backward(
     grad_output: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], reduction: int,
@@ -71,7 +81,7 @@ def fused_kernel(grad_output, target, weight, reduction, ignore_index, total_wei
     a step's memory tracker sees what it allocates."""
     grad = aten.nll_loss_backward.default(grad_output, output, target, weight, reduction, ignore_index,
                                           total_weight)
-    if grad.device.type == "cpu":
+    if _over_its_input(grad.device):
         return softmax_backward_over_its_input(grad, output, dim, input_dtype)
     return softmax_backward_block_by_block(grad, output, dim, input_dtype)
 
@@ -138,8 +148,8 @@ def fuse_cross_entropy_backward(gm: fx.GraphModule) -> list[FusedLossBackward]:
                 name=f"{node.name}_fused")
         val = node.meta["val"]
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"}, val=val)
-        if val.device.type != "cpu":  # (made block by block: `fused_kernel`)
-            new.meta[SCRATCH_BYTES] = _block_rows(val.shape[0]) * val.shape[1] * val.element_size()
+        if _scratch_bytes(val):
+            new.meta[SCRATCH_BYTES] = _scratch_bytes(val)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         gm.graph.erase_node(nll)
