@@ -27,6 +27,15 @@ CUDA allocator stats) and the bytes its outputs keep alive must not exceed
 the eager run's. A run that fails the check, or fails to compile, runs
 eagerly (a warning names it). The eager runtime's peaks are what the plan
 predicts, so the compiled step stays within the planned peak.
+
+A run may also write into the memory of inputs it reads for the last time
+(`_Segmenting.donatable`): values the step made, that nothing else reads
+later or holds (no source, no output the caller holds, no tangent, no view
+of one of these), each a whole storage. Inductor reuses such *donated*
+inputs for its own buffers, as it does in a backward that AOTAutograd
+compiles; without it, every buffer a run makes is fresh memory, and on the
+CPU a freed buffer glibc has handed back to the system is paid again in page
+faults (`benchmarks/results/inductor_gap.md`).
 """
 from __future__ import annotations
 
@@ -43,11 +52,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memplan.kernels import aten_target, dropout_apply_to_fuse, with_aten_targets
 from memplan.measure import allocated_during
-from memplan.runtime import Replay, clear_box
+from memplan.runtime import VALUE, Replay, clear_box
 from memplan.storage import storage_key
+from memplan.transfer import arrive
 
 # The output node's meta key (Inductor's own) listing the outputs whose strides must stay as traced.
 KEEP_STRIDES = "user_visible_output_idxs"
+# A run's module meta key: the positions of the inputs whose memory the compiled run may reuse.
+DONATED = "memplan_donated"
 # Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
 MIN_RUN_OPS = 3
 # A compiled run measured this much slower than its eager twin runs eagerly, and so does a whole
@@ -82,6 +94,7 @@ class RunReport:
     compile_s: float = 0.0
     compiled_s: float | None = None  # measured on zero inputs when checked
     eager_s: float | None = None
+    donated: int = 0  # inputs read for the last time whose memory the compiled run may reuse
 
 
 @dataclass
@@ -108,6 +121,10 @@ class CompileReport:
     def eager_ops(self) -> int:
         return sum(r.ops for r in self.runs if not r.compiled)
 
+    @property
+    def donated(self) -> int:
+        return sum(r.donated for r in self.runs if r.compiled)
+
     def summary(self) -> str:
         if self.eager_instead:
             return self.eager_instead
@@ -119,6 +136,8 @@ class CompileReport:
             text += f", {self.slower} slower than eager run eagerly"
         if self.relaid:
             text += f", {self.relaid} values handed on in Inductor's layout"
+        if self.donated:
+            text += f", {self.donated} inputs' memory reused"
         if rejected:
             text += "; eager: " + ", ".join(f"{r.segment} run at {r.first} ({r.reason})" for r in rejected)
         return text
@@ -418,9 +437,27 @@ def inductor_compiler(gm: fx.GraphModule, examples: list[torch.Tensor]) -> Calla
         decomposed.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = list(keep)
         # Inductor's graph cache keys on the module, node meta left out: the module's own meta is in.
         decomposed.meta[KEEP_STRIDES] = tuple(keep)
+    donated = list(gm.meta.get(DONATED, ()))
+    decomposed.meta[DONATED] = tuple(donated)  # in the cache key: the same code may not donate elsewhere
     # Moving nodes for locality may hold a buffer past the point the plan frees it.
     with inductor_config.patch(reorder_for_locality=False, fallback_random=True):
-        return compile_fx_inner(decomposed, fakes)
+        if not donated:
+            return compile_fx_inner(decomposed, fakes)
+        # Inductor takes donated inputs from AOTAutograd's metadata, in a backward graph only (where
+        # it also asks contiguous inputs of ATen ops it has no lowering or layout rule for).
+        from torch._guards import TracingContext, tracing
+
+        context = TracingContext(mode)
+        context.fw_metadata = _Donations(donated)
+        with tracing(context):
+            return compile_fx_inner(decomposed, fakes, is_backward=True)
+
+
+@dataclass
+class _Donations:
+    """What Inductor reads of AOTAutograd's metadata (``fw_metadata``) to reuse a graph's inputs."""
+
+    bw_donated_idxs: list[int]
 
 
 class _DrawingAsTraced(fx.Interpreter):
@@ -546,6 +583,11 @@ class _Segmenting:
     laid_out: dict[str, torch.Tensor]
     keep_strides: frozenset[str]  # values the program hands out: their strides stay as traced
     sources: frozenset[str]  # the step's inputs: parameters, buffers, the batch
+    # Node -> the node whose storage it lives in (`shared_storage`), and the storages others hold
+    # beyond the plan (the step's sources, the outputs the caller holds, the tangents): those are
+    # never a compiled run's to reuse.
+    storage_of: dict[str, str] = field(default_factory=dict)
+    exposed: frozenset[str] = frozenset()
     copied: set[str] = field(default_factory=set)  # values copied into their traced layout (`restrided`)
 
     def planned_bytes(self, members: list[fx.Node]) -> int:
@@ -562,6 +604,30 @@ class _Segmenting:
         """The ``reads`` whose last use is in ``members``: handed over to the run, not kept."""
         end = self.position[members[-1]]
         return frozenset(r for r in reads if self.last_use[r] <= end and r not in self.constants)
+
+    def donatable(self, members: list[fx.Node], reads: list[str], vals: list[torch.Tensor]) -> list[int]:
+        """Positions of the ``reads`` whose memory the compiled run may reuse once it has read them:
+        their last use is in ``members``, nothing beyond the plan holds them (`exposed`), no other
+        value sharing their storage is read by the run or lives after it, and each is its storage,
+        whole and dense (Inductor reuses an input as a buffer of the input's own size)."""
+        last = self.last_of(members, reads)
+        end = self.position[members[-1]]
+        read = set(reads)
+        sharing: dict[str, list[str]] = {}
+        for node_name, storage in self.storage_of.items():
+            sharing.setdefault(storage, []).append(node_name)
+
+        def alone(name: str) -> bool:
+            storage = self.storage_of[name]
+            return storage not in self.exposed and not any(
+                o != name and (o in read or self.last_use.get(o, -1) > end) for o in sharing[storage])
+
+        def whole(v: torch.Tensor) -> bool:
+            return (v.storage_offset() == 0 and _dense(v)
+                    and v.numel() * v.element_size() == v.untyped_storage().nbytes())
+
+        return [i for i, (r, v) in enumerate(zip(reads, vals))
+                if r in last and r in self.storage_of and alone(r) and whole(v)]
 
     def stages(self, members: list[fx.Node], compile_it: bool) -> list[Stage]:
         """``members`` as one stage, compiled where asked and accepted; a compiled run the check
@@ -628,6 +694,8 @@ class _Segmenting:
         positional = _run_module(self.root, members, reads, writes, boxed=False, calls_aten=True)
         positional.graph.find_nodes(op="output")[0].meta[KEEP_STRIDES] = [
             i for i, w in enumerate(writes) if w in self.keep_strides]
+        positional.meta[DONATED] = self.donatable(members, reads, vals)
+        entry.donated = len(positional.meta[DONATED])
         started = time.perf_counter()
         try:
             with torch.no_grad():
@@ -732,6 +800,16 @@ class _Restrided:
         return tuple(out)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill the span they reach, each place once (in some order of dimensions)."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _layout(t: torch.Tensor) -> tuple[int, ...]:
     """The strides that matter: those of dimensions longer than 1 (others never move an index)."""
     return tuple(st for n, st in zip(t.shape, t.stride()) if n > 1)
@@ -780,7 +858,8 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
                     budget: int, step_cost: list[float], compiler: Compiler = inductor_compiler,
                     check: bool = True, inputs_laid_out: dict[int, torch.Tensor] | None = None,
                     free_outputs: frozenset[int] = frozenset(), sources: frozenset[str] = frozenset(),
-                    keep: frozenset[str] = frozenset()) -> CompiledSegment:
+                    keep: frozenset[str] = frozenset(), exposed: frozenset[str] = frozenset(),
+                    alias_root: dict[str, str] | None = None) -> CompiledSegment:
     """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring).
 
     ``inputs_laid_out``: by argument position, inputs that arrive laid out otherwise than traced;
@@ -788,7 +867,9 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     carries to the backward alone). The result's ``outputs_laid_out`` says, by position, which did.
     ``sources``: names of the step's inputs (parameters, buffers, the batch), which outlive it;
     ``keep``: values made in their traced layout wherever made (the result's ``copied`` names those
-    that had to be copied into it for eager code)."""
+    that had to be copied into it for eager code); ``exposed``: the values others hold beyond the
+    plan, and ``alias_root`` which values share storage (`alias_roots`): a compiled run reuses the
+    memory of none of those; without ``alias_root``, of no input at all."""
     root = segment.module
     nodes = list(root.graph.nodes)
     box, output = nodes[0], nodes[-1]
@@ -808,8 +889,10 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     handed_out |= drawn_from(root, body) | keep
     names_of = dict(unpack)
     laid_out = {names_of[i]: val for i, val in (inputs_laid_out or {}).items() if i in names_of}
+    storage_of = shared_storage(root.graph, alias_root) if alias_root is not None else {}
+    held = frozenset(storage_of[n.name] for n in nodes if n.meta.get(VALUE) in exposed and n.name in storage_of)
     seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
-                      step_cost, laid_out, handed_out, sources)
+                      step_cost, laid_out, handed_out, sources, storage_of, held)
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
@@ -829,20 +912,74 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     return compiled
 
 
+def _aliases_its_input(node: fx.Node) -> list[fx.Node]:
+    """The inputs of ``node`` its result may alias: a view's (or in-place op's) argument, by its
+    schema; an item of a tuple (a split's), what the tuple's op aliases; none for any other op,
+    whose result is new storage."""
+    if node.op != "call_function":
+        return []
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return _aliases_its_input(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(r.alias_info is not None for r in schema.returns):
+        return []
+    return [a for a, arg in zip(node.args, schema.arguments) if isinstance(a, fx.Node) and arg.alias_info is not None]
+
+
+def _is_input(node: fx.Node) -> bool:
+    """Whether ``node`` is a value a segment is given: an item of its boxed argument list, or a
+    copy arriving from the host."""
+    return node.op == "call_function" and (node.target is arrive or (
+        node.target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"))
+
+
+def shared_storage(graph: fx.Graph, alias_root: dict[str, str]) -> dict[str, str]:
+    """Each tensor node of a segment's ``graph`` -> a name for the storage it lives in: a view's is
+    its argument's; inputs (items of the boxed argument list, copies arriving from the host) that
+    view the same value of the plan (``alias_root``: `alias_roots`) share one; any other op's
+    result is storage of its own (so a recomputation is not its first computation's)."""
+    storage: dict[str, str] = {}
+    for node in graph.nodes:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        aliased = [storage[a.name] for a in _aliases_its_input(node) if a.name in storage]
+        if aliased:
+            storage[node.name] = aliased[0]
+            # an op aliasing several inputs joins their storages
+            for other in aliased[1:]:
+                for n, s in storage.items():
+                    if s == other:
+                        storage[n] = aliased[0]
+        elif node.meta.get(VALUE) in alias_root and _is_input(node):
+            storage[node.name] = "value:" + alias_root[node.meta[VALUE]]
+        else:
+            storage[node.name] = node.name
+    return storage
+
+
+def alias_roots(problem: Any) -> dict[str, str]:
+    """Each value of ``problem`` -> the value whose storage it views (itself when it views none)."""
+    def root(i: int) -> int:
+        while problem.alias_of[i] >= 0:
+            i = int(problem.alias_of[i])
+        return i
+
+    return {str(name): str(problem.names[root(i)]) for i, name in enumerate(problem.names)}
+
+
+def sharing_storage(roots: dict[str, str], names: list[str]) -> frozenset[str]:
+    """``names`` and every value sharing storage with one of them (``roots``: `alias_roots`)."""
+    shared = {roots[n] for n in names if n in roots}
+    return frozenset(names) | {n for n, r in roots.items() if r in shared}
+
+
 def held_all_step(problem: Any, sources: list[str]) -> frozenset[str]:
     """The step's sources (parameters, buffers, the batch) and every value that views one (a
     weight's transpose): the model holds their storage all step, however early a run lets go of
     them. A check that freed a carried transpose when the run did saw DistilBERT's compiled
     backward 34 KB under its eager twin; in the step, with the parameters' storage held, it
     peaked 359 KB over it (and over the budget)."""
-    roots = {problem.index[s] for s in sources if s in problem.index}
-
-    def root(i: int) -> int:
-        while problem.alias_of[i] >= 0:
-            i = int(problem.alias_of[i])
-        return i
-
-    return frozenset(sources) | {name for i, name in enumerate(problem.names) if root(i) in roots}
+    return sharing_storage(alias_roots(problem), sources)
 
 
 def compile_program(program: Any, plan: Any, device: torch.device, compiler: Compiler = inductor_compiler,
@@ -860,6 +997,11 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     # the backward takes first, in that order (by position: a segment names its values itself).
     handed = len(program.user_outputs) + len(program.buffer_updates)
     sources = held_all_step(problem, plan.analysis.lowered.sources)
+    roots = alias_roots(problem)
+    # The caller holds the outputs (and the buffers updated), autograd or the caller the tangents.
+    tangents = program.backward.inputs[len(program.carried):]
+    exposed = sharing_storage(roots, [*sources, *program.user_outputs, *(n for _, n in program.buffer_updates),
+                                      *tangents])
     backward_graph = program.backward.module.graph
     position_of = {n.name: n.args[1] for n in backward_graph.nodes if n.op == "call_function"
                    and n.target is operator.getitem and n.args[0].op == "placeholder"}
@@ -877,10 +1019,11 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
         forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,
                                   check, free_outputs=frozenset(handed + i for i in range(len(program.carried))
                                                                 if i not in kept_carried),
-                                  sources=sources, keep=keep_forward)
+                                  sources=sources, keep=keep_forward, exposed=exposed, alias_root=roots)
         carried = {i - handed: val for i, val in forward.outputs_laid_out.items() if i >= handed}
         backward = compile_segment(program.backward, "backward", device, report, timeline, budget, step_cost,
-                                   compiler, check, inputs_laid_out=carried, sources=sources, keep=keep_backward)
+                                   compiler, check, inputs_laid_out=carried, sources=sources, keep=keep_backward,
+                                   exposed=exposed, alias_root=roots)
         if not (forward.copied or backward.copied):
             break
         keep_forward |= forward.copied

@@ -85,6 +85,8 @@ class Program:
     compile_report: Any = None
 
 
+# A segment node's meta key: the name of the plan's value it makes.
+VALUE = "memplan_value"
 HOST_PREFIX = "host:"
 
 
@@ -169,7 +171,8 @@ def _build_segment(
     for i, name in enumerate(available):
         if name in needed:
             # named after the value, so the generated code reads like the joint graph
-            env[name] = graph.create_node("call_function", operator.getitem, (box, i), name=_identifier(name))
+            env[name] = _made(name, graph.create_node("call_function", operator.getitem, (box, i),
+                                                      name=_identifier(name)))
             _copy_meta(env[name], name, low)
     graph.call_function(clear_box, (box,))
 
@@ -182,7 +185,7 @@ def _build_segment(
 
     def value(name: str) -> fx.Node:
         if name in arriving:  # the first read waits for the copy
-            env[name] = graph.call_function(arrive, (arriving.pop(name),), name=_identifier(name))
+            env[name] = _made(name, graph.call_function(arrive, (arriving.pop(name),), name=_identifier(name)))
             _copy_meta(env[name], name, low)
         return env[name]
 
@@ -229,33 +232,39 @@ def _build_segment(
             graph.call_method("by_norm", (graph.get_attr("clip"),))
             continue
         if op == "compute" and name in low.norm_pass:  # the backward value again, from the pass's own inputs
-            env[name] = graph.node_copy(fx_nodes[name], pass_arg)
+            env[name] = _made(name, graph.node_copy(fx_nodes[name], pass_arg))
             continue
         if op != "compute" or name not in fx_nodes or fx_nodes[name].op == "placeholder":
             continue
         node = fx_nodes[name]
         rng = low.rng_of.get(name)
         if rng is None:
-            env[name] = graph.node_copy(node, arg)
+            env[name] = _made(name, graph.node_copy(node, arg))
         elif name not in computed:
             if name in replayed:  # first run of a replayed op: remember the generator state it draws from
                 env[rng] = graph.create_node("call_function", _rng_state, (str(value_device(node)),),
                                              name=_identifier(rng))
             # (an op never replayed saves nothing: no Python step between it and the ops around it,
             # which a compiled run can then take in one piece)
-            env[name] = graph.node_copy(node, arg)
+            env[name] = _made(name, graph.node_copy(node, arg))
             computed.add(name)
         else:
             replay = f"replay_{node.name}"
             setattr(root, replay, Replay(eager_kernel(node), str(value_device(node))))
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
-            env[name] = graph.call_module(replay, (env[rng], *args), kwargs)
+            env[name] = _made(name, graph.call_module(replay, (env[rng], *args), kwargs))
             env[name].meta["val"] = node.meta.get("val")  # what the runs that read it are compiled for
     _mark_step(graph, first_step + len(steps))
     graph.output(tuple(value(name) for name in outputs))
     use_stand_ins(graph, timeline)
     graph.lint()
     return Segment(fx.GraphModule(root, graph), list(available), list(outputs))
+
+
+def _made(name: str, node: fx.Node) -> fx.Node:
+    """``node``, marked as making the plan's value ``name`` (a recomputation's node is named apart)."""
+    node.meta[VALUE] = name
+    return node
 
 
 def _mark_step(graph: fx.Graph, step: int) -> None:

@@ -644,3 +644,64 @@ def test_a_tuple_read_after_its_run_runs_eagerly_with_its_items_alone():
               for p in _around_escaping_tuples(run, ["native_dropout"])]
     assert pieces == [["sin.default"], ["native_dropout.default", "item", "item"], ["cos.default", "exp.default"]], pieces
     assert _around_escaping_tuples(run, ["exp"]) == [run]  # tensors escaping: one run
+
+
+class _HandsOutWhatItsBackwardReads(torch.nn.Module):
+    """Returns values its backward reads (tanh's derivative is made from tanh's result), one of
+    them as a view: a compiled backward run reads them for the last time, and must not reuse
+    their memory, which the caller holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        y = torch.tanh(torch.sigmoid(self.b(h)) * 2.0)  # the sigmoid's result: the step's own
+        return h.t(), y
+
+
+def test_compiled_runs_reuse_memory_read_for_the_last_time_but_never_what_the_caller_holds():
+    module = _HandsOutWhatItsBackwardReads()
+    reference = copy.deepcopy(module)
+    x = torch.randn(32, 64)
+    opt = memplan.optimize(module, 10**12, example_inputs=(x,), compile=True)
+    outputs = opt(x)
+    report = opt.compile_report
+    print(report.summary())
+    assert report.donated > 0  # intermediates of the step are reused: what is checked below is not vacuous
+    held = [o.clone() for o in outputs]
+    grads = [torch.randn_like(o) for o in outputs]
+    given = [g.clone() for g in grads]
+    torch.autograd.backward(outputs, grads)
+    for output, before in zip(outputs, held):  # the caller's outputs, read by the backward, as they were
+        assert torch.equal(output, before)
+    for grad, before in zip(grads, given):  # and the gradients the caller gave
+        assert torch.equal(grad, before)
+    torch.autograd.backward(reference(x), grads)
+    _assert_close_grads(module, reference, **FUSED)
+
+
+def test_storage_of_a_segment_follows_views_and_tells_a_recomputation_from_its_first_computation():
+    from memplan.compiled import shared_storage
+    from memplan.runtime import VALUE
+
+    graph = torch.fx.Graph()
+    box = graph.placeholder("box")
+    x = graph.call_function(operator.getitem, (box, 0))
+    x.meta[VALUE] = "x"
+    first = graph.call_function(torch.ops.aten.relu.default, (x,))
+    view = graph.call_function(torch.ops.aten.t.default, (first,))
+    parts = graph.call_function(torch.ops.aten.split.Tensor, (view, 2))
+    part = graph.call_function(operator.getitem, (parts, 0))
+    again = graph.call_function(torch.ops.aten.relu.default, (x,))  # the schedule recomputes it
+    xt = graph.call_function(operator.getitem, (box, 1))  # an input viewing the same value as x
+    xt.meta[VALUE] = "x_t"
+    fake = torch.empty(4, 4)
+    for node in (x, first, view, part, again, xt):
+        node.meta["val"] = fake
+    parts.meta["val"] = [fake, fake]
+    storage = shared_storage(graph, {"x": "x", "x_t": "x"})
+    assert storage[view.name] == storage[part.name] == storage[first.name] == first.name
+    assert storage[again.name] == again.name
+    assert storage[x.name] == storage[xt.name] != storage[first.name]
