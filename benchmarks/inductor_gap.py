@@ -39,7 +39,7 @@ import torch
 
 import memplan
 from benchmarks.report import markdown_table
-from benchmarks.time_prediction import spread
+from benchmarks.time_prediction import spread, zoo_arguments
 from memplan.measure import measure_peak, profiled_peak
 from memplan.models import zoo
 
@@ -165,13 +165,7 @@ def _rows(row: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="resnet50,gpt,vit")
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--fraction", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--time-limit", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser = zoo_arguments(__doc__, "resnet50,gpt,vit", 1.0, 9, RESULTS)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: one model, one mode, this process
     parser.add_argument("--mode", choices=MODES, default=MODES[0], help=argparse.SUPPRESS)
     ns = parser.parse_args(argv)

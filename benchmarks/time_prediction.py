@@ -79,15 +79,20 @@ def compare(name: str, size: str, fraction: float, rounds: int, time_limit: floa
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="gpt,vit,resnet50")
+def zoo_arguments(doc: str, models: str, fraction: float, rounds: int, out: Path) -> argparse.ArgumentParser:
+    """The options of a benchmark that plans zoo models at a share of eager's peak and times rounds."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=models)
     parser.add_argument("--size", default="small")
-    parser.add_argument("--fraction", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--fraction", type=float, default=fraction)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--time-limit", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    ns = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=out)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = zoo_arguments(__doc__, "gpt,vit,resnet50", 0.5, 7, RESULTS).parse_args(argv)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     rows = []
