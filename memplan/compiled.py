@@ -30,8 +30,9 @@ predicts, so the compiled step stays within the planned peak.
 
 A run may also write into the memory of inputs it reads for the last time
 (`_Segmenting.donatable`): values the step made, that nothing else reads
-later or holds (no source, no output the caller holds, no tangent, no view
-of one of these), each a whole storage. Inductor reuses such *donated*
+later or holds (no source, no output the caller holds, no tangent, nothing a
+copy to the host reads, no view of one of these), that no compiled run
+handed out sharing a buffer, each a whole storage. Inductor reuses such *donated*
 inputs for its own buffers, as it does in a backward that AOTAutograd
 compiles; without it, every buffer a run makes is fresh memory, and on the
 CPU a freed buffer glibc has handed back to the system is paid again in page
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import Counter
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -54,7 +56,7 @@ from memplan.kernels import aten_target, dropout_apply_to_fuse, with_aten_target
 from memplan.measure import allocated_during
 from memplan.runtime import VALUE, Replay, clear_box
 from memplan.storage import storage_key
-from memplan.transfer import arrive
+from memplan.transfer import arrive, offload
 
 # The output node's meta key (Inductor's own) listing the outputs whose strides must stay as traced.
 KEEP_STRIDES = "user_visible_output_idxs"
@@ -587,7 +589,13 @@ class _Segmenting:
     # beyond the plan (the step's sources, the outputs the caller holds, the tangents): those are
     # never a compiled run's to reuse.
     storage_of: dict[str, str] = field(default_factory=dict)
+    value_of: dict[str, str] = field(default_factory=dict)  # node -> the plan's value it makes
     exposed: frozenset[str] = frozenset()
+    # Plan values a compiled run hands out in one buffer with another of its outputs, or as part
+    # of a larger one (Inductor's CPU `cat` writes an input of it into the cat's buffer): no
+    # graph shows that sharing, so no run donates them, nor what shares their storage. Shared by
+    # the two segments: the backward reads what the forward's runs handed out.
+    shared_at_runtime: set[str] = field(default_factory=set)
     copied: set[str] = field(default_factory=set)  # values copied into their traced layout (`restrided`)
 
     def planned_bytes(self, members: list[fx.Node]) -> int:
@@ -619,16 +627,18 @@ class _Segmenting:
 
         def alone(name: str) -> bool:
             storage = self.storage_of[name]
-            return storage not in self.exposed and not any(
+            return storage not in self.exposed and not any(self.value_of.get(o, o) in self.shared_at_runtime
+                                                           for o in sharing[storage]) and not any(
                 o != name and (o in read or self.last_use.get(o, -1) > end) for o in sharing[storage])
 
         def whole(v: torch.Tensor) -> bool:
             return (v.storage_offset() == 0 and _dense(v)
                     and v.numel() * v.element_size() == v.untyped_storage().nbytes())
 
+        if not self.check:  # runs compiled unchecked could hand out shared buffers unseen
+            return []
         return [i for i, (r, v) in enumerate(zip(reads, vals))
                 if r in last and r in self.storage_of and alone(r) and whole(v)]
-
     def stages(self, members: list[fx.Node], compile_it: bool) -> list[Stage]:
         """``members`` as one stage, compiled where asked and accepted; a compiled run the check
         refuses is tried again as two halves before it falls back to eager code."""
@@ -770,6 +780,10 @@ class _Segmenting:
                 self.report.slower += 1
                 return None
             self.report.predicted_peak = max(self.report.predicted_peak, planned)
+            together = Counter(storage_key(val) for val in layouts)
+            self.shared_at_runtime.update(
+                self.value_of.get(name, name) for name, val in zip(writes, layouts)
+                if together[storage_key(val)] > 1 or val.untyped_storage().nbytes() > val.numel() * val.element_size())
             for name, val in zip(writes, layouts):
                 if _layout(val) != _layout(traced_of[name]):
                     self.laid_out[name] = val
@@ -859,7 +873,8 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
                     check: bool = True, inputs_laid_out: dict[int, torch.Tensor] | None = None,
                     free_outputs: frozenset[int] = frozenset(), sources: frozenset[str] = frozenset(),
                     keep: frozenset[str] = frozenset(), exposed: frozenset[str] = frozenset(),
-                    alias_root: dict[str, str] | None = None) -> CompiledSegment:
+                    alias_root: dict[str, str] | None = None,
+                    shared_at_runtime: set[str] | None = None) -> CompiledSegment:
     """``segment`` with its runs of ATen ops compiled by ``compiler`` (see the module docstring).
 
     ``inputs_laid_out``: by argument position, inputs that arrive laid out otherwise than traced;
@@ -869,7 +884,8 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     ``keep``: values made in their traced layout wherever made (the result's ``copied`` names those
     that had to be copied into it for eager code); ``exposed``: the values others hold beyond the
     plan, and ``alias_root`` which values share storage (`alias_roots`): a compiled run reuses the
-    memory of none of those; without ``alias_root``, of no input at all."""
+    memory of none of those; without ``alias_root``, of no input at all. ``shared_at_runtime``
+    (updated): the values compiled runs hand out sharing a buffer (`_Segmenting`)."""
     root = segment.module
     nodes = list(root.graph.nodes)
     box, output = nodes[0], nodes[-1]
@@ -890,9 +906,17 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     names_of = dict(unpack)
     laid_out = {names_of[i]: val for i, val in (inputs_laid_out or {}).items() if i in names_of}
     storage_of = shared_storage(root.graph, alias_root) if alias_root is not None else {}
+    # held beyond the plan: what the caller holds, and what a copy to the host reads (on CUDA it
+    # runs on a side stream, and may still be reading when a run reuses the memory)
     held = frozenset(storage_of[n.name] for n in nodes if n.meta.get(VALUE) in exposed and n.name in storage_of)
+    copied = [a for n in nodes if n.op == "call_function" and n.target is offload for a in n.all_input_nodes]
+    # (a tuple copied whole: its items)
+    copied += [item for a in copied for item in a.users if item.target is operator.getitem]
+    held |= {storage_of[a.name] for a in copied if a.name in storage_of}
     seg = _Segmenting(root, name, position, last_use, constants, device, report, compiler, check, timeline, budget,
-                      step_cost, laid_out, handed_out, sources, storage_of, held)
+                      step_cost, laid_out, handed_out, sources, storage_of,
+                      {n.name: n.meta.get(VALUE, n.name) for n in nodes}, held,
+                      shared_at_runtime if shared_at_runtime is not None else set())
 
     # Runs too short to gain, or whose escaping values are not plain tensors, join the eager code.
     plan: list[tuple[bool, list[fx.Node]]] = []
@@ -912,18 +936,22 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     return compiled
 
 
-def _aliases_its_input(node: fx.Node) -> list[fx.Node]:
+def _aliases_its_input(node: fx.Node, alias_root: dict[str, str]) -> list[fx.Node]:
     """The inputs of ``node`` its result may alias: a view's (or in-place op's) argument, by its
-    schema; an item of a tuple (a split's), what the tuple's op aliases; none for any other op,
-    whose result is new storage."""
+    schema; an argument the plan says its value views (``alias_root``: an op whose schema says
+    nothing, `aten._unsafe_view`); an item of a tuple (a split's), what the tuple's op aliases;
+    none for any other op, whose result is new storage."""
     if node.op != "call_function":
         return []
     if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        return _aliases_its_input(node.args[0])
+        return _aliases_its_input(node.args[0], alias_root)
     schema = getattr(node.target, "_schema", None)
-    if schema is None or not any(r.alias_info is not None for r in schema.returns):
-        return []
-    return [a for a, arg in zip(node.args, schema.arguments) if isinstance(a, fx.Node) and arg.alias_info is not None]
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return [a for a, arg in zip(node.args, schema.arguments)
+                if isinstance(a, fx.Node) and arg.alias_info is not None]
+    root = alias_root.get(node.meta.get(VALUE, ""))
+    return [a for a in node.all_input_nodes if root is not None and root != node.meta[VALUE]
+            and alias_root.get(a.meta.get(VALUE, "")) == root]
 
 
 def _is_input(node: fx.Node) -> bool:
@@ -942,7 +970,7 @@ def shared_storage(graph: fx.Graph, alias_root: dict[str, str]) -> dict[str, str
     for node in graph.nodes:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             continue
-        aliased = [storage[a.name] for a in _aliases_its_input(node) if a.name in storage]
+        aliased = [storage[a.name] for a in _aliases_its_input(node, alias_root) if a.name in storage]
         if aliased:
             storage[node.name] = aliased[0]
             # an op aliasing several inputs joins their storages
@@ -1015,15 +1043,17 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     # 769 KB over its budget). So each later pass makes the values the last one copied in their
     # traced layout where they are made.
     for _ in range(COMPILE_PASSES):
+        shared: set[str] = set()
         report = CompileReport(predicted_peak=plan.predicted_peak - held)
         forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,
                                   check, free_outputs=frozenset(handed + i for i in range(len(program.carried))
                                                                 if i not in kept_carried),
-                                  sources=sources, keep=keep_forward, exposed=exposed, alias_root=roots)
+                                  sources=sources, keep=keep_forward, exposed=exposed, alias_root=roots,
+                                  shared_at_runtime=shared)
         carried = {i - handed: val for i, val in forward.outputs_laid_out.items() if i >= handed}
         backward = compile_segment(program.backward, "backward", device, report, timeline, budget, step_cost,
                                    compiler, check, inputs_laid_out=carried, sources=sources, keep=keep_backward,
-                                   exposed=exposed, alias_root=roots)
+                                   exposed=exposed, alias_root=roots, shared_at_runtime=shared)
         if not (forward.copied or backward.copied):
             break
         keep_forward |= forward.copied
