@@ -13,10 +13,12 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(2):
     torch.empty(10 << 20).fill_(1.0)  # 40 MiB: over glibc's largest mmap threshold, so mapped apart
-before = faults()
-for _ in range(5):
+counts = []
+for _ in range(8):
+    before = faults()
     torch.empty(10 << 20).fill_(1.0)
-print((faults() - before) / 5)
+    counts.append(faults() - before)
+print(min(counts))  # the fewest: the kernel may fault a page now and then for its own reasons
 """
 
 
@@ -30,6 +32,6 @@ def _faults_per_reallocation(setup: str) -> float:
 def test_keeping_freed_memory_spares_the_page_faults_of_reallocating_it():
     default = _faults_per_reallocation("")
     kept = _faults_per_reallocation("from benchmarks.inductor_gap import keep_freed_memory; keep_freed_memory()")
-    print(f"minor faults per 40 MiB reallocation: {default} with glibc's defaults, {kept} kept")
+    print(f"minor faults of a 40 MiB reallocation (fewest of 8): {default} with glibc's defaults, {kept} kept")
     assert default > 5000  # each 4 KiB page of the fresh mapping faults once (10240 pages)
     assert kept < 100
