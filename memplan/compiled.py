@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections import Counter
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
@@ -618,27 +619,33 @@ class _Segmenting:
         their last use is in ``members``, nothing beyond the plan holds them (`exposed`), no other
         value sharing their storage is read by the run or lives after it, and each is its storage,
         whole and dense (Inductor reuses an input as a buffer of the input's own size)."""
+        if not self.check:  # runs compiled unchecked could hand out shared buffers unseen
+            return []
         last = self.last_of(members, reads)
         end = self.position[members[-1]]
         read = set(reads)
-        sharing: dict[str, list[str]] = {}
-        for node_name, storage in self.storage_of.items():
-            sharing.setdefault(storage, []).append(node_name)
 
         def alone(name: str) -> bool:
-            storage = self.storage_of[name]
-            return storage not in self.exposed and not any(self.value_of.get(o, o) in self.shared_at_runtime
-                                                           for o in sharing[storage]) and not any(
-                o != name and (o in read or self.last_use.get(o, -1) > end) for o in sharing[storage])
+            sharing = self.nodes_in[self.storage_of[name]]
+            return (self.storage_of[name] not in self.exposed
+                    and not any(self.value_of.get(o, o) in self.shared_at_runtime for o in sharing)
+                    and not any(o != name and (o in read or self.last_use.get(o, -1) > end) for o in sharing))
 
         def whole(v: torch.Tensor) -> bool:
             return (v.storage_offset() == 0 and _dense(v)
                     and v.numel() * v.element_size() == v.untyped_storage().nbytes())
 
-        if not self.check:  # runs compiled unchecked could hand out shared buffers unseen
-            return []
         return [i for i, (r, v) in enumerate(zip(reads, vals))
                 if r in last and r in self.storage_of and alone(r) and whole(v)]
+
+    @cached_property
+    def nodes_in(self) -> dict[str, list[str]]:
+        """Each storage of `storage_of` -> the nodes living in it."""
+        nodes: dict[str, list[str]] = {}
+        for node_name, storage in self.storage_of.items():
+            nodes.setdefault(storage, []).append(node_name)
+        return nodes
+
     def stages(self, members: list[fx.Node], compile_it: bool) -> list[Stage]:
         """``members`` as one stage, compiled where asked and accepted; a compiled run the check
         refuses is tried again as two halves before it falls back to eager code."""
@@ -949,9 +956,11 @@ def _aliases_its_input(node: fx.Node, alias_root: dict[str, str]) -> list[fx.Nod
     if schema is not None and any(r.alias_info is not None for r in schema.returns):
         return [a for a, arg in zip(node.args, schema.arguments)
                 if isinstance(a, fx.Node) and arg.alias_info is not None]
-    root = alias_root.get(node.meta.get(VALUE, ""))
-    return [a for a in node.all_input_nodes if root is not None and root != node.meta[VALUE]
-            and alias_root.get(a.meta.get(VALUE, "")) == root]
+    value = node.meta.get(VALUE)
+    root = alias_root.get(value)
+    if root is None or root == value:
+        return []
+    return [a for a in node.all_input_nodes if alias_root.get(a.meta.get(VALUE)) == root]
 
 
 def _is_input(node: fx.Node) -> bool:
