@@ -27,6 +27,7 @@ from memplan.api import GraphBreakWarning, LossOutsideWarning, OptimizedModule, 
 from memplan.front import optimize
 from memplan.capture import CaptureError
 from memplan.costs import PROFILES, DeviceProfile
+from memplan.distributed import DistributedTrainingError, DistributedWarning
 from memplan.measure import measure_peak
 from memplan.plan import InfeasibleBudgetError, Plan
 from memplan.planio import PlanMismatchError, SavedPlan, load_plan
@@ -35,6 +36,8 @@ __all__ = [
     "Analysis",
     "CaptureError",
     "DeviceProfile",
+    "DistributedTrainingError",
+    "DistributedWarning",
     "GraphBreakWarning",
     "InfeasibleBudgetError",
     "LossOutsideWarning",

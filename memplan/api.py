@@ -22,6 +22,7 @@ from memplan.capture import DataDependentPython, InputSignature
 from memplan.compiled import CompileReport, compile_program, inductor_compiler
 from memplan.analysis import replay_eager_peak
 from memplan.costs import DeviceProfile, get_profile, output_bytes
+from memplan.distributed import process_group_size, refuse_distributed_updates, warn_unplanned_engine_memory
 from memplan.measure import storages_of, unmeasured
 from memplan.optimizer import Accumulation, check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
@@ -183,6 +184,7 @@ class OptimizedModule(nn.Module):
             raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
+            refuse_distributed_updates(model)
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -207,6 +209,7 @@ class OptimizedModule(nn.Module):
         self._output_use: dict[InputSignature, OutputUse | None] = {}
         self._warned_loss_outside = False
         self._warned_hooks = False
+        self._warned_distributed = False
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -316,6 +319,8 @@ class OptimizedModule(nn.Module):
             # the planner's own real work (profiling runs, meta-model constants);
             # any other dispatch mode of the caller is set aside for the same reason.
             self._warn_hooks()
+            if not self._warned_distributed:
+                self._warned_distributed = warn_unplanned_engine_memory(self._orig_mod)
             with unmeasured(), _disable_current_modes():
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
@@ -545,6 +550,10 @@ class OptimizedModule(nn.Module):
         # With accumulation, the gradients .grad holds between micro-steps are the plan's own (its
         # accumulation buffers), not an earlier step's to plan around.
         own = self.optimizer is not None and self.accumulation.steps > 1
+        if self.optimizer is not None and process_group_size() is not None:
+            # a process group made after optimize(): a DDP or FSDP wrapper may now reduce the gradients
+            # after memplan's updates have used them (memplan.distributed)
+            refuse_distributed_updates(model)
         held = 0 if own else held_gradient_bytes(model)
         if self.split is None:
             try:

@@ -1,0 +1,106 @@
+"""memplan under DDP and FSDP2 (gloo on the CPU, two processes): what it refuses until it plans them.
+
+``optimizer=`` applies updates inside the planned backward, before the engine reduces the
+gradients: each rank would train to different parameters. Every way of getting there must
+raise `memplan.DistributedTrainingError` before a parameter changes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import memplan
+from memplan.distributed import engines_in, process_group_size
+
+WORLD_SIZE = 2
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def _loss_model() -> nn.Module:
+    return memplan.WithLoss(_mlp(), lambda y: y.square().mean())
+
+
+def _refused(make, *names: str) -> None:
+    with pytest.raises(memplan.DistributedTrainingError) as caught:
+        make()
+    for name in names:
+        assert name in str(caught.value), str(caught.value)
+    assert "without optimizer=" in str(caught.value)
+
+
+def _rank(rank: int, port: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+    # made and planned before the process group exists, then wrapped by DDP: refused at the first step
+    early = _loss_model()
+    early_opt = memplan.optimize(early, "1MB", optimizer=torch.optim.AdamW(early.parameters()),
+                                 example_inputs=(x,))
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        assert process_group_size() == WORLD_SIZE
+        wrapped = DDP(early_opt)
+        before = [p.detach().clone() for p in early.parameters()]
+        _refused(lambda: wrapped(x), f"world size {WORLD_SIZE}")
+        for p, b in zip(early.parameters(), before):  # nothing was updated
+            assert torch.equal(p, b)
+
+        # in the process group, with and without an engine seen around the model
+        model = _loss_model()
+        _refused(lambda: memplan.optimize(model, "1MB", optimizer=torch.optim.AdamW(model.parameters())),
+                 "process group")
+        ddp = DDP(_loss_model())
+        assert engines_in(ddp) == ["DistributedDataParallel"]
+        _refused(lambda: memplan.optimize(ddp, "1MB", optimizer=torch.optim.AdamW(ddp.parameters())),
+                 "DistributedDataParallel")
+        sharded = _loss_model()
+        fully_shard(sharded.model[0])
+        fully_shard(sharded)
+        assert "FSDP2 (fully_shard)" in engines_in(sharded)
+        _refused(lambda: memplan.optimize(sharded, "1MB", optimizer=torch.optim.AdamW(sharded.parameters())),
+                 "FSDP2 (fully_shard)")
+
+        # without optimizer= the numbers are DDP's own; the engine's unplanned tensors are said once
+        plain = DDP(memplan.optimize(_loss_model(), "1MB"))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            plain(x).backward()
+            plain(x).backward()
+        said = [w for w in seen if issubclass(w.category, memplan.DistributedWarning)]
+        assert len(said) == 1, [str(w.message) for w in seen]
+        reference = DDP(_loss_model())
+        reference(x).backward()
+        reference(x).backward()
+        for p, r in zip(plain.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, r.grad)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_optimizer_in_a_process_group_is_refused_before_any_update():
+    mp.spawn(_rank, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+
+
+def test_a_single_process_model_has_no_engine():
+    model = _loss_model()
+    assert engines_in(model) == []
+    assert process_group_size() is None
+    memplan.optimize(model, "1MB", optimizer=torch.optim.AdamW(model.parameters()))  # not refused
