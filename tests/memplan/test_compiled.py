@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import time
 import warnings
 
 import pytest
@@ -438,25 +437,47 @@ def _compiled_step_within_budget(module, args, fraction, **options):
     _assert_close_grads(module, reference, rtol=1e-4, atol=1e-5)
 
 
-def _slow(gm, examples):
-    """A "compiler" whose runs are right but take 20 ms more than eager's microseconds. Boxed, as
-    Inductor's: each input and value is let go at its last use (the plan frees a run's inputs there)."""
-    def run(box):
-        time.sleep(0.02)
-        return torch.fx.Interpreter(gm).boxed_run(box)
-    return run
+class VirtualClock:
+    """The speed check's clock (`memplan.compiled.CLOCK`) in a test: every reading moves it on by
+    `TICK`, and a stand-in compiler's run by what it `spend`s, so a run's timing is decided by the
+    test, never by the machine's load."""
+
+    TICK = 1e-3
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.TICK
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _slow(clock: VirtualClock):
+    """A "compiler" whose runs are right but take 20 ms more than their eager twins by ``clock``
+    (whose every timing of a call is one tick). Boxed, as Inductor's: each input and value is let
+    go at its last use (the plan frees a run's inputs there)."""
+    def compiler(gm, examples):
+        def run(box):
+            clock.spend(0.02)
+            return torch.fx.Interpreter(gm).boxed_run(box)
+        return run
+    return compiler
 
 
 @pytest.mark.parametrize("margin", [DEFAULT_SLOWER_MARGINS[0], float("inf")])
 def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
     # A run measured slower than its eager twin runs eagerly (ConvNeXt's compiled backward ran 17-21%
     # slower); a step predicted slower as a whole (the runs allowed through here) runs eager code.
-    # (20 ms of sleep against microseconds of work: the verdict does not hang on the machine's load)
+    clock = VirtualClock()
+    monkeypatch.setattr(memplan.compiled, "CLOCK", clock)
     monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", margin)
     monkeypatch.setattr(memplan.compiled, "STEP_SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[1])
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow, time_limit=5)
+    opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=5)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileWarning)  # a choice of speed, not a failure: no warning
         opt.prepare(*args, **kwargs)
@@ -476,9 +497,9 @@ def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
 
 def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_compiled(monkeypatch):
     # Noise, not Inductor: each run's first timings are 20 ms slow, the rounds taken in doubt are not.
-    # (margins wide: the stand-in "compiled" code is the ATen graph, without eager's faster kernels,
-    # 1.7x eager's time on a busy machine; 20 ms of sleep is 40x)
-    monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", 4.0)
+    clock = VirtualClock()
+    monkeypatch.setattr(memplan.compiled, "CLOCK", clock)
+    monkeypatch.setattr(memplan.compiled, "SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[0])
     monkeypatch.setattr(memplan.compiled, "STEP_SLOWER_MARGIN", float("inf"))
     monkeypatch.setattr(memplan.compiled, "DOUBTFUL", float("inf"))
     slow, rounds = {"now": False}, []
@@ -495,7 +516,7 @@ def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_comp
     def compiler(gm, examples):
         def run(box):
             if slow["now"]:
-                time.sleep(0.02)
+                clock.spend(0.02)
             out = gm(*box)
             box.clear()
             return out

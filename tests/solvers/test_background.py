@@ -86,19 +86,18 @@ def test_the_bound_proved_so_far_is_read_without_waiting():
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="the bound runs in the background only with a second core")
+@pytest.mark.timeout(600)  # a search that ran to its limit would hang here: half an hour
 def test_the_search_stops_once_the_childs_bound_certifies_its_plan(monkeypatch):
     """A search asked to stop at a gap (`solvers.solve`'s ``gap``) stops as soon as the child has
-    proved a bound that close to its plan, not at its time limit."""
+    proved a bound that close to its plan, not at its time limit. The limit is half an hour, so a
+    search that did not stop would not return: the verdict does not hang on how fast the machine is
+    (the search is certified about 1 s in)."""
     import solvers
     from solvers.strategies.hierarchical import strategy
 
     monkeypatch.setattr(strategy, "EARLY_STOP_MAX_VALUES", 0)  # no quick bound here: only the child's
     p = _at(0.5)
-    started = time.perf_counter()
-    sol = solvers.solve(p, "hierarchical", 30.0, gap=0.25)
-    elapsed = time.perf_counter() - started
+    sol = solvers.solve(p, "hierarchical", 1800.0, gap=0.25)
     assert sol.fits and sol.info["bound_in_background"]
     assert sol.info["bound_from"] == "lower_bounds.lower_bound (background)"
-    # Certified while searching (about 1 s in), or, on a loaded machine where the child's first
-    # bound came after the search's last phase, at that bound: either way long before the limit.
-    assert sol.info.get("certified_at", 0.0) < 25.0 and elapsed < 25.0 and sol.gap <= 0.25, (elapsed, sol.info)
+    assert sol.gap <= 0.25, sol.info
