@@ -22,7 +22,7 @@ The modules, in pipeline order (a stage imports only from the stages above it;
 pipeline: nothing above imports it but the CLI.
 """
 from memplan.analysis import Analysis, analyze
-from memplan.dynamo import MemplanBackend, backend
+from memplan.dynamo import BudgetSplitWarning, MemplanBackend, SplitBudgetError, backend
 from memplan.api import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss, parse_budget
 from memplan.front import optimize
 from memplan.capture import CaptureError
@@ -34,6 +34,7 @@ from memplan.planio import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [
     "Analysis",
+    "BudgetSplitWarning",
     "CaptureError",
     "DeviceProfile",
     "DistributedTrainingError",
@@ -47,6 +48,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "SavedPlan",
+    "SplitBudgetError",
     "WithLoss",
     "analyze",
     "backend",

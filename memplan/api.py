@@ -298,7 +298,7 @@ class OptimizedModule(nn.Module):
         warnings.warn(
             f"memplan: {exc.args[0].split(';')[0]}. One graph cannot follow this model's Python: it now runs "
             "through torch.compile with memplan's backend, split where the Python reads tensor values, each "
-            "graph planned, the step's budget shared (memplan.backend; the first step may go over the budget).",
+            "graph planned, the step's budget shared (memplan.backend).",
             GraphBreakWarning,
             stacklevel=4,
         )
@@ -325,15 +325,22 @@ class OptimizedModule(nn.Module):
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
                 except InfeasibleBudgetError as exc:
-                    optimistic = self._optimistic_use(sig, use, exc)
-                    if optimistic is None:
-                        raise
-                    use = optimistic
-                    entry = self._make_entry(args, kwargs, held, use)
-                    self._output_use[sig] = use
-                    key = sig.for_output_use(use)
-            entry[1].observer = _use_learner(self, sig, use, entry[0])
-            self._plans[key] = entry
+                    if use and self.saved_plan is None and sig in self._plans:
+                        # The plan for how the last step used the outputs does not fit (the search
+                        # found none) where the plan that assumes nothing did: keep that one.
+                        self._output_use[sig] = None
+                        key, entry = sig, None
+                    else:
+                        optimistic = self._optimistic_use(sig, use, exc)
+                        if optimistic is None:
+                            raise
+                        use = optimistic
+                        entry = self._make_entry(args, kwargs, held, use)
+                        self._output_use[sig] = use
+                        key = sig.for_output_use(use)
+            if entry is not None:
+                entry[1].observer = _use_learner(self, sig, use, entry[0])
+                self._plans[key] = entry
         self._plans[key] = self._compiled(self._plans[key])
         self._last_signature = key
         return self._plans[key]

@@ -419,12 +419,17 @@ class PlannedStep(torch.autograd.Function):
     """Forward runs the forward segment; backward runs the rest of the schedule.
 
     Values carried to backward live in a plain list on ``ctx`` (so backward can
-    drop each at its last use); only the user outputs among them go through
-    ``save_for_backward``, which is what breaks the output -> grad_fn -> ctx
-    reference cycle for them. Carried values are detached so none of them
-    links back to an output's autograd graph either. Other outputs are held
-    by weak references only: one the caller drops before backward is freed
-    there, as in eager PyTorch, and backward sees that it was dropped.
+    drop each at its last use), detached, so that none of them links back to an
+    output's autograd graph (a detached alias of an output breaks the output ->
+    grad_fn -> ctx reference cycle as ``save_for_backward`` would). The user
+    outputs among them are not saved with ``save_for_backward``: autograd holds
+    a saved tensor until backward returns, past the last use the plan frees it
+    at, which a plan for a caller that drops the output does not count (a
+    block's output carried into its backward, 256 KB over the plan). Their
+    version counters, shared with the detached aliases, are checked instead, as
+    autograd checks saved tensors. Outputs are held by weak references only:
+    one the caller drops before backward is freed at its last use in the plan
+    (there, if the plan does not carry it), and backward sees that it was dropped.
     """
 
     @staticmethod
@@ -443,11 +448,9 @@ class PlannedStep(torch.autograd.Function):
         carried = list(results[n_out + n_upd :])
         output_ids = {id(o): i for i, o in enumerate(outputs)}
         ctx.program = program
-        ctx.carried = [None if id(v) in output_ids else (v.detach() if isinstance(v, torch.Tensor) else v) for v in carried]
-        carried_outputs = list(dict.fromkeys(output_ids[id(v)] for v in carried if id(v) in output_ids))
-        slot = {out_idx: k for k, out_idx in enumerate(carried_outputs)}
-        ctx.carried_from_output = [slot[output_ids[id(v)]] if id(v) in output_ids else None for v in carried]
-        ctx.save_for_backward(*(outputs[i] for i in carried_outputs))
+        ctx.carried = [v.detach() if isinstance(v, torch.Tensor) else v for v in carried]
+        # (position in carried, version) of each carried user output: the caller may change one in place
+        ctx.output_versions = [(k, v._version) for k, v in enumerate(carried) if id(v) in output_ids]
         # (shape, strides, dtype, device): what a zero gradient for each output looks like
         ctx.output_layouts = [(o.shape, o.stride(), o.dtype, o.device) for o in outputs]
         ctx.output_refs = [weakref.ref(o) for o in outputs]
@@ -463,10 +466,14 @@ class PlannedStep(torch.autograd.Function):
         if ctx.carried is None:
             raise RuntimeError("memplan: backward through the same planned step twice is not supported")
         program: Program = ctx.program
-        saved = ctx.saved_tensors
-        box = [saved[src] if src is not None else v for v, src in zip(ctx.carried, ctx.carried_from_output)]
+        box = ctx.carried
         ctx.carried = None  # from here on, `box` holds the only references
-        del saved
+        for k, version in ctx.output_versions:
+            if box[k]._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: an output of the memplan step (shape {tuple(box[k].shape)}) is at version "
+                    f"{box[k]._version}; expected version {version} instead")
         dropped = frozenset(i for i, ref in enumerate(ctx.output_refs) if ref() is None)
         tangent_slots: list[Any] = [None] * sum(t is not None for t in program.tangents_for_user)
         given: set[int] = set()  # tangents the loss reached

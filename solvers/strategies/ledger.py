@@ -17,16 +17,21 @@ only splits the budget. Holdings are keyed (a parameter's storage), so a tensor 
 plans share is counted once.
 
 The plans arrive in call order, and "later" means later in the previous step's order:
-the first step knows nothing of the plans after the running one (their parameters and
-gradients are not yet seen), so its allowances can be too generous by exactly those
-bytes; from the second step on the ledger knows the whole step. A step ends when no
-plan's carried bytes are held any more (every backward has run) and a new forward
-begins.
+at its forward, the first step knows nothing of the plans after the running one (their
+parameters and gradients are not yet seen), so an allowance given then can be too
+generous by exactly those bytes; from the second step on the ledger knows the whole
+step. By the first step's backwards every call of it has been seen: `backward_allowance`
+counts them (a caller that defers the first step's plans to its backward, as
+`memplan.dynamo` does, holds the budget there too), and `rehearsal` is a copy of the
+ledger in which the caller plays the next step's forward through, plan by plan, before it
+runs, to learn its carry limits (`adopt` takes them back). A step ends when no plan's
+carried bytes are held any more (every backward has run) and a new forward begins.
 
 Torch-free: keys are any hashables, bytes are ints.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -93,6 +98,33 @@ class StepLedger:
         carried = sum(c for _, c, _ in self.live.values()) + sum(returned.values())
         later = set().union(*(c.final for c in self.last_calls[call.position + 1:])) - call.final - call.owned
         return resident + carried + sum(self.final_bytes[k] for k in later)
+
+    def backward_allowance(self, call: Call, token: int | None = None) -> int:
+        """What ``call``'s plan may peak at when it is planned at its backward, ``token`` being its
+        own account (left out: the caller knows which of its own holdings are still alive): the
+        budget less the others' resident tensors, every other carried account still open, and the
+        gradients of the calls after it in *this* step, whose backwards have run."""
+        others = {t: v for t, v in self.live.items() if t != token}
+        resident = sum(b for k, b in {**self.resident, **self.step_resident}.items() if k not in call.owned)
+        returned = {k: b for _, _, outs in others.values() for k, b in outs.items() if k not in call.owned}
+        carried = sum(c for _, c, _ in others.values()) + sum(returned.values())
+        later = set().union(*(c.final for c in self.calls[call.position + 1:])) - call.final - call.owned
+        return self.budget - resident - carried - sum(self.final_bytes[k] for k in later)
+
+    def rehearsal(self) -> "StepLedger":
+        """A copy of this ledger in which the step now running has ended: its calls are the
+        previous step's, so the copy's allowances for a replay of them count the whole step.
+        Replaying the step through it (`begin`, `allowance`, `carry_limit`, `hold`, `short`, and
+        ``live.clear()`` between rounds) is what the next steps would do, without running them."""
+        copied = copy.deepcopy(self)
+        copied.live = {}
+        return copied
+
+    def adopt(self, rehearsed: "StepLedger") -> None:
+        """Take the carry limits ``rehearsed`` settled on, for the next step of this ledger."""
+        self.reserve = dict(rehearsed.reserve)
+        self.most_carried = dict(rehearsed.most_carried)
+        self.pending = {}
 
     def allowance(self, call: Call) -> int:
         """What ``call``'s plan may peak at: the budget less what the others hold."""

@@ -257,6 +257,53 @@ def test_a_caller_that_holds_an_output_planned_as_dropped_gets_exact_gradients_a
     assert not opt.plan.analysis.capture.output_use
 
 
+class _ReadAgainInBackward(nn.Module):
+    """A block and its mean absolute value: the backward reads the block's output (sign(h))."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = x + self.down(F.gelu(self.up(x)))
+        return h, h.abs().mean()
+
+
+def test_an_output_the_caller_drops_is_freed_where_the_plan_frees_it():
+    """A plan carries the output h into its backward and, for a caller that drops h, frees it after
+    its last read there. Autograd would hold a tensor saved with ``save_for_backward`` until the
+    backward returns: the runtime carries outputs as it carries every other value, so the step
+    measures as planned (before: h's bytes over the plan, from its last read to backward's end)."""
+    torch.manual_seed(0)
+    model, x, w = _ReadAgainInBackward(), torch.randn(256, 64), torch.randn(256, 64)
+    reference = copy.deepcopy(model)
+    opt = memplan.optimize(model, 10**9, solver="sqrt_n")  # deterministic, and it carries h
+    peaks = []
+    for _ in range(3):  # the first backward shows h dropped: planned so from the second step on
+        clear_grads(model)
+        clear_grads(reference)
+        # w is not the plan's: the tracker counts it, the plan does not
+        peaks.append(measure_peak(lambda: _drop_and_step(opt, x, w), resident=[*model.parameters(), x, w]))
+        _drop_and_step(reference, x, w)
+        _assert_same_grads(model, reference)
+    plan = opt.plan
+    assert 0 in plan.analysis.capture.output_use.dropped and plan.carried_bytes >= x.nbytes, plan.report()
+    assert peaks[2] - w.nbytes <= plan.predicted_peak + 64, (peaks, w.nbytes, plan.predicted_peak)
+    # An output changed in place before the backward that reads it is refused, as autograd refuses it.
+    h, s = opt(x)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (h.sum() + s).backward()
+
+
+def _drop_and_step(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> None:
+    """A step whose caller lets go of the first output before the backward."""
+    h, s = module(x)
+    loss = (h * w).sum() + s
+    del h
+    loss.backward()
+
+
 def test_no_new_plan_for_outputs_too_small_to_matter():
     # Logits of 8 x 10 next to megabytes of activations, dropped once the loss is computed outside:
     # not worth planning again (memplan.output_use.REPLAN_FRACTION).

@@ -88,3 +88,41 @@ def test_what_code_between_plans_keeps_counts_with_the_plan_before_it():
     assert ledger.allowance(c) == 1000 - 100 - 50
     ledger.release(token)  # gone with the plan before it: its backward runs after that code's
     assert ledger.allowance(c) == 1000 - 100
+
+
+def test_at_the_first_steps_backwards_every_call_of_the_step_is_counted():
+    """A plan made at the first step's backward knows the calls after it, which a plan made at
+    its forward cannot: their gradients, already made; and its own account is the caller's."""
+    ledger = StepLedger(10_000)
+    a = ledger.begin({"wa": 100}, {"ga": 100}, {"x": 10}, frozenset())
+    assert ledger.allowance(a) == 10_000  # at its forward: nothing after it is known yet
+    token_a = ledger.hold(a, 0, {"ha": 300})
+    b = ledger.begin({"wb": 200}, {"gb": 200}, {}, frozenset({"ha"}))
+    token_b = ledger.hold(b, 0, {"hb": 40})
+    ledger.release(token_b)  # b's backward ran: its gradient is held to the step's end
+    # a's: b's parameters and its gradient (a reads the batch x itself)
+    assert ledger.backward_allowance(a, token_a) == 10_000 - 200 - 200
+    # b's: a's parameters and the batch; what a returned is b's own input, counted in its plan
+    assert ledger.backward_allowance(b, token_b) == 10_000 - 100 - 10
+
+
+def test_a_rehearsal_replays_the_next_step_and_its_carry_limits_are_adopted():
+    ledger = StepLedger(1000)
+    tokens = [ledger.hold(ledger.begin({}, {}, {}, frozenset()), 0) for _ in range(3)]
+    rehearsal = ledger.rehearsal()
+    assert not rehearsal.live and ledger.live  # the real step is untouched
+    # the rehearsal's first round: the first two plans carry 600 and 200, the third is 400 short
+    held = []
+    for carried in (600, 200):
+        held.append(rehearsal.hold(rehearsal.begin({}, {}, {}, frozenset()), carried))
+    last = rehearsal.begin({}, {}, {}, frozenset())
+    assert rehearsal.allowance(last) == 200
+    rehearsal.short(last, 400)
+    rehearsal.live.clear()
+    first = rehearsal.begin({}, {}, {}, frozenset())  # its second round: the limits apply
+    assert rehearsal.carry_limit(first) == 300
+    ledger.adopt(rehearsal)
+    for t in tokens:
+        ledger.release(t)
+    assert ledger.carry_limit(ledger.begin({}, {}, {}, frozenset())) == 300  # the real second step
+    assert ledger.steps_seen == 1
