@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ demo: $(STAMP)
 # (tests/solvers/test_exact.py) are built once. 2 cores: 710 s against 1341 s.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadfile tests
+
+# The fast tier: every test file, the tests marked slow left out (a few minutes on 2 cores).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" tests
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks

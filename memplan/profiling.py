@@ -46,16 +46,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """Median wall seconds of ``repeats`` calls of ``fn``, each fenced by device syncs (CUDA's
+def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int,
+                   clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds by ``clock`` of ``repeats`` calls of ``fn``, each fenced by device syncs (CUDA's
     kernels run asynchronously: without the syncs a call would time only its launches)."""
     samples = []
     for _ in range(repeats):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)
 
 
@@ -91,7 +92,8 @@ def measure_op_times(
     return times
 
 
-def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20, repeats: int = 5) -> float:
+def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20, repeats: int = 5,
+                           clock: Callable[[], float] = time.perf_counter) -> float:
     """Bytes/s of a copy between ``device`` and host memory, the slower direction.
 
     CUDA: device buffer to pinned host buffer and back, as the runtime's offloads
@@ -103,7 +105,7 @@ def measure_host_bandwidth(device: torch.device | str, nbytes: int = 32 * 2**20,
     on_host = torch.empty(numel, dtype=torch.float32, pin_memory=device.type == "cuda")
 
     def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
-        return median_seconds(lambda: dst.copy_(src, non_blocking=True), device, repeats)
+        return median_seconds(lambda: dst.copy_(src, non_blocking=True), device, repeats, clock)
 
     seconds = max(timed(on_host, on_device), timed(on_device, on_host))
     return nbytes / max(seconds, 1e-9)

@@ -32,6 +32,7 @@ def _table_rows(markdown: str) -> list[list[str]]:
     return [[c.strip() for c in ln.strip("|").split(" | ")] for ln in lines]
 
 
+@pytest.mark.slow
 def test_table_has_expected_columns(quick_run):
     out, _ = quick_run
     rows = _table_rows((out / "unet.md").read_text())

@@ -23,6 +23,7 @@ def _eager_step(module, args, kwargs):
     return step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_eager_peak_within_10_percent_of_measured(name):
     module, args, kwargs = build_step(name)
@@ -44,6 +45,7 @@ class _Recurrent(torch.nn.Module):
         return self.head(self.rnn(x)[0]).square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cell,bidirectional", [(torch.nn.LSTM, False), (torch.nn.LSTM, True), (torch.nn.GRU, True)])
 def test_eager_peak_counts_the_fused_rnn_workspace(cell, bidirectional):
     # Eager CPU training runs oneDNN's fused RNN layer, whose workspace (several MB here)
@@ -56,6 +58,7 @@ def test_eager_peak_counts_the_fused_rnn_workspace(cell, bidirectional):
     assert abs(predicted - measured) <= 0.02 * measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_graph_peak_within_3_percent_of_running_the_graph(name):
     module, args, kwargs = build_step(name)
@@ -68,6 +71,7 @@ def test_graph_peak_within_3_percent_of_running_the_graph(name):
     assert abs(predicted - measured) <= 0.03 * measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ZOO)
 def test_flops_within_1_percent_of_flop_counter(name):
     module, args, kwargs = build_step(name)

@@ -225,6 +225,7 @@ class _Configured(nn.Module):
         return (h * cfg.scale).to(dtype)
 
 
+@pytest.mark.slow
 def test_plans_are_keyed_by_the_values_of_dtype_and_config_arguments():
     torch.manual_seed(0)
     model = _Configured()
@@ -297,6 +298,7 @@ def test_untraceable_model_raises_capture_error_naming_the_cause():
     assert "DataDependent" in msg and "forward" in msg
 
 
+@pytest.mark.slow
 def test_gpt_1p3b_meta_capture_fits_in_2gb():
     """Capture + cost a 1.3B-parameter GPT built on the meta device in a fresh process.
 

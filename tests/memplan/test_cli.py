@@ -112,6 +112,7 @@ def report(tmp_path_factory):
     return json.loads(out.stdout), plan_path
 
 
+@pytest.mark.slow
 def test_report_json_shape(report):
     data, _ = report
     s = data["summary"]
@@ -141,6 +142,7 @@ def test_saved_plan_is_reused_by_optimize(report):
     assert opt.plan.budget == data["summary"]["budget"]
 
 
+@pytest.mark.slow
 def test_report_tables_and_memory_strip(factory_file):
     out = run_cli("report", f"{factory_file}:with_loss", "--budget", "90%", "--batch-size", "512", "--depth", "1",
                   "--time-limit", "3")
@@ -162,6 +164,7 @@ def test_plain_factory_in_process(factory_file, capsys):
     assert json.loads(out)["summary"]["budget"] == 10**9
 
 
+@pytest.mark.slow
 def test_sweep_writes_table_json_and_png(tmp_path):
     png = tmp_path / "curve.png"
     out = run_cli("sweep", "mlp", "--batch-size", "256", "--budgets", "100%,70%,min,1kB", "--out", str(png), "--json",
@@ -178,6 +181,7 @@ def test_sweep_writes_table_json_and_png(tmp_path):
     assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line_with_exit_status_2(factory_file):
     unknown, bad_budget, infeasible, untraceable = run_cli_parallel(
         ("report", "no-such-model", "--budget", "1GB"),
@@ -222,6 +226,7 @@ def test_console_script_is_declared():
     assert 'memplan = "memplan.cli:main"' in scripts
 
 
+@pytest.mark.slow
 def test_report_with_offload_at_the_offload_minimum():
     """``--offload --budget min``: the minimum found with the host link, met by a plan that pages values out,
     and the JSON report lists them; without ``--offload`` the same budget is infeasible."""

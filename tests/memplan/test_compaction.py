@@ -41,6 +41,7 @@ def test_the_skip_half_of_a_concatenations_gradient_is_copied_out():
         assert copy.users
 
 
+@pytest.mark.slow
 def test_copying_out_lowers_the_cost_at_a_tight_budget_and_keeps_the_step_exact(monkeypatch):
     step, args, kwargs = build_step("unet")
     analysis = analyze(step, args, kwargs)

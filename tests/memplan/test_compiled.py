@@ -61,6 +61,7 @@ def _budget(module, args, kwargs, fraction):
     return int(fraction * peak)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, fraction", [("gpt", 0.8), ("mlp", 0.6)])
 def test_a_compiled_plan_trains_as_eager_within_its_budget(model, fraction):
     module, args, kwargs = build_step(model, **({"batch_size": 4} if model == "gpt" else {}))
@@ -106,6 +107,7 @@ def _broken(gm, examples):
     raise RuntimeError("no kernel for this")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiler, reason", [(_wasteful, "more memory than planned"),
                                               (_broken, "did not compile")])
 def test_runs_that_compile_badly_run_eagerly_with_a_warning(compiler, reason):
@@ -127,6 +129,7 @@ def test_runs_that_compile_badly_run_eagerly_with_a_warning(compiler, reason):
     _assert_close_grads(module, reference, rtol=0, atol=0)  # the eager runtime: exact
 
 
+@pytest.mark.slow
 def test_compiled_runs_between_in_backward_updates_train_as_eager():
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
@@ -146,6 +149,7 @@ def test_compiled_runs_between_in_backward_updates_train_as_eager():
         torch.testing.assert_close(t, ref, msg=lambda m: f"{name}: {m}", **FUSED)
 
 
+@pytest.mark.slow
 def test_the_backend_compiles_each_planned_graph_under_the_shared_budget():
     torch.manual_seed(0)
     model, x = Branchy(d=32, n=4), torch.randn(256, 32)
@@ -181,6 +185,7 @@ def test_the_backend_compiles_each_planned_graph_under_the_shared_budget():
     assert max(peaks) <= budget
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [dict(offload=True), dict(max_grad_norm=0.05, clip_by="norm_pass")],
                          ids=["offload", "norm_pass"])
 def test_compiled_runs_around_host_copies_and_a_norm_pass_train_as_eager(options):
@@ -248,6 +253,7 @@ def test_items_of_a_multi_output_op_are_taken_with_it_so_runs_hand_on_tensors():
     assert after == [(True, ["native_layer_norm", "getitem", "getitem_1", "relu"]), (False, ["add_"])]
 
 
+@pytest.mark.slow
 def test_a_compiled_convolutional_plan_makes_room_for_kernel_scratch_by_default():
     # A compiled plan's peak is measured by the allocator's events, which see the scratch CPU
     # kernels allocate for themselves (oneDNN's convolutions, batch norm): compile=True plans
@@ -351,6 +357,7 @@ def _roomy_plan(module, args, compiler):
     return opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transposed", [True, False])
 def test_a_random_op_draws_from_its_traced_layout_whatever_runs_hand_on(transposed):
     # The op `native_dropout` fills its mask in its input's memory order: from a channels-last
@@ -408,6 +415,7 @@ def test_eager_code_reading_values_a_run_laid_out_otherwise_gets_them_as_traced(
     _assert_close_grads(step, reference, **FUSED)
 
 
+@pytest.mark.slow
 def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its_budget():
     # DistilBERT's forward carries weight transposes (views of parameters) to the backward. The
     # model holds their storage all step; a check that freed them when the compiled backward let
@@ -467,6 +475,7 @@ def _slow(clock: VirtualClock):
     return compiler
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("margin", [DEFAULT_SLOWER_MARGINS[0], float("inf")])
 def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
     # A run measured slower than its eager twin runs eagerly (ConvNeXt's compiled backward ran 17-21%
@@ -535,6 +544,7 @@ def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_comp
     _assert_close_grads(module, reference, **FUSED)
 
 
+@pytest.mark.slow
 def test_a_run_whose_decomposition_a_recorded_view_cannot_take_still_compiles():
     # T5's attention: Inductor's decompositions lay an intermediate out otherwise than eager's
     # kernel, and a `view` the trace recorded cannot take it. Traced again with those views as
@@ -572,6 +582,7 @@ def _views_of_traced_layouts_only(gm, examples):
     return _channels_last(gm, examples)
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_take_the_layouts_it_is_handed_compiles_on_traced_copies():
     step, args = _conv_view_step(torch.nn.Tanh())
     reference = copy.deepcopy(step)
@@ -587,6 +598,7 @@ def test_a_run_that_cannot_take_the_layouts_it_is_handed_compiles_on_traced_copi
     _assert_close_grads(step, reference, **FUSED)
 
 
+@pytest.mark.slow
 def test_a_compiled_resnet_whose_refused_runs_read_channels_last_values_holds_its_budget():
     # Hugging Face ResNet at 90%: runs the check refuses read convolution outputs Inductor handed
     # on channels-last. Run eagerly on them, the step measured 149 KB over its budget; copied into
@@ -682,6 +694,7 @@ class _HandsOutWhatItsBackwardReads(torch.nn.Module):
         return h.t(), y
 
 
+@pytest.mark.slow
 def test_compiled_runs_reuse_memory_read_for_the_last_time_but_never_what_the_caller_holds():
     module = _HandsOutWhatItsBackwardReads()
     reference = copy.deepcopy(module)
@@ -740,6 +753,7 @@ class _TwoSines(torch.nn.Module):
         return (torch.sin(self.a(x)) * torch.sin(self.b(x))).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pack", [False, True])
 def test_values_a_compiled_run_hands_out_in_one_buffer_are_never_reused(pack):
     # Inductor may write two outputs into one buffer (its CPU `cat` writes an input into the cat's
@@ -778,6 +792,7 @@ def test_values_a_compiled_run_hands_out_in_one_buffer_are_never_reused(pack):
     assert reused == ([] if pack else ["addmm", "addmm_1"]), (names, donated)
 
 
+@pytest.mark.slow
 def test_a_value_copied_to_the_host_is_never_reused_by_a_compiled_run(monkeypatch):
     # On CUDA the copy runs on a side stream and may still be reading when a later run would
     # write into the value's memory, so what an offload reads is held, as the caller's values are.

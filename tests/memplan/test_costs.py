@@ -83,15 +83,23 @@ def test_measured_times_replace_the_roofline():
     assert opt.plan.store_all_time == pytest.approx(sum(d["cost"] for _, d in graph.nodes(data=True)))
     # ... and the host link is measured: a copy of 32 MiB timed on this machine, not the table's figure
     measured_link = opt.plan.analysis.costs.profile.host_bandwidth
-    assert measured_link != PROFILES["cpu"].host_bandwidth and 1e8 < measured_link < 1e12
+    assert measured_link != PROFILES["cpu"].host_bandwidth and 0 < measured_link < float("inf")
 
 
-def test_host_bandwidth_is_the_time_of_a_real_copy():
+def test_host_bandwidth_is_the_bytes_over_the_time_of_a_real_copy():
     from memplan.profiling import measure_host_bandwidth
 
-    small, large = measure_host_bandwidth("cpu", 2**20), measure_host_bandwidth("cpu", 64 * 2**20)
-    print(f"host copy: {small / 1e9:.1f} GB/s at 1 MiB, {large / 1e9:.1f} GB/s at 64 MiB")
-    assert 1e8 < large < 1e12 and 1e8 < small < 1e13
+    copies = []
+
+    def clock() -> float:  # every copy takes 1 ms by this clock, whatever the machine's load
+        copies.append(None)
+        return len(copies) * 1e-3
+
+    assert measure_host_bandwidth("cpu", 2**20, repeats=3, clock=clock) == 2**20 / 1e-3
+    assert len(copies) == 2 * 2 * 3  # two readings per timed copy, three copies each way
+    measured = measure_host_bandwidth("cpu", 2**20)  # the wall clock: a copy takes some time
+    print(f"host copy: {measured / 1e9:.1f} GB/s at 1 MiB")
+    assert 0 < measured < float("inf")
 
 
 class _Allocations(torch.fx.Interpreter):
@@ -113,6 +121,7 @@ class _Allocations(torch.fx.Interpreter):
         return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LIBRARY_STYLE))
 def test_every_node_allocates_the_bytes_the_cost_model_says(name):
     # Per node, not per peak: a storage counted too small anywhere could make a plan go over.

@@ -95,6 +95,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_optimizer_in_a_process_group_is_refused_before_any_update():
     mp.spawn(_rank, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
 

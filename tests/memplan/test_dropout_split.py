@@ -73,6 +73,7 @@ def test_a_dropout_drawn_otherwise_is_not_split(case):
 
 
 # (bfloat16 with one dropout only: Inductor's fused chains round it once where eager rounds after each op)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, chain", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
 def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype, chain, p):
@@ -123,6 +124,7 @@ class _DropoutMLP(nn.Module):
         return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_a_plan_recomputes_dropout_outputs_by_the_multiply_and_trains_as_eager(compile):
     """Under a tight budget the plan recomputes dropout outputs from their kept masks

@@ -164,6 +164,7 @@ def test_the_profiler_witness_agrees_with_the_tracker_on_an_eager_step():
     assert abs(profiler - tracker) <= 64, (profiler, tracker)  # the allocator's alignment, not a missing tensor
 
 
+@pytest.mark.slow
 def test_graph_breaks_share_one_step_budget():
     torch.manual_seed(0)
     model, x = Branchy(d=32, n=4), torch.randn(256, 32)
@@ -288,6 +289,7 @@ def test_the_first_step_replays_random_draws_and_updates_buffers_once():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_routing_trains_under_the_budget():
     torch.manual_seed(0)
     model, x = MoE(), torch.randn(128, 32)

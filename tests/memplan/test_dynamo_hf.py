@@ -22,6 +22,7 @@ def _gpt2() -> torch.nn.Module:
     return transformers.GPT2LMHeadModel(config).train()
 
 
+@pytest.mark.slow
 def test_gpt2_configured_for_training_holds_its_budget_through_the_backend():
     model = _gpt2()
     ids = torch.randint(0, 500, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -52,6 +53,7 @@ def test_gpt2_configured_for_training_holds_its_budget_through_the_backend():
     print(f"\nGPT-2 use_cache=False: eager {eager} B, budget {backend.budget} B, measured {peaks}\n{backend.report()}")
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_a_model_compiled_with_the_backend_to_eager_losses():
     """The route that works: compile the model in place (``model.compile(backend=...)``) before
     handing it to the Trainer, which then sees the model class it expects."""
@@ -123,6 +125,7 @@ def test_optimize_plans_gpt2_configured_for_training_as_one_graph():
           f"{plan.predicted_peak} B, measured (tracker, profiler) {peaks}")
 
 
+@pytest.mark.slow
 def test_hf_mixtral_in_float32_on_cpu_plans_as_one_graph():
     """transformers' default experts path (grouped GEMM) refuses float32 on fake tensors, but under
     tracing (is_compiling) it takes its fallback op, which fake tensors run: MixtralForCausalLM with

@@ -103,6 +103,7 @@ def test_bf16_autocast_step_matches_eager_autocast():
     assert torch.bfloat16 in dtypes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LIBRARY_STYLE))
 def test_library_style_models_are_predicted_as_measured(name):
     torch.manual_seed(0)
@@ -159,6 +160,7 @@ class _ReentrantCheckpointed(nn.Module):
         return self.head(h).square().mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequential", [False, True], ids=["checkpoint", "checkpoint_sequential"])
 def test_reentrant_checkpoint_trains_like_eager_under_a_recomputing_budget(sequential):
     torch.manual_seed(0)
@@ -267,6 +269,7 @@ class _TwoHeads(nn.Module):
         return {"logits": self.main(h), "aux": self.aux(h)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", ["store_all", "recomputing"])
 def test_parameters_only_unused_outputs_depend_on_get_no_gradient(budget):
     # Eager autograd leaves .grad None on a parameter the loss does not reach; an optimizer then

@@ -8,6 +8,8 @@ room for it: the allocator-measured peak then holds the budget.
 """
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -43,6 +45,7 @@ def test_convolutions_have_scratch_and_measuring_it_leaves_the_random_state_alon
         assert low.graph.nodes[node]["mem"] == nbytes and list(low.graph.successors(node)) == [name]
 
 
+@pytest.mark.slow
 def test_a_plan_with_kernel_scratch_holds_its_budget_by_the_allocators_count():
     step, args = _cnn()
     reference = torch.nn.utils.parameters_to_vector(step.parameters()).detach().clone()
@@ -73,6 +76,7 @@ def test_a_plan_with_kernel_scratch_holds_its_budget_by_the_allocators_count():
     assert torch.equal(torch.nn.utils.parameters_to_vector(step.parameters()), reference)
 
 
+@pytest.mark.slow
 def test_a_saved_plan_with_scratch_is_measured_again_when_loaded(tmp_path):
     step, args = _cnn()
     opt = memplan.optimize(step, "85%", kernel_scratch=True, time_limit=8, example_inputs=args)

@@ -147,6 +147,7 @@ def test_the_planned_step_holds_one_logits_buffer_less_than_eager():
     assert_same_step(opt, reference, loss, ref_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_a_plan_under_a_budget_below_eager_loss_trains_as_eager(compile):
     """A budget below what eager autograd's loss backward alone needs (three logits buffers) is

@@ -256,6 +256,7 @@ def test_measuring_under_fake_mode_raises():
         measure_peak(lambda: x * 2, "cpu")
 
 
+@pytest.mark.slow
 def test_fake_tensor_in_a_measured_autograd_step_raises_instead_of_aborting():
     # Refused inside __torch_dispatch__, the error crossed a C++ frame of autograd on fake
     # tensors that cannot pass it on: 'terminate called ... python_error', SIGABRT.
@@ -291,6 +292,7 @@ def test_unmeasured_hides_work_from_the_trackers_active_around_it():
     del hidden, inner_out, after
 
 
+@pytest.mark.slow
 def test_first_call_of_an_optimized_module_measures_the_step_not_the_planning():
     # The first call plans on fake tensors inside the tracker: that aborted the process
     # (SIGABRT). Planning allocates no real memory, so it must add nothing to the peak.

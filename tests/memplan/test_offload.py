@@ -36,6 +36,7 @@ def _step(module, args, kwargs):
     return loss.detach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_offload_meets_budgets_recompute_cannot(name):
     remat_min, offload_min = _minimums(name)
@@ -60,6 +61,7 @@ def test_offload_meets_budgets_recompute_cannot(name):
     assert_same_step(module, reference, _step(opt, args, kwargs), _step(reference, args, kwargs))
 
 
+@pytest.mark.slow
 def test_offload_is_never_predicted_slower_than_recompute():
     module, args, kwargs = build_step("gpt")
     store_all = memplan.analyze(module, args, kwargs).graph_peak

@@ -50,6 +50,7 @@ def _run(module, args, kwargs, seed=0):
     return loss.detach()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("name", ZOO)
 def test_gradients_match_eager_and_peak_under_budget(name, level):
@@ -78,6 +79,7 @@ def test_gradients_match_eager_and_peak_under_budget(name, level):
     assert_same_step(module, reference, loss, ref_loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cnn", "gpt"])
 def test_three_adamw_steps_match_eager(name):
     module, args, kwargs = build_step(name)
@@ -118,6 +120,7 @@ def test_dict_output_model_without_wrapper():
             torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.slow
 def test_module_contract_state_train_eval_no_grad_accumulation():
     module, args, kwargs = build_step("cnn")
     reference = copy.deepcopy(module)
@@ -142,6 +145,7 @@ def test_module_contract_state_train_eval_no_grad_accumulation():
         torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_gradients_held_from_an_earlier_step_count_in_the_budget():
     """Gradient accumulation: from the second backward on, the parameters' gradients are held all
     step long, beside the new ones until autograd adds them in. That step gets its own plan, for
@@ -217,6 +221,7 @@ def test_malformed_budget_lists_accepted_forms(bad):
     assert "16GB" in str(info.value) and "GiB" in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_budget_as_a_share_of_the_eager_peak():
     """``budget="60%"``, as the CLI's ``--budget 60%``: resolved per input signature from its eager peak."""
     module, args, kwargs = build_step("cnn")
@@ -239,6 +244,7 @@ def test_a_budget_as_a_share_of_the_eager_peak():
             memplan.optimize(module, bad)
 
 
+@pytest.mark.slow
 def test_infeasible_budget_names_the_minimum():
     module, args, kwargs = build_step("mlp")
     with pytest.raises(memplan.InfeasibleBudgetError) as info:
@@ -263,6 +269,7 @@ class _AlsoReturnsAnInputTransform(nn.Module):
         return self.body(x).square().mean(), x * 3.0
 
 
+@pytest.mark.slow
 def test_outputs_the_caller_holds_count_from_the_end_of_forward():
     module, x = _AlsoReturnsAnInputTransform(), torch.randn(128, 64)
     with pytest.raises(memplan.InfeasibleBudgetError) as info:
@@ -381,6 +388,7 @@ _TRAIN_THE_COPY = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("then_train", [False, True], ids=["exit", "train"])
 def test_deepcopy_of_a_planned_module_owns_its_parameters_and_trains_like_eager(then_train):
     # A deep copy used to deep-copy the cached plans' fake tensors: a process that

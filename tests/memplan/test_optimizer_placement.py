@@ -75,6 +75,7 @@ def test_host_state_trains_as_eager_and_leaves_the_device(model):
     assert tensors and all(is_host(v) for v in tensors)
 
 
+@pytest.mark.slow
 def test_auto_moves_just_enough_state_to_host_under_a_budget_the_device_state_cannot_meet():
     module, args, kwargs = build_step("gpt")
     reference = copy.deepcopy(module)
@@ -99,6 +100,7 @@ def test_auto_moves_just_enough_state_to_host_under_a_budget_the_device_state_ca
     _assert_same(module, reference, optimizer, ref_optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [{}, {"updates_after_backward": True}, {"max_grad_norm": 0.05},
                                   {"optimizer_state": "host"}],
                          ids=["in_backward", "after_backward", "clipped", "host_state"])
@@ -187,6 +189,7 @@ def test_a_saved_whole_step_plan_runs_as_made_and_refuses_another_optimizer(tmp_
     _assert_same(module, reference, optimizer, ref_optimizer)
 
 
+@pytest.mark.slow
 def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     """LOMO's two passes: the first backward computes only the global norm, each gradient freed
     once its square is added; the second applies the clipped updates as each gradient is final.

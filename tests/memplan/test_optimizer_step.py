@@ -86,6 +86,7 @@ def _assert_same_training(module, reference, optimizer, ref_optimizer):
             torch.testing.assert_close(state[name][key], value, msg=lambda m: f"{name}.{key}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "gpt"])
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_three_steps_match_eager_and_the_whole_step_holds_its_budget(model, kind):
@@ -111,6 +112,7 @@ def test_three_steps_match_eager_and_the_whole_step_holds_its_budget(model, kind
     _assert_same_training(module, reference, optimizer, ref_optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "gpt"])
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 def test_the_whole_step_prediction_is_exact_where_nothing_is_recomputed(model, kind):
@@ -201,6 +203,7 @@ def test_bad_optimizers_get_one_clear_error():
         memplan.optimize(module, "1GB", optimizer=_NeedsModel(module.parameters(), module), example_inputs=args)
 
 
+@pytest.mark.slow
 def test_updates_in_backward_lower_the_whole_step_minimum_by_about_the_gradients():
     """Each gradient freed as soon as it is applied, instead of all held to the end of backward."""
     from memplan.analysis import analyze_capture
@@ -242,6 +245,7 @@ def test_resuming_from_a_state_dict_continues_as_eager():
     _assert_same_training(module, reference, optimizer, ref_optimizer)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["cnn", "gpt"])
 def test_max_grad_norm_clips_as_clip_grad_norm_does(model):
     module, args, kwargs = build_step(model)

@@ -118,6 +118,7 @@ def test_every_output_gradient_of_the_lm_is_an_addend():
     assert cap.addend_only_outputs == {1, 2, 3, 4}
 
 
+@pytest.mark.slow
 def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_second_call():
     model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
@@ -138,6 +139,7 @@ def test_outputs_the_loss_does_not_use_are_planned_without_a_gradient_from_the_s
     assert "no gradient for output tensor(s) 1, 2, 3, 4" in opt.plan.report()
 
 
+@pytest.mark.slow
 def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_less():
     model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
@@ -152,6 +154,7 @@ def test_a_tight_budget_holds_and_the_plan_without_unused_gradients_recomputes_l
     assert overheads[1] < overheads[0], overheads
 
 
+@pytest.mark.slow
 def test_a_gradient_for_an_output_planned_without_one_is_exact_warns_and_ends_the_specialization():
     model, reference, ids, labels = _lm_and_twin()
     opt = memplan.optimize(model, 10**12)
@@ -188,6 +191,7 @@ def test_an_output_whose_gradient_is_not_only_an_addend_cannot_be_planned_withou
         capture(TwoHeads(), (x,), output_use=OutputUse(no_grad=frozenset({1, 2})))
 
 
+@pytest.mark.slow
 def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     model, reference, ids, labels = _lm_and_twin()
     loss_only = lambda out: out[0]  # noqa: E731
@@ -203,6 +207,7 @@ def test_a_saved_plan_keeps_its_missing_gradients(tmp_path):
     assert loaded.plan.analysis.capture.output_use.no_grad == {1, 2, 3, 4}
 
 
+@pytest.mark.slow
 def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first_call(monkeypatch):
     model, reference, ids, labels = _lm_and_twin()
     # below every plan that counts the logits' gradient
@@ -227,6 +232,7 @@ def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first
         _step(opt, ids, labels, with_logits)
 
 
+@pytest.mark.slow
 def test_outputs_the_caller_drops_before_backward_are_planned_as_let_go():
     model, reference, ids, labels = _lm_and_twin()
     eager, _ = _trainer_step(reference, ids, labels)
@@ -244,6 +250,7 @@ def test_outputs_the_caller_drops_before_backward_are_planned_as_let_go():
     assert "dropped by the caller before backward" in opt.plan.report()
 
 
+@pytest.mark.slow
 def test_a_caller_that_holds_an_output_planned_as_dropped_gets_exact_gradients_and_a_warning():
     model, reference, ids, labels = _lm_and_twin()
     opt = memplan.optimize(model, 10**12)
@@ -318,6 +325,7 @@ def test_no_new_plan_for_outputs_too_small_to_matter():
     assert not opt.plan.analysis.capture.output_use
 
 
+@pytest.mark.slow
 def test_a_loss_computed_outside_over_large_outputs_warns_once_with_the_fix():
     """The README's plain form, ``loss_fn(opt(x))``: the loss's own tensors are not in the plan."""
     zm = zoo.build("gpt", size="tiny", batch_size=4)

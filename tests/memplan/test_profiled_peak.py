@@ -31,6 +31,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_profiled_peak_counts_inductor_buffers(fresh_dynamo):
     x = torch.randn(N, N)
     compiled = torch.compile(_sin_then_matmul)  # default backend: Inductor

@@ -99,6 +99,7 @@ def test_plot_layers(plan, tmp_path):
     _png(fig, tmp_path / "layers.png")
 
 
+@pytest.mark.slow
 def test_sweep_and_curve(plan, tmp_path):
     a = plan.analysis
     low = viz.min_budget(a)

@@ -184,6 +184,7 @@ def _check_plan(planned: memplan.OptimizedModule, budget: int, forced_after: boo
 VARIANTS = ("plain", "step_lr", "clip", "accumulate")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("mode", list(PLACEMENTS))
 @pytest.mark.parametrize("model", list(BATCH))
@@ -261,6 +262,7 @@ def _fused_supported() -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("kind", list(OTHER))
 def test_optimizers_and_param_groups_equal_eager_within_the_budget(kind, mode):
@@ -322,6 +324,7 @@ def _assert_equal_trees(a, b) -> None:
         assert a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_checkpoint_after_two_steps_resumes_as_eager(mode):
     """Two planned steps, ``state_dict()`` of model and optimizer through torch.save / torch.load,
@@ -358,6 +361,7 @@ def test_a_checkpoint_after_two_steps_resumes_as_eager(mode):
 
 # -- 4. autocast -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_bf16_autocast_step_is_close_to_eager_within_the_budget(mode):
     """fp32 parameters, forward under CPU bf16 autocast, AdamW. bf16 rounds the traced graph's
@@ -427,6 +431,7 @@ MIN_BUDGET_BUG = pytest.mark.xfail(strict=False, raises=memplan.InfeasibleBudget
     "optimizer_state='auto': 121900 B, then 173104 B)"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["device", "auto"])
 @pytest.mark.parametrize("mode", [pytest.param("in_backward", marks=MIN_BUDGET_BUG), "after_backward"])
 def test_a_budget_below_the_whole_step_minimum_names_the_minimum(mode, state):

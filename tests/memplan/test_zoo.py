@@ -11,6 +11,7 @@ from memplan.measure import MemoryTracker
 from memplan.models import zoo
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", zoo.names())
 def test_tiny_model_trains_with_finite_grads(name):
     zm = zoo.build(name)

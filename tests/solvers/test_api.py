@@ -91,6 +91,7 @@ def test_over_budget_method_on_feasible_problem():
     assert solve(p.with_budget(need)).fits
 
 
+@pytest.mark.slow
 def test_time_limit_is_honoured():
     p = Problem.from_networkx(gen.training_like(120, seed=5), 0)
     peak = solve(p.with_budget(2**40), "store_all").peak

@@ -19,6 +19,7 @@ def _at(fraction: float, seed: int = 0) -> Problem:
     return with_fraction(Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62), fraction)
 
 
+@pytest.mark.slow
 def test_the_child_computes_the_same_bound_as_this_process():
     # Every MILP of the bound closes well within the limit on this graph (about 2 s), so the two
     # runs are the same computation: the child must answer exactly what this process finds.
@@ -39,6 +40,7 @@ def test_a_child_that_has_not_answered_is_stopped_and_its_file_removed():
     assert not folder.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(usable_cores() < 2, reason="the bound runs in the background only with a second core")
 def test_the_search_reports_the_bound_of_its_background_child():
     p = _at(0.35)

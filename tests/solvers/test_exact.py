@@ -75,6 +75,7 @@ def chain_cases() -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_enough_cases():
     assert len(random_cases()) >= 2 * N_RANDOM
     assert len(chain_cases()) >= 2 * N_CHAINS
@@ -167,6 +168,7 @@ def test_report_fixed_versus_free_order(capsys):
     assert any(not r["exhaustive_fixed"].fits for r in at_min)  # the order does cost memory sometimes
 
 
+@pytest.mark.slow
 def test_infeasible_carries_exact_min_budget():
     for rec in random_cases()[::7] + chain_cases()[::5]:
         p, lo = rec["problem"], rec["min_budget"]
@@ -179,6 +181,7 @@ def test_infeasible_carries_exact_min_budget():
         validate(p.with_budget(lo), sol.schedule)
 
 
+@pytest.mark.slow
 def test_a_minimum_reported_once_is_planned_at_by_a_new_problem_of_the_same_graph():
     """The minimum-budget search stops its repair at a time limit, so a second search may stop
     higher: a second `memplan.optimize` at the minimum an Infeasible reported (a new Problem of

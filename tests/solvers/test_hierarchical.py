@@ -83,6 +83,7 @@ def _training(seed: int, n: int, base: str) -> Problem:
     return Problem.from_networkx(training_like(n, seed=seed, base=base, view_prob=0.2), 10**9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed,base", [(0, "chain"), (1, "layered"), (2, "transformer"), (3, "transformer")])
 def test_hierarchical_fits_training_graphs(seed, base):
     problem = _training(seed, 150, base)
@@ -102,6 +103,7 @@ def test_hierarchical_fits_training_graphs(seed, base):
                 assert sol.cost <= other.cost * (1 + 1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_hierarchical_on_unet(fraction):
     p = _fraction_budget(_load("unet"), fraction)
@@ -252,6 +254,7 @@ def test_the_incumbent_keeps_the_fastest_plan_and_the_fastest_without_copies():
     assert best.remat == (remat, 1.5, "slower remat")
 
 
+@pytest.mark.slow
 def test_seeds_join_the_incumbent_and_plans_over_budget_are_ignored():
     # Plans made elsewhere (solve_offload hands over its paged descents) are what the search
     # must beat: the answer is never slower than a fitting seed, and a seed over the budget

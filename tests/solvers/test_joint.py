@@ -77,6 +77,7 @@ def _cases() -> list[dict]:
     return out
 
 
+@pytest.mark.slow
 def test_schedules_replay_and_fit_unless_over_budget():
     for case in _cases():
         p, sol, where = case["problem"], case["joint"], (case["seed"], case["budget"])

@@ -59,6 +59,7 @@ def _budgets(p: Problem) -> list[int]:
     return sorted({need - 1, need, need + (peak - need) // 4, (need + peak) // 2, peak})
 
 
+@pytest.mark.slow
 def test_bound_never_exceeds_the_exhaustive_optimum():
     checked = tighter = 0
     for name, p in _small_problems(320):
@@ -110,6 +111,7 @@ def test_infeasible_budget_gives_infinity():
     assert lower_bound(Problem.from_networkx(G, 9)) == math.inf
 
 
+@pytest.mark.slow
 def test_real_graph_is_fast_and_below_the_greedy_cost():
     pytest.importorskip("benchmarks.export_graphs")
     from benchmarks.export_graphs import load
@@ -127,6 +129,7 @@ def test_real_graph_is_fast_and_below_the_greedy_cost():
     assert len(moments(q)) == q.n_compute
 
 
+@pytest.mark.slow
 def test_gap_probe_brackets_the_optimum_on_a_real_graph():
     # benchmarks.gap_probe, briefly: its interval MILP (on the moments auto's bound starts
     # from) and auto's own bound must stay below the plan it then pin-searches.
@@ -198,6 +201,7 @@ def _bounded_budgets() -> list[tuple[int, Problem, float]]:
     return [(i, q, lower_bound(q)) for i, q in _small_budgets(1500)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("relaxation, least", [("cascade", 30), ("milp", 5), ("interval", 5)])
 def test_relaxation_never_exceeds_the_optimum_where_it_is_tighter(relaxation, least):
     # "cascade": the cascade LP (`_cascade_rows`) against the knapsack bounds; "milp": the best
@@ -215,6 +219,7 @@ def test_relaxation_never_exceeds_the_optimum_where_it_is_tighter(relaxation, le
     assert tighter > least
 
 
+@pytest.mark.slow
 def test_interval_model_never_exceeds_the_optimum_on_any_chain_of_moments():
     # The interval model (`_interval_rows`) on the whole main chain, on its first and last
     # halves, and on the moments `lower_bound` would pick, as LP and MILP: each a relaxation

@@ -76,6 +76,7 @@ def test_over_budget_schedules_fail_validation():
                 validate(q, sol.schedule)
 
 
+@pytest.mark.slow
 def test_constructive_methods_on_hundreds_of_graphs():
     solved = 0
     for name, p, peak in _problems(N_GRAPHS, 60, 0):
@@ -97,6 +98,7 @@ def test_greedy_fits_when_there_is_room():
         assert sol.fits and sol.status == "optimal" and sol.info["evictions"] == 0, name
 
 
+@pytest.mark.slow
 def test_checkmate_backends_on_random_graphs():
     from solvers import min_budget
 
@@ -111,6 +113,7 @@ def test_checkmate_backends_on_random_graphs():
                 assert sol.fits, (name, budget, backend)
 
 
+@pytest.mark.slow
 def test_auto_always_fits_above_the_minimum():
     from solvers import Infeasible, min_budget, solve
 

@@ -36,6 +36,7 @@ def _check(q: Problem, sol, opt) -> None:
         assert sol.lower_bound >= q.total_cost() - TOL
 
 
+@pytest.mark.slow
 def test_fixed_order_model_reaches_the_fixed_order_optimum_without_views():
     # Without views the model's memory is exact, and with two instances per value the
     # optimum of the fixed-order space on these graphs is inside the model: compare
@@ -60,6 +61,7 @@ def test_fixed_order_model_reaches_the_fixed_order_optimum_without_views():
     assert compared > 30
 
 
+@pytest.mark.slow
 def test_free_order_with_views_and_nonrecomputable_values():
     improved = 0
     for name, p in _small_problems(35, seed0=7000):

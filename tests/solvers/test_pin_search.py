@@ -3,6 +3,8 @@ joint graphs of U-Nets, transformers and layered networks: every result fits, no
 than its start, and most cost less."""
 from __future__ import annotations
 
+import pytest
+
 from solvers import METHODS, Problem, simulate, validate
 from solvers.core.generators import training, training_like, unet
 from solvers.core.sequence import schedule_from_sequence
@@ -32,6 +34,7 @@ def test_unread_recomputations_go_and_nothing_else():
     assert without_unread(p, seq) == seq
 
 
+@pytest.mark.slow
 def test_pinned_schedules_fit_and_never_cost_more():
     checked = improved = 0
     for p0 in _problems():
@@ -57,6 +60,7 @@ def test_a_schedule_over_the_budget_comes_back_unchanged():
     assert pin_search(p, schedule) is schedule
 
 
+@pytest.mark.slow
 def test_kicks_go_on_past_the_local_optimum_and_never_lose_it():
     checked = improved = 0
     for seed in (3, 4):

@@ -46,6 +46,7 @@ AT_THE_MINIMUM = {"random_dag": 24, "random_dag_views": 27, "training_chain": 27
                   "training_layered": 17, "training_unet": 10}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_repairing_store_all_on_random_graphs(family):
     fits = {}
@@ -166,6 +167,7 @@ def _real(name: str) -> Problem:
     return with_fraction(load(name), 0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt12", "unet"])
 def test_rotor_at_30_percent_is_repaired_to_fit(name):
     # Measured: rotor's schedules are 0.146% (gpt12) and 17% (unet) over at 30%; repaired,
@@ -180,6 +182,7 @@ def test_rotor_at_30_percent_is_repaired_to_fit(name):
     assert simulate(p, after).fits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["training_chain", "training_chain_views", "training_unet"])
 def test_recomputing_down_in_steps(family):
     """The descent holds the claims of every repair, and halfway to store-all's peak it fits

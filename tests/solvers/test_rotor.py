@@ -107,6 +107,7 @@ def chain_solutions() -> list[tuple[str, float, Problem, Solution, Solution]]:
     return out
 
 
+@pytest.mark.slow
 def test_training_chains_replay_and_fit():
     fits = {"rotor": 0, "revolve": 0}
     for name, fraction, q, rotor, revolve in chain_solutions():
@@ -197,6 +198,7 @@ def real(name: str) -> Problem:
     return load(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt12", "unet"])
 def test_real_graphs(name):
     p = real(name)
