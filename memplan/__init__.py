@@ -26,16 +26,19 @@ from memplan.dynamo import BudgetSplitWarning, MemplanBackend, SplitBudgetError,
 from memplan.api import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss, parse_budget
 from memplan.front import optimize
 from memplan.capture import CaptureError
+from memplan.compiled import CompileWarning
 from memplan.costs import PROFILES, DeviceProfile
 from memplan.distributed import DistributedTrainingError, DistributedWarning
 from memplan.measure import measure_peak
-from memplan.plan import InfeasibleBudgetError, Plan
+from memplan.optimizer import UnsupportedOptimizer
+from memplan.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
 from memplan.planio import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [
     "Analysis",
     "BudgetSplitWarning",
     "CaptureError",
+    "CompileWarning",
     "DeviceProfile",
     "DistributedTrainingError",
     "DistributedWarning",
@@ -47,8 +50,10 @@ __all__ = [
     "PROFILES",
     "Plan",
     "PlanMismatchError",
+    "PlanningTimeWarning",
     "SavedPlan",
     "SplitBudgetError",
+    "UnsupportedOptimizer",
     "WithLoss",
     "analyze",
     "backend",

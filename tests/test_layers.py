@@ -246,3 +246,22 @@ def test_project_imports_resolves_relative_and_submodule_forms(tmp_path, monkeyp
     }
     assert private_imports("pkg") == ["pkg.a: from pkg.sub.c import _g"]
     assert import_cycles(project_imports("pkg")) == [["pkg.a", "pkg.sub.c"]]
+
+
+def test_every_warning_class_of_memplan_is_exported():
+    """A user filters memplan's warnings by the names ``memplan`` exports."""
+    import importlib
+    import pkgutil
+
+    import memplan
+
+    missing = []
+    for info in pkgutil.walk_packages(memplan.__path__, "memplan."):
+        if info.name.startswith("memplan.models"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and obj.__module__ == info.name and issubclass(obj, Warning)
+                    and getattr(memplan, name, None) is not obj):
+                missing.append(f"{info.name}.{name}")
+    assert not missing, f"warning classes not exported by memplan: {missing}"
