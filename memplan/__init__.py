@@ -31,6 +31,7 @@ from memplan.costs import PROFILES, DeviceProfile
 from memplan.distributed import DistributedTrainingError, DistributedWarning
 from memplan.measure import measure_peak
 from memplan.optimizer import UnsupportedOptimizer
+from memplan.options import PlanOptions, StepOptions
 from memplan.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
 from memplan.planio import PlanMismatchError, SavedPlan, load_plan
 
@@ -50,9 +51,11 @@ __all__ = [
     "PROFILES",
     "Plan",
     "PlanMismatchError",
+    "PlanOptions",
     "PlanningTimeWarning",
     "SavedPlan",
     "SplitBudgetError",
+    "StepOptions",
     "UnsupportedOptimizer",
     "WithLoss",
     "analyze",

@@ -10,7 +10,7 @@ import re
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,8 @@ from memplan.distributed import process_group_size, refuse_distributed_updates, 
 from memplan.measure import storages_of, unmeasured
 from memplan.optimizer import Accumulation, check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
-from memplan.plan import CLIP_BY, OPTIMIZER_STATES, InfeasibleBudgetError, Plan, make_plan
+from memplan.options import PlanOptions, StepOptions
+from memplan.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.planio import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.profiling import measure_host_bandwidth
 from memplan.runtime import Program, run_program
@@ -130,58 +131,36 @@ class OptimizedModule(nn.Module):
         self,
         model: nn.Module,
         budget: int | str | None,
+        options: PlanOptions = PlanOptions(),
+        step: StepOptions = StepOptions(),
         *,
-        solver: str = "auto",
-        time_limit: float | None = None,
-        device_profile: str | DeviceProfile | None = None,
-        **options: Any,
+        plan: Any = None,
+        graph_breaks: Callable[[], Any] | None = None,
+        carry_limit: int | None = None,
     ):
         super().__init__()
-        unknown = set(options) - {"offload", "profile", "plan", "optimizer", "grad_norm", "updates_after_backward",
-                                  "max_grad_norm", "optimizer_state", "accumulate_steps", "clip_by", "carry_limit",
-                                  "graph_breaks", "compile", "kernel_scratch"}
-        if unknown:
-            raise TypeError(f"unknown option(s) for memplan.optimize: {', '.join(sorted(unknown))}")
+        self.plan_options = options
+        self.step_options = step
         # graph_breaks=factory: where the forward's Python reads tensor values, the model runs as
         # factory() returns it (torch.compile with memplan's backend: `memplan.front.optimize`).
-        self.split_factory = options.pop("graph_breaks", None)
+        self.split_factory = graph_breaks
         self.split: Any = None  # (the compiled model, its backend) once the model runs split
         # compile=True: each plan's runs of ATen ops are compiled by Inductor (memplan.compiled),
         # its memory decisions kept (`compile_report` says what was compiled); compile=fn: by
         # fn(graph_module, example_inputs) -> a callable taking its inputs boxed.
-        self.compile = options.pop("compile", False)
-        if not (isinstance(self.compile, bool) or callable(self.compile)):
-            raise TypeError(f"memplan.optimize: compile={self.compile!r}; give True, False or a compiler")
+        self.compile = options.compile
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
-        saved = options.pop("plan", None)
-        self.saved_plan = as_saved(saved) if saved is not None else None
-        # optimizer=opt: the step applies opt's updates in backward, its state in the budget.
-        self.optimizer = options.pop("optimizer", None)
-        self.track_grad_norm = bool(options.pop("grad_norm", False))
-        self.updates_after_backward = bool(options.pop("updates_after_backward", False))
-        # max_grad_norm=x: clip the global gradient norm to x before the updates, exactly as
-        # torch.nn.utils.clip_grad_norm_ (the updates then wait for every gradient).
-        self.max_grad_norm = options.pop("max_grad_norm", None)
-        if self.max_grad_norm is not None and self.optimizer is None:
-            raise ValueError("memplan.optimize: max_grad_norm= clips before memplan's updates; it needs optimizer=")
-        # optimizer_state="auto" | "device" | "host": where the optimizer's state lives (auto: on the
-        # device, in host memory for as many parameters as the budget needs).
-        self.optimizer_state = options.pop("optimizer_state", "auto")
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            raise ValueError(f"memplan.optimize: optimizer_state={self.optimizer_state!r}; give one of "
-                             f"{', '.join(map(repr, OPTIMIZER_STATES))}")
-        # accumulate_steps=k: update once every k backward passes, the gradients added up in .grad between.
-        steps = options.pop("accumulate_steps", 1)
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"memplan.optimize: accumulate_steps={steps!r}; give a positive int")
-        if steps > 1 and self.optimizer is None:
-            raise ValueError("memplan.optimize: accumulate_steps= counts steps between memplan's updates; it needs "
-                             "optimizer= (without one, accumulate as usual: gradients held in .grad are planned for)")
-        self.accumulation = Accumulation(steps)
-        # clip_by="auto" | "holding" | "norm_pass": how max_grad_norm= gets the global norm first.
-        self.clip_by = options.pop("clip_by", "auto")
-        if self.clip_by not in CLIP_BY:
-            raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")
+        self.saved_plan = as_saved(plan) if plan is not None else None
+        # carry_limit=bytes: the plan carries at most this much from its forward (the backend's ledger)
+        self.carry_limit = carry_limit
+        # The whole step (`StepOptions`): the optimizer's updates in backward, its state in the budget.
+        self.optimizer = step.optimizer
+        self.track_grad_norm = step.grad_norm
+        self.updates_after_backward = step.updates_after_backward
+        self.max_grad_norm = step.max_grad_norm
+        self.optimizer_state = step.optimizer_state
+        self.accumulation = Accumulation(step.accumulate_steps)
+        self.clip_by = step.clip_by
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
             refuse_distributed_updates(model)
@@ -196,10 +175,9 @@ class OptimizedModule(nn.Module):
         # resolved when the signature is planned; `budget` is then the last one resolved.
         self.budget_fraction = budget_fraction(budget)
         self.budget = None if self.budget_fraction is not None else parse_budget(budget)
-        self.solver = solver
-        self.time_limit = time_limit
-        self.device_profile = device_profile
-        self.options = options
+        self.solver = options.solver
+        self.time_limit = options.time_limit
+        self.device_profile = options.device_profile
         self._plans: dict[InputSignature, tuple[Plan, Program, list[str], list[str]]] = {}
         self._last_signature: InputSignature | None = None
         # Per input signature: how the last backward used the outputs (memplan.output_use:
@@ -504,7 +482,7 @@ class OptimizedModule(nn.Module):
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         profile = get_profile(self.device_profile, device)
-        measure_on = device if self.options.get("profile") else None
+        measure_on = device if self.plan_options.profile else None
         if measure_on is not None:  # the host link is measured too, not taken from the table
             profile = dataclasses.replace(profile, host_bandwidth=measure_host_bandwidth(measure_on))
         # kernel_scratch: measure what the kernels that allocate for themselves take (cuDNN's
@@ -512,11 +490,11 @@ class OptimizedModule(nn.Module):
         # default where the measurement that checks the budget sees it: CUDA's allocator, and on
         # the CPU a compiled plan's allocator events (`profiled_peak`; the dispatch-mode tracker
         # of eager steps does not see it).
-        scratch = self.options.get("kernel_scratch")
+        scratch = self.plan_options.kernel_scratch
         witnessed = device.type == "cuda" or bool(self.compile)
         scratch_on = device if (witnessed if scratch is None else bool(scratch)) else None
         # Offloading pays off where a host link runs beside compute: on by default on CUDA.
-        offload = self.options.get("offload")
+        offload = self.plan_options.offload
         offload = device.type == "cuda" if offload is None else bool(offload)
         if self.saved_plan is not None:
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
@@ -542,7 +520,7 @@ class OptimizedModule(nn.Module):
             optimizer_state=self.optimizer_state,
             accumulation=self.accumulation,
             clip_by=self.clip_by,
-            carry_limit=self.options.get("carry_limit"),
+            carry_limit=self.carry_limit,
             started=started,
             eager_peak=eager_peak,
         )

@@ -267,7 +267,15 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
 
 
 def _solve_options(args: argparse.Namespace) -> dict:
-    return {"solver": args.solver, "time_limit": args.time_limit, "offload": bool(getattr(args, "offload", False))}
+    """The solve's options from the command line, checked as ``optimize`` checks them (`PlanOptions`)."""
+    from memplan.options import PlanOptions
+
+    try:
+        options = PlanOptions(solver=args.solver, time_limit=args.time_limit,
+                              offload=bool(getattr(args, "offload", False)))
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    return {"solver": options.solver, "time_limit": options.time_limit, "offload": options.offload}
 
 
 # --------------------------------------------------------------------------- #

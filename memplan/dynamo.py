@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import operator
 import os
 import warnings
@@ -52,6 +53,8 @@ import torch.nn as nn
 
 from solvers.strategies.ledger import Call, StepLedger
 from memplan.api import OptimizedModule, budget_fraction, parse_budget
+from memplan.costs import DeviceProfile
+from memplan.options import PlanOptions
 from memplan.capture import CaptureError, NothingToDifferentiate
 from memplan.plan import InfeasibleBudgetError, Plan
 from memplan.problem import BACKWARD
@@ -71,8 +74,6 @@ MAX_LEVELS = 16
 # budget of a split that does not fit in at most this many more budgets.
 REHEARSALS = 6
 MIN_BUDGET_TRIES = 3
-# What the backend passes on to each graph's OptimizedModule.
-PLAN_OPTIONS = ("solver", "time_limit", "device_profile", "offload", "profile", "compile", "kernel_scratch")
 
 
 class BudgetSplitWarning(UserWarning):
@@ -298,7 +299,7 @@ class CompiledGraph:
             self.levels.move_to_end(key)
             return module
         if module is None:
-            module = OptimizedModule(self.stateful, budget, carry_limit=limit, **self.backend.plan_options)
+            module = OptimizedModule(self.stateful, budget, self.backend.plan_options, carry_limit=limit)
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module._warned_loss_outside = True
             self.levels[key] = module
@@ -671,19 +672,14 @@ class MemplanBackend:
     """A ``torch.compile`` backend that plans every graph under one shared step budget.
 
     One instance per compiled model: its :attr:`ledger` is that model's step. ``options``
-    are those of ``memplan.optimize`` that apply per graph: ``solver``, ``time_limit``,
-    ``device_profile``, ``offload``, ``profile``."""
+    (`memplan.options.PlanOptions`, as ``memplan.optimize`` takes them) apply to each graph's plan."""
 
-    def __init__(self, budget: int | str, **options: Any):
+    def __init__(self, budget: int | str, options: PlanOptions = PlanOptions()):
         if budget_fraction(budget) is not None:
             raise ValueError(
                 f"memplan.backend: budget={budget!r}: a share of the eager peak needs the whole step's graph, and "
                 "the backend sees a step's graphs one at a time; give bytes (\"16GB\"), or use memplan.optimize"
             )
-        unknown = set(options) - set(PLAN_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown option(s) for memplan.backend: {', '.join(sorted(unknown))} (it takes budget= "
-                            f"and {', '.join(PLAN_OPTIONS)}; optimizer= and plan= are memplan.optimize's)")
         self.budget = parse_budget(budget)
         self.plan_options = options
         self.ledger = StepLedger(self.budget)
@@ -812,9 +808,25 @@ class MemplanBackend:
         return "\n".join(lines)
 
 
-def backend(budget: int | str, **options: Any) -> MemplanBackend:
-    """``torch.compile(model, backend=memplan.backend(budget="16GB"))``: see :mod:`memplan.dynamo`."""
-    return MemplanBackend(budget, **options)
+def backend(
+    budget: int | str,
+    *,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    device_profile: str | DeviceProfile | None = None,
+    offload: bool | None = None,
+    profile: bool = False,
+    compile: bool | Callable[..., Any] = False,
+    kernel_scratch: bool | None = None,
+) -> MemplanBackend:
+    """``torch.compile(model, backend=memplan.backend(budget="16GB"))``: see :mod:`memplan.dynamo`.
+
+    ``budget`` is the whole step's, in bytes or a string such as ``"16GB"``. The other options are
+    `memplan.options.PlanOptions`' (as for ``memplan.optimize``), applied to each graph's plan;
+    ``optimize``'s step options (``optimizer=`` and the rest) and ``plan=`` need the step as one graph."""
+    return MemplanBackend(budget, PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile,
+                                              offload=offload, profile=profile, compile=compile,
+                                              kernel_scratch=kernel_scratch))
 
 
 # torch.compile(model, backend="memplan", options={...}) calls the registered function once per
@@ -830,7 +842,11 @@ def memplan_backend(gm: fx.GraphModule, example_inputs: list[Any], options: dict
     entry = _BY_OPTIONS.get(id(options))
     if entry is None or entry[0] is not options:
         rest = {k: v for k, v in options.items() if k != "budget"}
-        entry = (options, MemplanBackend(options["budget"], **rest))
+        unknown = set(rest) - {f.name for f in dataclasses.fields(PlanOptions)}
+        if unknown:
+            raise TypeError(f"unknown option(s) for the memplan backend: {', '.join(sorted(unknown))} (it takes budget "
+                            "and memplan.options.PlanOptions' fields; optimizer= and plan= are memplan.optimize's)")
+        entry = (options, backend(options["budget"], **rest))
         _BY_OPTIONS[id(options)] = entry
     return entry[1](gm, example_inputs)
 

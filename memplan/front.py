@@ -10,27 +10,28 @@ plans every graph under one shared step budget. ``graph_breaks=False`` keeps the
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from memplan.api import OptimizedModule
 from memplan.costs import DeviceProfile
-from memplan.dynamo import PLAN_OPTIONS, MemplanBackend
+from memplan.dynamo import MemplanBackend
+from memplan.options import PlanOptions, StepOptions
 
 
 class SplitAtGraphBreaks:
     """Makes ``model`` compiled with memplan's backend, for the options ``optimize`` was given
     (a picklable callable, so that an optimized module can be copied and saved)."""
 
-    def __init__(self, model: nn.Module, budget: int | str, options: dict[str, Any]):
+    def __init__(self, model: nn.Module, budget: int | str, options: PlanOptions):
         self.model = model
         self.budget = budget
-        self.options = {k: v for k, v in options.items() if k in PLAN_OPTIONS and v is not None}
+        self.options = options
 
     def __call__(self) -> tuple[Any, MemplanBackend]:
-        backend = MemplanBackend(self.budget, **self.options)
+        backend = MemplanBackend(self.budget, self.options)
         return torch.compile(self.model, backend=backend), backend
 
 
@@ -43,8 +44,19 @@ def optimize(
     solver: str = "auto",
     time_limit: float | None = None,
     device_profile: str | DeviceProfile | None = None,
+    offload: bool | None = None,
+    profile: bool = False,
+    compile: bool | Callable[..., Any] = False,
+    kernel_scratch: bool | None = None,
+    optimizer: Any = None,
+    grad_norm: bool = False,
+    updates_after_backward: bool = False,
+    max_grad_norm: float | None = None,
+    optimizer_state: str = "auto",
+    accumulate_steps: int = 1,
+    clip_by: str = "auto",
+    plan: Any = None,
     graph_breaks: bool = True,
-    **options: Any,
 ) -> OptimizedModule:
     """Wrap ``model`` so that its training step's peak memory stays within ``budget``.
 
@@ -53,26 +65,27 @@ def optimize(
     peak that :func:`memplan.measure_peak` reports for one forward+backward:
     parameters, buffers, inputs, activations, gradients and temporaries.
     Plans are made on the first call per input signature, or immediately
-    for ``example_inputs``. ``profile=True`` times every op of the step on the
-    model's device instead of estimating it from ``device_profile``. ``offload=True``
-    lets the plan page activations to host memory over the device's host link as
-    well as recompute them (default: on for CUDA models, off on CPU, where it is
-    a real copy into host-counted memory, for testing). Raises :class:`memplan.InfeasibleBudgetError`
-    when no plan fits. ``plan=path`` reuses a plan written by ``Plan.save``
-    (budget defaults to the saved one) after checking it was made for this
-    model and these inputs and validating it under the budget.
+    for ``example_inputs`` (and ``example_kwargs``). Raises :class:`memplan.InfeasibleBudgetError`
+    when no plan fits.
+
+    How plans are made (`memplan.options.PlanOptions`, where each is documented): ``solver``,
+    ``time_limit``, ``device_profile``, ``offload``, ``profile``, ``compile``, ``kernel_scratch``.
+    What the step does beyond forward and backward (`memplan.options.StepOptions`): ``optimizer``,
+    ``grad_norm``, ``updates_after_backward``, ``max_grad_norm``, ``optimizer_state``,
+    ``accumulate_steps``, ``clip_by``.
+    ``plan=path`` reuses a plan written by ``Plan.save`` (budget defaults to the saved one)
+    after checking it was made for this model and these inputs and validating it under the budget.
     ``graph_breaks=True``: a model whose Python reads tensor values runs split at those
     places through ``torch.compile`` with memplan's backend (see :mod:`memplan.front`);
     False: it raises :class:`memplan.CaptureError`.
-    ``compile=True`` compiles each plan's runs of ATen ops with Inductor, its memory decisions kept
-    (:mod:`memplan.compiled`; ``opt.compile_report`` says what was compiled).
     """
-    split = None
-    if graph_breaks and budget is not None:
-        split = SplitAtGraphBreaks(model, budget, dict(solver=solver, time_limit=time_limit,
-                                                       device_profile=device_profile, **options))
-    opt = OptimizedModule(model, budget, solver=solver, time_limit=time_limit, device_profile=device_profile,
-                          graph_breaks=split, **options)
+    options = PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile, offload=offload,
+                          profile=profile, compile=compile, kernel_scratch=kernel_scratch)
+    step = StepOptions(optimizer=optimizer, grad_norm=grad_norm, updates_after_backward=updates_after_backward,
+                       max_grad_norm=max_grad_norm, optimizer_state=optimizer_state,
+                       accumulate_steps=accumulate_steps, clip_by=clip_by)
+    split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
+    opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)

@@ -21,6 +21,7 @@ from memplan.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.capture import capture
 from memplan.costs import DeviceProfile
 from memplan.optimizer import Accumulation, UpdatePlacement, UpdateRunner, host_updates, learn_updates
+from memplan.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.output_use import OutputUse
 from memplan.planformat import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.problem import BACKWARD, CUT_RESERVE, is_reference, updated_after_reads
@@ -451,8 +452,6 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
                            norm_pass)
 
 
-OPTIMIZER_STATES = ("auto", "device", "host")
-CLIP_BY = ("auto", "holding", "norm_pass")
 
 
 def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
