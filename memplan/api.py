@@ -22,7 +22,8 @@ from memplan.capture import DataDependentPython, InputSignature
 from memplan.compiled import CompileReport, compile_program, inductor_compiler
 from memplan.analysis import replay_eager_peak
 from memplan.costs import DeviceProfile, get_profile, output_bytes
-from memplan.distributed import process_group_size, refuse_distributed_updates, warn_unplanned_engine_memory
+from memplan.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
+                                 warn_unplanned_engine_memory)
 from memplan.measure import storages_of, unmeasured
 from memplan.optimizer import Accumulation, check_optimizer
 from memplan.output_use import REPLAN_FRACTION, OutputUse
@@ -164,6 +165,7 @@ class OptimizedModule(nn.Module):
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
             refuse_distributed_updates(model)
+        refuse_engines_inside(model)
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -297,6 +299,7 @@ class OptimizedModule(nn.Module):
             # the planner's own real work (profiling runs, meta-model constants);
             # any other dispatch mode of the caller is set aside for the same reason.
             self._warn_hooks()
+            refuse_engines_inside(self._orig_mod)  # sharded after optimize(): seen at its first plan
             if not self._warned_distributed:
                 self._warned_distributed = warn_unplanned_engine_memory(self._orig_mod)
             with unmeasured(), _disable_current_modes():

@@ -73,6 +73,20 @@ def process_group_size() -> int | None:
     return dist.get_world_size()
 
 
+def refuse_engines_inside(model: nn.Module) -> None:
+    """Raise `DistributedTrainingError` for a model already wrapped or sharded by an engine: memplan
+    cannot trace through DDP's reducer or FSDP's parameter management (a tracing error otherwise)."""
+    engines = engines_in(model)
+    if not engines:
+        return
+    if engines == ["DistributedDataParallel"]:
+        route = ("Optimize the model first and wrap the result: DistributedDataParallel(memplan.optimize(model, "
+                 "budget)) (without optimizer=; DDP's gradient buckets are not in the plan yet).")
+    else:
+        route = "memplan does not plan FSDP or sharded (DTensor) parameters yet: train such a model without memplan."
+    raise DistributedTrainingError(f"memplan.optimize on a model under {' and '.join(engines)}: {route}")
+
+
 def refuse_distributed_updates(model: nn.Module) -> None:
     """Raise `DistributedTrainingError` where updates applied in the planned backward would run
     before a distributed engine has reduced the gradients (``optimizer=`` under DDP or FSDP)."""

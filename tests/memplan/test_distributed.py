@@ -72,6 +72,17 @@ def _rank(rank: int, port: int) -> None:
         _refused(lambda: memplan.optimize(sharded, "1MB", optimizer=torch.optim.AdamW(sharded.parameters())),
                  "FSDP2 (fully_shard)")
 
+        # an engine inside the optimized model: a clear error with the supported order, not a tracing error
+        with pytest.raises(memplan.DistributedTrainingError, match=r"DistributedDataParallel\(memplan.optimize"):
+            memplan.optimize(DDP(_loss_model()), "1MB")
+        with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
+            memplan.optimize(sharded, "1MB")
+        late = _loss_model()
+        late_opt = memplan.optimize(late, "1MB")  # sharded after optimize(): refused at its first plan
+        fully_shard(late)
+        with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
+            late_opt(x)
+
         # without optimizer= the numbers are DDP's own; the engine's unplanned tensors are said once
         plain = DDP(memplan.optimize(_loss_model(), "1MB"))
         with warnings.catch_warnings(record=True) as seen:
