@@ -470,35 +470,48 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
 
     ``solve_for(placement)`` solves the step in one placement (raising `InfeasibleBudgetError`).
     Recomputation is preferred to host updates: a host update costs a parameter's round trip
-    over the host link and the host's much lower throughput on every step."""
+    over the host link and the host's much lower throughput on every step. The errors of the
+    placements tried are let go on leaving: none outlives the call."""
     placement = first
     best: InfeasibleBudgetError | None = None  # the lowest minimum of the placements tried
-    while True:
-        if not updates:
-            tries = [placement]
-        elif norm_pass:
-            tries = [placement, dataclasses.replace(placement, after_backward=False, norm_pass=True)]
-        elif placement.after_backward:
-            tries = [placement]
-        else:
-            tries = [placement, dataclasses.replace(placement, after_backward=True)]
-        errors: list[Exception] = []
-        for attempt in tries:
-            try:
-                return solve_for(attempt)
-            except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
-                errors.append(exc)
-        infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
-        if not infeasible:
-            raise errors[-1]
-        closest = min(infeasible, key=lambda e: e.min_budget)
-        if best is None or closest.min_budget < best.min_budget:
-            best = closest
-        on_device = [u for u in updates if u.name not in placement.host]
-        more = host_updates(on_device, closest.min_budget - budget) if may_move_state else frozenset()
-        if not more:
-            raise best from None
-        placement = dataclasses.replace(placement, host=placement.host | more)
+    errors: list[Exception] = []
+    try:
+        while True:
+            if not updates:
+                tries = [placement]
+            elif norm_pass:
+                tries = [placement, dataclasses.replace(placement, after_backward=False, norm_pass=True)]
+            elif placement.after_backward:
+                tries = [placement]
+            else:
+                tries = [placement, dataclasses.replace(placement, after_backward=True)]
+            errors = []
+            for attempt in tries:
+                try:
+                    return solve_for(attempt)
+                except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
+                    errors.append(exc)
+            infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
+            if not infeasible:
+                raise errors[-1]
+            closest = min(infeasible, key=lambda e: e.min_budget)
+            if best is None or closest.min_budget < best.min_budget:
+                best = closest
+            on_device = [u for u in updates if u.name not in placement.host]
+            more = host_updates(on_device, closest.min_budget - budget) if may_move_state else frozenset()
+            if not more:
+                raise best from None
+            placement = dataclasses.replace(placement, host=placement.host | more)
+    finally:
+        # Each error caught here has a traceback that holds this frame and, through its callers,
+        # every frame of the planning call: up to OptimizedModule.forward when a step plans on its
+        # first call. Kept in this frame's variables they made a reference cycle that only the cyclic
+        # collector frees, and until it ran that forward's frame kept the outputs it returned alive:
+        # logits the caller had dropped were held through the backward planned without them, and
+        # taken for still held, so the output use learned from the step was given up (#46). Whether
+        # the collector ran first depended on allocations, a caller's dispatch mode or profiler.
+        best = closest = None
+        errors = infeasible = []
 
 
 def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
