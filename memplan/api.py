@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from memplan.capture import DataDependentPython, InputSignature
 from memplan.compiled import CompileReport, compile_program, inductor_compiler
 from memplan.analysis import replay_eager_peak
-from memplan.costs import DeviceProfile, get_profile, output_bytes
+from memplan.costs import get_profile, output_bytes
 from memplan.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
                                  warn_unplanned_engine_memory)
 from memplan.measure import storages_of, unmeasured
