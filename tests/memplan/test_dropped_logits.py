@@ -173,18 +173,22 @@ def test_logits_the_caller_drops_are_freed_at_once_when_the_step_plans(tied):
     assert len(planned._plans) == 2, "the plan learned from the first step was given up"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_loop_that_keeps_only_the_loss_measures_its_predicted_peak_under_the_budget(tied):
-    planned, optimizer, ids, labels = _planned(tied)
-
+def _peaks_keeping_only_the_loss(planned, optimizer, ids, labels) -> list[int]:
+    """Each of `STEPS` steps' measured peak, the loop keeping only the loss (the logits dropped)."""
     def step():
         planned(ids, labels)[0].backward()
         optimizer.step()
         optimizer.zero_grad()
 
     with _no_cyclic_collector():
-        peaks = [measure_peak(step) for _ in range(STEPS)]
+        return [measure_peak(step) for _ in range(STEPS)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_loop_that_keeps_only_the_loss_measures_its_predicted_peak_under_the_budget(tied):
+    planned, optimizer, ids, labels = _planned(tied)
+    peaks = _peaks_keeping_only_the_loss(planned, optimizer, ids, labels)
     _check_plan(planned)
     plan = planned.plan
     print(f"budget {plan.budget} predicted {plan.predicted_peak} measured {peaks}")
@@ -278,14 +282,7 @@ def test_a_dropped_output_that_backward_reads_is_freed_where_the_plan_frees_it(t
     dropped the logits one logits buffer over the plan (a store-all plan, which predicts to the
     byte)."""
     _, planned, optimizer, ids, labels = _store_all_z_loss(tied)
-
-    def step():
-        planned(ids, labels)[0].backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    with _no_cyclic_collector():
-        peaks = [measure_peak(step) for _ in range(STEPS)]
+    peaks = _peaks_keeping_only_the_loss(planned, optimizer, ids, labels)
     plan = planned.plan
     assert plan.analysis.capture.output_use.dropped == frozenset({1})
     program = planned._plans[planned._last_signature][1]
