@@ -6,10 +6,12 @@ same gradients with a peak device memory under the budget.
 The modules, in pipeline order (a stage imports only from the stages above it;
 ``tests/test_layers.py`` checks there are no import cycles):
 
-* leaves: ``storage`` (which storages hold a value), ``units`` (byte counts for people);
+* leaves: ``storage`` (which storages hold a value), ``units`` (byte counts for people),
+  ``distributed`` (what memplan refuses under DDP and FSDP until it plans them);
 * ``capture``: the joint graph, with its graph passes ``compaction`` and ``output_use``;
 * ``costs`` (bytes, FLOPs, time per value), with ``measure`` (the memory tracker)
-  and ``profiling`` (timings on the device) beside it;
+  and ``profiling`` (timings on the device) beside it; ``options`` (the typed options of
+  ``optimize``, the backend and the CLI) above it;
 * ``problem``: the lowering to the torch-free ``solvers.Problem``;
 * ``analysis``: costs, Problem and store-all baseline of one step;
 * ``runtime``: a schedule as straight-line code;
