@@ -58,7 +58,7 @@ from memplan.options import PlanOptions
 from memplan.capture import CaptureError, NothingToDifferentiate
 from memplan.plan import InfeasibleBudgetError, Plan
 from memplan.problem import BACKWARD
-from memplan.runtime import PlannedStep, _generator
+from memplan.runtime import PlannedStep
 from memplan.storage import storage_key
 from memplan.units import format_bytes
 
@@ -483,12 +483,13 @@ def _rng_states(tensors: list[torch.Tensor]) -> tuple[list[torch.device], list[b
 
 
 def _rng_state(device: torch.device) -> bytes:
-    return _generator(str(device))[0]().numpy().tobytes()
+    state = torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+    return state.numpy().tobytes()
 
 
 def _set_rng_state(device: torch.device, state: bytes) -> None:
-    # the bytes' own memory, not the allocator's
-    _generator(str(device))[1](torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    tensor = torch.frombuffer(bytearray(state), dtype=torch.uint8)  # the bytes' own memory, not the allocator's
+    torch.set_rng_state(tensor) if device.type == "cpu" else torch.cuda.set_rng_state(tensor, device)
 
 
 @contextlib.contextmanager
