@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m memplan.models.demo
+	$(BIN)/python -m memplan.tools.demo
 
 # One worker per core, each test file on one worker: a module's cached cases
 # (tests/solvers/test_exact.py) are built once. 2 cores: 710 s against 1341 s.

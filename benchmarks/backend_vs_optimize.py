@@ -24,7 +24,7 @@ import torch
 import memplan
 from benchmarks.report import markdown_table
 from benchmarks.time_prediction import spread
-from memplan.measure import measure_peak, profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
 
 BATCH = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16}

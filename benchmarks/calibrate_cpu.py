@@ -1,10 +1,10 @@
 """Fit the CPU `DeviceProfile` to this machine's measured op times, on models memplan's zoo is not.
 
-The roofline (`memplan.costs.DeviceProfile.op_time`) puts FLOPs over peak FLOP/s and bytes over
+The roofline (`memplan.costs.cost_model.DeviceProfile.op_time`) puts FLOPs over peak FLOP/s and bytes over
 bandwidth; a plan's predicted overhead is its recomputations' share of that, so a kind of kernel
 the roofline misjudges moves the prediction (`benchmarks/time_prediction.py`). This script
 captures the training steps of Hugging Face models (GPT-2, ViT, ResNet; small configurations,
-random weights), times every op on synthetic inputs (`memplan.profiling.measure_op_times`, one
+random weights), times every op on synthetic inputs (`memplan.measure.timing.measure_op_times`, one
 thread) and fits, in order:
 
 * peak FLOP/s, from the ops the FLOP counter counts (matmuls, convolutions): their measured
@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 import memplan
-from memplan.capture import capture
-from memplan.costs import PROFILES, annotate, op_kind
-from memplan.profiling import measure_op_times
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import PROFILES, annotate, op_kind
+from memplan.measure.timing import measure_op_times
 
 MIN_SHARE = 0.002  # of the measured step time, for an op kind to get a factor of its own
 MISJUDGED = 1.5  # measured over roofline (or its inverse) beyond which an op kind gets a factor

@@ -15,10 +15,10 @@ import gzip
 import time
 from pathlib import Path
 
-from memplan.analysis import analyze_capture
-from memplan.api import WithLoss
-from memplan.capture import capture
-from memplan.costs import get_profile
+from memplan.planning.analysis import analyze_capture
+from memplan.frontend.module import WithLoss
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import get_profile
 from memplan.models import zoo
 
 # name -> (zoo model, size, config overrides)

@@ -3,7 +3,7 @@
 A 6-block MLP (width 128, batch 512) split by a branch on a value, an ``.item()`` and a
 boolean mask, trained for a few steps at shares of its eager peak through
 ``torch.compile(model, backend=memplan.backend(budget=...))``. Each step's peak is read off
-the allocator's events (`memplan.measure.profiled_peak`: a dispatch-mode tracker cannot
+the allocator's events (`memplan.measure.tracker.profiled_peak`: a dispatch-mode tracker cannot
 watch a compiled frame), its gradients compared with eager's, and what the backend said
 (warnings, errors) recorded. ``python -m benchmarks.first_step`` writes
 ``benchmarks/results/first_step.md``.
@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan.measure import measure_peak, profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 
 MiB = 2**20
 RESULTS = Path(__file__).parent / "results" / "first_step.md"

@@ -4,9 +4,9 @@ memplan will be tried on architectures nobody here wrote. This script builds sma
 of Hugging Face ``transformers`` models (randomly initialised, nothing downloaded), plans each
 training step (the model's own loss) at a share of its measured eager peak, with the eager runtime
 and with compiled plans, and reports for each: the peak measured by the CPU allocator's events
-(`memplan.measure.profiled_peak`, the witness that sees Inductor's buffers and the scratch CPU
+(`memplan.measure.tracker.profiled_peak`, the witness that sees Inductor's buffers and the scratch CPU
 kernels allocate for themselves) against the budget; for the eager runtime also the dispatch-mode
-tracker's peak (`memplan.measure.measure_peak`), the witness its plans are made for on the CPU,
+tracker's peak (`memplan.measure.tracker.measure_peak`), the witness its plans are made for on the CPU,
 which does not see that scratch;
 the largest gradient difference from eager (relative to the parameter's largest eager gradient;
 parameters whose eager gradient is zero, such as attention key biases, are left out), step time
@@ -29,7 +29,7 @@ import torch
 
 import memplan
 from benchmarks.report import markdown_table
-from memplan.measure import measure_peak, profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 
 RESULTS = Path(__file__).parent / "results" / "hf_compiled.md"
 # model -> its budget as a share of its eager peak (the convolutional ones cannot go to 50%)

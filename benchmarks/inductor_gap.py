@@ -40,7 +40,7 @@ import torch
 import memplan
 from benchmarks.report import markdown_table
 from benchmarks.time_prediction import spread, zoo_arguments
-from memplan.measure import measure_peak, profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
 
 RESULTS = Path(__file__).parent / "results" / "inductor_gap.md"

@@ -1,6 +1,6 @@
 """Do the two CPU peak measurements agree on eager steps? ``python -m benchmarks.measure_agreement``.
 
-Compiled steps are measured with ``memplan.measure.profiled_peak`` (profiler
+Compiled steps are measured with ``memplan.measure.tracker.profiled_peak`` (profiler
 allocation events), eager ones with ``MemoryTracker`` (a dispatch mode). The
 benchmark tables put both side by side, so this checks, on the eager step of
 every zoo model, that they count the same thing: the step's state

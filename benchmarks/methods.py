@@ -209,7 +209,7 @@ def memplan_compiled_cells(
     mut: ModelUnderTest, budgets: Budgets, memplan_time_limit: float = 30.0, **_
 ) -> list[Cell]:
     """memplan's plans run by its compiled runtime (``optimize(..., compile=True)``). These rows are
-    measured by the allocator's events (`memplan.measure.profiled_peak`), which count the scratch the
+    measured by the allocator's events (`memplan.measure.tracker.profiled_peak`), which count the scratch the
     CPU kernels allocate for themselves: the plans make room for it (``kernel_scratch=True``)."""
     return _memplan_cells(MEMPLAN_COMPILED, mut, budgets, memplan_time_limit, compile=True, kernel_scratch=True)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import memplan
-from memplan.measure import measure_peak
+from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 
 

@@ -1,8 +1,8 @@
 """How long a user waits for the first planned step, and how good that plan is.
 
 For each model: ``memplan.optimize(step, budget="50%")`` with default settings (no
-``time_limit``: the whole call within `memplan.plan.DEFAULT_TIME_LIMIT`, stopping at
-`memplan.plan.DEFAULT_GAP`), then the first step. Reports the wall time from the call
+``time_limit``: the whole call within `memplan.pipeline.plan.DEFAULT_TIME_LIMIT`, stopping at
+`memplan.pipeline.plan.DEFAULT_GAP`), then the first step. Reports the wall time from the call
 to the end of the first step's backward, where the planning time went
 (`memplan.Plan.planning_time`), and the plan's gap to its proven lower bound. The models: the
 zoo's (size small) and, where ``transformers`` is installed, the 12-layer Hugging Face GPT-2
@@ -26,7 +26,7 @@ import torch
 import memplan
 from benchmarks.report import markdown_table
 from memplan.models import zoo
-from memplan.plan import DEFAULT_GAP, DEFAULT_TIME_LIMIT
+from memplan.pipeline.plan import DEFAULT_GAP, DEFAULT_TIME_LIMIT
 
 RESULTS = Path(__file__).parent / "results" / "planning_latency.md"
 MODELS = ("gpt2_12", "gpt", "vit", "resnet50", "cnn", "unet", "mlp")
@@ -85,7 +85,7 @@ def first_step(name: str, budget: str) -> dict | None:
             if budget != asked:
                 raise
             # Below this model's smallest plan: time the next tenth of the eager peak above it instead.
-            eager = opt.budget / memplan.api.budget_fraction(asked)
+            eager = opt.budget / memplan.frontend.module.budget_fraction(asked)
             budget = f"{math.ceil(10 * exc.min_budget / eager) * 10}%"
     wall = time.perf_counter() - started
     plan = opt.plan
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    if memplan.api.budget_fraction(args.budget) is None:
+    if memplan.frontend.module.budget_fraction(args.budget) is None:
         ap.error(f"--budget {args.budget}: give a share of the eager peak, such as 50%")
     torch.set_num_threads(1)
     rows = []

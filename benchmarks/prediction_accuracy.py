@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
-from memplan.measure import measure_peak
+from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 
 MODELS = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16, "resnet50": 8}

@@ -213,7 +213,7 @@ METHODOLOGY = """## How these numbers are made
   parameters, buffers, inputs, activations, gradients and temporaries the
   step touches; CUDA: allocator statistics minus what other configurations
   hold). Compiled configurations (Inductor, memplan compiled) on CPU:
-  `memplan.measure.profiled_peak`, the profiler's CPU allocation events summed
+  `memplan.measure.tracker.profiled_peak`, the profiler's CPU allocation events summed
   in time order plus the step's parameters, buffers, inputs and loss targets.
   A dispatch mode cannot measure them: dynamo runs a frame eagerly while one
   is active, and Inductor's wrapper allocates its buffers outside the

@@ -14,7 +14,7 @@ Order of work for a model:
    largest of those per-round ratios.
 
 Compiled configurations are measured with the profiler
-(``memplan.measure.profiled_peak``), the others with the dispatch-mode
+(``memplan.measure.tracker.profiled_peak``), the others with the dispatch-mode
 tracker; eager's step is measured both ways so the two can be compared
 (they agree to the byte on steps without convolutions; see
 ``benchmarks/measure_agreement.py``).

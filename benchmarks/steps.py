@@ -7,7 +7,7 @@ step three ways:
 
 * **peak**: ``memplan.measure_peak`` (the CPU storage tracker, or CUDA
   allocator statistics). On CPU, steps run by ``torch.compile`` (Inductor) are
-  measured with ``memplan.measure.profiled_peak`` instead, the profiler's
+  measured with ``memplan.measure.tracker.profiled_peak`` instead, the profiler's
   allocation events plus the step's state (parameters, buffers, inputs):
   dynamo runs a frame eagerly while a dispatch mode is active, and Inductor's
   CPU wrapper allocates its buffers outside the dispatcher
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import memplan
-from memplan.measure import profiled_peak
+from memplan.measure.tracker import profiled_peak
 
 SEED = 0
 

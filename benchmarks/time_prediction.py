@@ -1,7 +1,7 @@
 """Predicted step-time overhead against measured, with the roofline and with ``profile=True``.
 
 A plan's ``predicted_overhead`` is its step time over the store-all plan's, as the cost model
-sees them: the roofline of `memplan.costs` by default, or every op timed on the device with
+sees them: the roofline of `memplan.costs.cost_model` by default, or every op timed on the device with
 ``profile=True``. Here, for zoo models at a share of eager's measured peak, the two plans (one
 per cost model) and the store-all plan run side by side with eager in one process (interleaved
 rounds, one thread), and each plan's predicted overhead is set against its measured time over
@@ -23,7 +23,7 @@ import torch
 
 import memplan
 from benchmarks.report import markdown_table
-from memplan.measure import measure_peak
+from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 
 RESULTS = Path(__file__).parent / "results" / "time_prediction.md"

@@ -16,7 +16,7 @@ one process, on one zoo model:
   each update computed there.
 
 For the memplan rows the budget is the smallest the planner finds
-(`memplan.viz.min_budget`); every row reports the measured whole-step peak
+(`memplan.tools.viz.min_budget`); every row reports the measured whole-step peak
 at it, and the step time over eager's (median of interleaved repetitions,
 with the spread). Writes ``benchmarks/results/whole_step.md``.
 
@@ -36,10 +36,10 @@ import torch
 import memplan
 from benchmarks.checkpointing import checkpoint_blocks
 from benchmarks.models.layouts import layout_for
-from memplan.measure import measure_peak
+from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
-from memplan.units import format_bytes
-from memplan.viz import min_budget
+from memplan.core.units import format_bytes
+from memplan.tools.viz import min_budget
 
 RESULTS = Path(__file__).resolve().parent / "results" / "whole_step.md"
 
@@ -66,7 +66,7 @@ def _eager_step(module, optimizer, args, kwargs) -> Callable[[], None]:
 
 
 def _planned_at_smallest(module, args, kwargs, **options) -> tuple[int, memplan.OptimizedModule]:
-    """The step planned at the smallest budget memplan finds for it (`memplan.viz.min_budget`), or
+    """The step planned at the smallest budget memplan finds for it (`memplan.tools.viz.min_budget`), or
     in steps of 2% above it where the solver, in its time limit, finds no plan there (the search
     for the minimum is not a proof, nor is the solve)."""
     probe = memplan.optimize(module, 10**15, solver="store_all", example_inputs=args, example_kwargs=kwargs, **options)

@@ -9,7 +9,7 @@ measures a step after two warm-up steps by two witnesses:
 * the dispatch-mode tracker (`memplan.measure_peak`): parameters, inputs and the
   device-resident optimizer state counted from the start, memplan's host-marked storages
   (optimizer state it placed in host memory) left out;
-* the CPU allocator's events (`memplan.measure.profiled_peak`), the next step, the same
+* the CPU allocator's events (`memplan.measure.tracker.profiled_peak`), the next step, the same
   resident tensors counted. On this CPU-only machine host memory is the same allocator, so
   with state in host memory it also sees what the host updates allocate (the host copies of
   gradients and parameters, the update's temporaries), which the tracker leaves out as host
@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 
 import memplan
-from memplan.measure import is_host, measure_peak, profiled_peak
+from memplan.core.host import is_host
+from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
 
 RESULTS = Path(__file__).parent / "results" / "whole_step_sweep.md"

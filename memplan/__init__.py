@@ -23,19 +23,20 @@ The modules, in pipeline order (a stage imports only from the stages above it;
 ``memplan.models`` (the built-in model zoo and ``make demo``) is no part of the
 pipeline: nothing above imports it but the CLI.
 """
-from memplan.analysis import Analysis, analyze
-from memplan.dynamo import BudgetSplitWarning, MemplanBackend, SplitBudgetError, backend
-from memplan.api import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss, parse_budget
-from memplan.front import optimize
-from memplan.capture import CaptureError
-from memplan.compiled import CompileWarning
-from memplan.costs import PROFILES, DeviceProfile
-from memplan.distributed import DistributedTrainingError, DistributedWarning
-from memplan.measure import measure_peak
-from memplan.optimizer import UnsupportedOptimizer
-from memplan.options import PlanOptions, StepOptions
-from memplan.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
-from memplan.planio import PlanMismatchError, SavedPlan, load_plan
+from memplan.planning.analysis import Analysis, analyze
+from memplan.frontend.backend import BudgetSplitWarning, MemplanBackend, SplitBudgetError, backend
+from memplan.frontend.budget import parse_budget
+from memplan.frontend.module import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss
+from memplan.frontend.entry import optimize
+from memplan.capture.trace import CaptureError
+from memplan.runtime.compiled import CompileWarning
+from memplan.costs.cost_model import PROFILES, DeviceProfile
+from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
+from memplan.measure.tracker import measure_peak
+from memplan.updates.optimizer import UnsupportedOptimizer
+from memplan.pipeline.options import PlanOptions, StepOptions
+from memplan.pipeline.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
+from memplan.pipeline.saved import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [
     "Analysis",

@@ -4,8 +4,9 @@
   and under ``if TYPE_CHECKING:`` included (a lazy import or a type-only
   import is still an arrow between the layers a reader sees);
 * no module imports another module's private (``_underscore``) names;
-* ``solvers`` imports only downward through its layers (`SOLVERS_LAYERS`),
-  and never imports torch.
+* ``memplan`` and ``solvers`` import only downward through their layers
+  (`MEMPLAN_LAYERS`, `SOLVERS_LAYERS`), and ``solvers`` never imports torch;
+* no library module is longer than `MAX_MODULE_LINES` (model definitions aside).
 
 Nothing is imported: the test parses files, so it runs in milliseconds and
 does not depend on the packages importing cleanly.
@@ -30,6 +31,30 @@ SOLVERS_LAYERS = [
     "solvers.registry",
     "solvers.api",
 ]
+
+# memplan's subpackages, lowest first: the stages of the pipeline in the order they run, with
+# the building blocks below them and what users call above. `memplan` itself (its __init__,
+# the exported names) sits on top of them all.
+MEMPLAN_LAYERS = [
+    "memplan.models",  # model definitions, importing nothing of memplan
+    "memplan.core",  # storages, byte units, host-memory marks
+    "memplan.ops",  # how one node runs: kernels, memplan's own ops, transfers
+    "memplan.measure",  # the memory tracker and op timings
+    "memplan.passes",  # graph passes over a captured graph
+    "memplan.capture",  # stage 1: the joint graph
+    "memplan.costs",  # stage 2: bytes and seconds per node
+    "memplan.updates",  # the optimizer's update as part of the step
+    "memplan.planning",  # stage 3: lowering to a solver Problem, analysis, the saved format
+    "memplan.runtime",  # stage 5: running a plan, eagerly or compiled
+    "memplan.pipeline",  # the stages called in order, the options, saved plans
+    "memplan.frontend",  # optimize, the module, the torch.compile backend
+    "memplan.tools",  # the CLI, plots, the demo
+]
+LAYERS = {"memplan": MEMPLAN_LAYERS, "solvers": SOLVERS_LAYERS}
+
+# No library module is longer: past it a module has usually taken a second job.
+MAX_MODULE_LINES = 800
+MODEL_DEFINITIONS = ("memplan.models",)
 
 
 # --------------------------------------------------------------------------- #
@@ -184,12 +209,26 @@ def test_no_private_names_across_modules(package):
     assert not bad, "private names imported from another module:\n" + "\n".join(bad)
 
 
-def test_solvers_layers_import_only_downward():
-    imports = project_imports("solvers")
-    placed = {layer: [m for m in imports if layer_of(m, [layer]) == 0] for layer in SOLVERS_LAYERS}
+@pytest.mark.parametrize("package", PACKAGES)
+def test_layers_import_only_downward(package):
+    imports = project_imports(package)
+    layers = LAYERS[package]
+    placed = {layer: [m for m in imports if layer_of(m, [layer]) == 0] for layer in layers}
     assert all(placed.values()), f"layers with no module: {[k for k, v in placed.items() if not v]}"
-    bad = layer_violations(imports, SOLVERS_LAYERS)
-    assert not bad, "upward imports in solvers:\n" + "\n".join(f"{a} -> {b}" for a, b in bad)
+    unplaced = sorted(m for m in imports if m != package and layer_of(m, layers) is None)
+    assert not unplaced, f"modules of {package} in no layer: {unplaced}"
+    bad = layer_violations(imports, layers)
+    assert not bad, f"upward imports in {package}:\n" + "\n".join(f"{a} -> {b}" for a, b in bad)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_over_the_line_limit(package):
+    long = sorted(
+        f"{module}: {len(path.read_text().splitlines())} lines"
+        for module, path in package_modules(package).items()
+        if not module.startswith(MODEL_DEFINITIONS) and len(path.read_text().splitlines()) > MAX_MODULE_LINES
+    )
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
 def test_solvers_never_imports_torch():

@@ -7,7 +7,7 @@ LLaMA-style gated MLP chunks one projection into gate and value. A Fourier
 neural operator assigns into a slice, which the joint graph turns into ATen's
 functional copy and scatter ops, whose outputs clone all of a storage.
 memplan's zoo models happen to do neither, so these are where its alias
-accounting (`solvers.core.memory`) and byte counts (`memplan.costs`) are checked
+accounting (`solvers.core.memory`) and byte counts (`memplan.costs.cost_model`) are checked
 against measurement.
 """
 from __future__ import annotations

@@ -69,7 +69,7 @@ class DataDependent(nn.Module):
 def assert_measured_peak(opt: nn.Module, module: nn.Module, args: tuple, kwargs: dict, budget: int) -> int:
     """One seeded step of ``opt``, planned for ``module``: its measured peak is under ``budget``
     and within 5% of the plan's prediction. Returns the measured peak."""
-    from memplan.measure import measure_peak
+    from memplan.measure.tracker import measure_peak
 
     clear_grads(module)
     torch.manual_seed(0)
@@ -84,7 +84,7 @@ def recomputing_budget(module: nn.Module, args: tuple) -> int:
     """A budget under which the step of ``module(*args)`` must recompute: half its activations
     below its store-all peak, but not below the least budget the solvers meet."""
     import memplan
-    from memplan.viz import min_budget
+    from memplan.tools.viz import min_budget
 
     analysis = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args).plan.analysis
     return max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))

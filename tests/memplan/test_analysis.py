@@ -6,9 +6,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import memplan
-from memplan.analysis import replay_eager_peak
-from memplan.measure import measure_peak
-from memplan.output_use import OutputUse
+from memplan.planning.analysis import replay_eager_peak
+from memplan.measure.tracker import measure_peak
+from memplan.passes.output_use import OutputUse
 
 from .helpers import build_step, clear_grads
 

@@ -14,10 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan.capture import capture
-from memplan.costs import annotate
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import annotate
 from memplan.models import zoo
-from memplan.problem import lower
+from memplan.planning.lowering import lower
 
 from memplan import WithLoss
 
@@ -128,7 +128,7 @@ def test_recomputed_dropout_draws_the_eager_mask():
 def test_only_a_replayed_random_op_saves_the_generator_state(solver, saves):
     """A replay draws from the state saved before the op's first run; a random op the plan never
     runs again saves none (no Python step then cuts a compiled run at each dropout)."""
-    from memplan.runtime import _rng_state
+    from memplan.runtime.program import _rng_state
 
     opt, reference, x, replayed = _two_dropout_plan(solver)
     assert bool(replayed) == saves
@@ -328,7 +328,7 @@ def test_gpt_1p3b_meta_capture_fits_in_2gb():
 
 
 def test_a_buffer_update_that_does_not_fit_its_buffer_is_refused_at_planning_time():
-    from memplan.capture import CaptureError, _check_buffer_updates
+    from memplan.capture.trace import CaptureError, _check_buffer_updates
 
     mean, count = torch.zeros(16), torch.zeros((), dtype=torch.long)
     _check_buffer_updates([torch.ones(16), torch.ones((), dtype=torch.long)], [mean, count], ["bn.mean", "bn.count"])

@@ -19,7 +19,7 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "memplan.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
+        [sys.executable, "-m", "memplan.tools.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
         check=False,  # the callers check the exit status: several tests expect 2
     )
 
@@ -29,7 +29,7 @@ def run_cli_parallel(*calls: tuple[str, ...], timeout: float = 300) -> list[subp
     env = {**os.environ, "COLUMNS": "100", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "memplan.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([sys.executable, "-m", "memplan.tools.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
         for args in calls
     ]
@@ -42,7 +42,7 @@ def run_cli_parallel(*calls: tuple[str, ...], timeout: float = 300) -> list[subp
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
     """The same CLI in this process (for the cheap variations)."""
-    from memplan.cli import main
+    from memplan.tools.cli import main
 
     code = main(list(args))
     captured = capsys.readouterr()
@@ -215,7 +215,7 @@ def test_more_user_errors_in_process(factory_file, capsys, args, needle):
 
 
 def test_debug_shows_the_traceback(factory_file, capsys):
-    from memplan.cli import main
+    from memplan.tools.cli import main
 
     with pytest.raises(memplan.CaptureError):
         main(["report", f"{factory_file}:untraceable", "--budget", "1GB", "--debug", "--quiet"])
@@ -223,7 +223,7 @@ def test_debug_shows_the_traceback(factory_file, capsys):
 
 def test_console_script_is_declared():
     scripts = (ROOT / "pyproject.toml").read_text()
-    assert 'memplan = "memplan.cli:main"' in scripts
+    assert 'memplan = "memplan.tools.cli:main"' in scripts
 
 
 @pytest.mark.slow

@@ -1,15 +1,15 @@
-"""Copying out a view that outlives the rest of its storage (``memplan.compaction``)."""
+"""Copying out a view that outlives the rest of its storage (``memplan.passes.compaction``)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import memplan
-import memplan.capture
-from memplan.analysis import analyze
-from memplan.capture import capture
-from memplan.compaction import copy_out_late_views
-from memplan.measure import measure_peak
+import memplan.capture.trace
+from memplan.planning.analysis import analyze
+from memplan.capture.trace import capture
+from memplan.passes.compaction import copy_out_late_views
+from memplan.measure.tracker import measure_peak
 
 from .helpers import assert_same_step, build_step, clear_grads, twin
 
@@ -62,7 +62,7 @@ def test_copying_out_lowers_the_cost_at_a_tight_budget_and_keeps_the_step_exact(
 
     # The same budget without the copies: the whole gradient of each cat is held
     # until the encoder's backward, and the plan recomputes more to make room.
-    monkeypatch.setattr(memplan.capture, "copy_out_late_views", lambda gm: [])
+    monkeypatch.setattr(memplan.capture.trace, "copy_out_late_views", lambda gm: [])
     without = memplan.optimize(twin(step), budget=budget, time_limit=5)
     without(*args, **kwargs).backward()
     assert not without.plan.analysis.capture.copied_views

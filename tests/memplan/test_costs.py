@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
-from memplan.capture import capture
-from memplan.costs import PROFILES, annotate, get_profile
-from memplan.profiling import measure_op_times
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import PROFILES, annotate, get_profile
+from memplan.measure.timing import measure_op_times
 
 
 def test_profiles_cover_cpu_a100_h100():
@@ -41,7 +41,7 @@ def test_op_factors_scale_the_roofline_of_their_kind_only():
         p.op_overhead + factors["dropout_mask"] * (plain - p.op_overhead))
     assert p.op_time(0.0, 4e6, kind="relu") == plain  # no factor: the roofline as it is
     # A graph's dropout mask is costed as its kind: far above an elementwise op of its size, and
-    # far above the multiply that applies it (`memplan.dropout_split`).
+    # far above the multiply that applies it (`memplan.passes.dropout_split`).
     x = torch.randn(64, 256, requires_grad=True)
     cap = capture(nn.Sequential(nn.Dropout(0.1), nn.ReLU()), (x,))
     costs = annotate(cap.graph_module, p)
@@ -87,7 +87,7 @@ def test_measured_times_replace_the_roofline():
 
 
 def test_host_bandwidth_is_the_bytes_over_the_time_of_a_real_copy():
-    from memplan.profiling import measure_host_bandwidth
+    from memplan.measure.timing import measure_host_bandwidth
 
     copies = []
 

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import memplan
-from memplan.distributed import engines_in, process_group_size
+from memplan.frontend.distributed import engines_in, process_group_size
 
 WORLD_SIZE = 2
 

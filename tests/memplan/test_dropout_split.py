@@ -1,4 +1,4 @@
-"""A CPU dropout split into its mask's draw and a multiply (`memplan.dropout_split`): the op's
+"""A CPU dropout split into its mask's draw and a multiply (`memplan.passes.dropout_split`): the op's
 values to the bit, and a plan that recomputes a dropout's output by the multiply alone."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.dropout_split import split_dropouts
-from memplan.measure import measure_peak
+from memplan.passes.dropout_split import split_dropouts
+from memplan.measure.tracker import measure_peak
 
 from .helpers import assert_close_step, assert_same_step, twin
 from .test_kernels import _assert_bitwise, _awkward
@@ -80,7 +80,7 @@ def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype,
     """Inductor calls the mask's kernel (eager's draws) and fuses `dropout_apply` away: neither it
     nor the op is called; output, mask and generator state are the op's, NaN and -0.0 included
     (``chain``: two dropouts)."""
-    from memplan.compiled import inductor_compiler
+    from memplan.runtime.compiled import inductor_compiler
 
     def step(x):
         return _dropouts(x, p) if chain else aten.native_dropout.default(x * 1.0, p, True)

@@ -2,11 +2,11 @@
 
 ``planned(ids, labels)[0].backward(); opt.step(); opt.zero_grad()`` (Hugging Face's
 ``model(**batch).loss.backward()``) drops the logits before backward. memplan learns that from
-the first step and plans again without them (`memplan.output_use`). Two things held the dropped
+the first step and plans again without them (`memplan.passes.output_use`). Two things held the dropped
 logits longer than the plan, one logits buffer over it:
 
 * the step that plans runs the planning call inside ``OptimizedModule.forward``, and the errors
-  caught while the optimizer's state was placed (`memplan.plan.whole_step_plan`: a placement that
+  caught while the optimizer's state was placed (`memplan.pipeline.plan.whole_step_plan`: a placement that
   does not fit, then more state in host memory) held that forward's frame, and the outputs it
   returned, in a reference cycle: the logits lived until Python's cyclic collector ran. Until
   then the step held them through a backward planned without them (Bloom: 7% over its budget),
@@ -15,7 +15,7 @@ logits longer than the plan, one logits buffer over it:
   peak), or which does not fit (an InfeasibleBudgetError in a later step). Whether the collector
   ran first depended on allocations, so on a caller's dispatch mode or profiler;
 * a user output carried into backward went through ``save_for_backward``, which autograd holds
-  until backward returns, where the plan frees it after its last read (fixed in `memplan.runtime`
+  until backward returns, where the plan frees it after its last read (fixed in `memplan.runtime.program`
   by #51; checked here on these models, where its backward reads the logits).
 
 The models: an embedding, two residual MLP blocks and a vocabulary head, tied to the embedding or
@@ -35,10 +35,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan.measure import measure_peak
-from memplan.optimizer import ParamUpdate, UpdatePlacement
-from memplan.output_use import OutputUse
-from memplan.plan import InfeasibleBudgetError, whole_step_plan
+from memplan.measure.tracker import measure_peak
+from memplan.updates.optimizer import ParamUpdate, UpdatePlacement
+from memplan.passes.output_use import OutputUse
+from memplan.pipeline.plan import InfeasibleBudgetError, whole_step_plan
 
 VOCAB, WIDTH, BATCH, SEQ = 1000, 64, 2, 64
 LOGITS_BYTES = BATCH * SEQ * VOCAB * 4

@@ -1,8 +1,8 @@
-"""memplan as a torch.compile backend (`memplan.dynamo`): graph breaks, hooks, MoE routing,
+"""memplan as a torch.compile backend (`memplan.frontend.backend`): graph breaks, hooks, MoE routing,
 shapes that vary, and one step budget shared by the graphs of a step.
 
 Every memory claim is measured: ``torch.compile`` runs eagerly under a ``TorchDispatchMode``, so
-compiled steps are measured by `memplan.measure.profiled_peak` (the profiler's allocation
+compiled steps are measured by `memplan.measure.tracker.profiled_peak` (the profiler's allocation
 events), which agrees with the dispatch-mode tracker on a step without convolutions (first test;
 CPU convolution kernels allocate scratch below the dispatcher that only the profiler sees).
 """
@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan.dynamo import BudgetSplitWarning, SplitBudgetError
-from memplan.measure import measure_peak, profiled_peak
+from memplan.frontend.backend import BudgetSplitWarning, SplitBudgetError
+from memplan.measure.tracker import measure_peak, profiled_peak
 from tests.memplan.helpers import fresh_dynamo  # noqa: F401 (autouse fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch._dynamo")
@@ -324,7 +324,7 @@ def test_the_registered_name_takes_the_budget_in_options():
     options = {"budget": "1GB"}
     compiled = torch.compile(model, backend="memplan", options=options)
     _train(model, compiled, (x,), steps=0, learning_steps=2)
-    from memplan.dynamo import _BY_OPTIONS
+    from memplan.frontend.backend import _BY_OPTIONS
 
     backend = _BY_OPTIONS[id(options)][1]
     assert backend.budget == 10**9 and any(g.levels for g in backend.graphs)
@@ -383,7 +383,7 @@ def test_bad_backend_arguments_are_refused():
     with pytest.raises(TypeError, match="optimizer"):
         memplan.backend(budget="1GB", optimizer=object())
     with pytest.raises(ValueError, match="budget"):
-        memplan.dynamo.memplan_backend(None, [], options={})
+        memplan.frontend.backend.memplan_backend(None, [], options={})
 
 
 def test_planning_inside_a_dispatch_mode_is_hidden_from_it():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memplan
-from memplan.measure import measure_peak, profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 from tests.memplan.helpers import fresh_dynamo  # noqa: F401 (autouse fixture)
 
 transformers = pytest.importorskip("transformers")

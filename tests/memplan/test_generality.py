@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
-from memplan.measure import measure_peak
-from memplan.viz import min_budget
+from memplan.measure.tracker import measure_peak
+from memplan.tools.viz import min_budget
 
 from .helpers import assert_same_step, clear_grads, recomputing_budget
 
@@ -480,7 +480,7 @@ def test_two_threads_tracing_at_once_both_trace_interpolation_as_eager_runs_it()
     # kernels set aside (before, A put them back under B's trace), and both leave torch as it was.
     import threading
 
-    from memplan.capture import eager_resampling
+    from memplan.capture.trace import eager_resampling
 
     kernels = torch.ops.aten.upsample_bilinear2d.vec.py_kernels
     before = dict(kernels)

@@ -2,7 +2,7 @@
 
 oneDNN's CPU convolutions reorder their inputs into scratch buffers (as cuDNN takes workspaces
 from the CUDA allocator); a dispatch-mode tracker does not see them, the allocator does
-(`memplan.measure.profiled_peak` here). With ``kernel_scratch=True`` each such op's scratch is
+(`memplan.measure.tracker.profiled_peak` here). With ``kernel_scratch=True`` each such op's scratch is
 measured once per signature and is a value of the Problem that the op reads, so a plan makes
 room for it: the allocator-measured peak then holds the budget.
 """
@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import memplan
-from memplan.capture import capture
-from memplan.costs import annotate
-from memplan.measure import profiled_peak
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import annotate
+from memplan.measure.tracker import profiled_peak
 from memplan.models import zoo
-from memplan.problem import SCRATCH_PREFIX, lower
-from memplan.profiling import measure_op_scratch
+from memplan.planning.lowering import SCRATCH_PREFIX, lower
+from memplan.measure.timing import measure_op_scratch
 
 
 def _cnn():

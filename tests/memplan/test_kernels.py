@@ -1,4 +1,4 @@
-"""The eager runtime's faster code (`memplan.kernels`): exact to the bit, and in place only where safe."""
+"""The eager runtime's faster code (`memplan.ops.kernels`): exact to the bit, and in place only where safe."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.kernels import (ATEN_TARGET, IN_PLACE, dropout_apply, dropout_mask, drawn_as_the_op,
+from memplan.ops.kernels import (ATEN_TARGET, IN_PLACE, dropout_apply, dropout_mask, drawn_as_the_op,
                              native_dropout_backward, use_stand_ins)
 
 from .helpers import assert_same_step, twin
@@ -185,7 +185,7 @@ def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
     """Where the mask would be drawn in another order (a transposed input), Inductor calls the op."""
     from torch.profiler import profile
 
-    from memplan.compiled import inductor_compiler
+    from memplan.runtime.compiled import inductor_compiler
 
     def step(x):
         return aten.native_dropout.default(x.t(), 0.3, True)

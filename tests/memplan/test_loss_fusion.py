@@ -1,4 +1,4 @@
-"""Cross-entropy's backward in one buffer (`memplan.loss_fusion`): the two ops' values to the bit,
+"""Cross-entropy's backward in one buffer (`memplan.passes.loss_fusion`): the two ops' values to the bit,
 a step that holds one logits-size buffer less, and plans that train as eager with it."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.loss_fusion import (SCRATCH_BLOCKS, fuse_cross_entropy_backward, softmax_backward_block_by_block,
-                                 softmax_backward_over_its_input)
-from memplan.measure import measure_peak
+from memplan.ops.fused_loss import SCRATCH_BLOCKS, softmax_backward_block_by_block, softmax_backward_over_its_input
+from memplan.passes.loss_fusion import fuse_cross_entropy_backward
+from memplan.measure.tracker import measure_peak
 
 from .helpers import assert_close_step, assert_same_step, twin
 
@@ -166,7 +166,7 @@ def test_a_plan_under_a_budget_below_eager_loss_trains_as_eager(compile):
     ref_loss.backward()
     if compile:
         assert_close_step(opt, reference, loss, ref_loss)
-        from memplan.measure import profiled_peak
+        from memplan.measure.tracker import profiled_peak
         peak = profiled_peak(lambda: opt(ids).backward(), resident=[*step.parameters(), ids])
     else:
         assert_same_step(opt, reference, loss, ref_loss)

@@ -1,4 +1,4 @@
-"""Tests for memplan.measure: the CPU tracker's numbers are exact, so assert them."""
+"""Tests for memplan.measure.tracker: the CPU tracker's numbers are exact, so assert them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.measure import (
+from memplan.measure.tracker import (
     MemoryTracker,
     host_storage,
     is_host,
@@ -264,7 +264,7 @@ def test_fake_tensor_in_a_measured_autograd_step_raises_instead_of_aborting():
         """
         import torch
         from torch._subclasses.fake_tensor import FakeTensorMode
-        from memplan.measure import measure_peak
+        from memplan.measure.tracker import measure_peak
 
         w = FakeTensorMode(allow_non_fake_inputs=True).from_tensor(torch.randn(3, 3)).requires_grad_()
         try:
@@ -299,7 +299,7 @@ def test_first_call_of_an_optimized_module_measures_the_step_not_the_planning():
     out = _run_python(
         """
         import copy, json, torch, torch.nn as nn, memplan
-        from memplan.measure import measure_peak
+        from memplan.measure.tracker import measure_peak
 
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 2))

@@ -150,7 +150,7 @@ def test_gradients_held_from_an_earlier_step_count_in_the_budget():
     """Gradient accumulation: from the second backward on, the parameters' gradients are held all
     step long, beside the new ones until autograd adds them in. That step gets its own plan, for
     what they leave of the budget, and its peak stays under the budget (measured, not assumed)."""
-    from memplan.measure import measure_peak
+    from memplan.measure.tracker import measure_peak
 
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
@@ -281,7 +281,7 @@ def test_outputs_the_caller_holds_count_from_the_end_of_forward():
         loss, transformed = opt(x)
         loss.backward()  # ``transformed`` is alive throughout, as in the caller's code
 
-    from memplan.measure import measure_peak
+    from memplan.measure.tracker import measure_peak
 
     measured = measure_peak(step)
     # The plan's prediction is what the step measures: the held output is counted from the
@@ -452,7 +452,7 @@ def test_a_pickled_module_made_from_a_saved_plan_reuses_that_plan(tmp_path, monk
 def test_time_limit_bounds_the_whole_call_and_says_when_capture_took_it_all():
     """``time_limit`` counts from the start of planning; when capturing the step takes all of it,
     a warning says how long that took, and the solver still gets `MIN_SOLVE_TIME` to find a plan."""
-    from memplan.plan import PlanningTimeWarning
+    from memplan.pipeline.plan import PlanningTimeWarning
 
     module, args, kwargs = build_step("cnn")
     with pytest.warns(PlanningTimeWarning, match=r"took \d+\.\d s"):

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import memplan
-from memplan.measure import is_host, measure_peak
-from memplan.viz import min_budget
+from memplan.core.host import is_host
+from memplan.measure.tracker import measure_peak
+from memplan.tools.viz import min_budget
 
 from .helpers import build_step
 
@@ -194,10 +195,10 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     """LOMO's two passes: the first backward computes only the global norm, each gradient freed
     once its square is added; the second applies the clipped updates as each gradient is final.
     On a parameter-heavy step (batch 1) its smallest budget is below holding every gradient's."""
-    from memplan.analysis import analyze_capture
-    from memplan.capture import capture
-    from memplan.costs import get_profile
-    from memplan.optimizer import UpdatePlacement, learn_updates
+    from memplan.planning.analysis import analyze_capture
+    from memplan.capture.trace import capture
+    from memplan.costs.cost_model import get_profile
+    from memplan.updates.optimizer import UpdatePlacement, learn_updates
 
     module, args, kwargs = build_step("gpt", batch_size=1)
     reference = copy.deepcopy(module)
@@ -233,7 +234,7 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
 
 
 def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_once_per_parameter():
-    # Host updates step a view of the optimizer on a worker thread (memplan.optimizer.HostUpdates):
+    # Host updates step a view of the optimizer on a worker thread (memplan.updates.optimizer.HostUpdates):
     # an LR scheduler's change between steps must reach them, and the optimizer's own hooks run.
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
@@ -283,8 +284,8 @@ def test_host_updates_clip_exactly_as_clip_grad_norm():
 def test_profile_times_the_updates_and_the_plan_trains_as_eager(state):
     """``profile=True`` times the optimizer's own updates (on the device and on the host) instead of
     a roofline of their traffic; the plan made with those times trains as eager."""
-    from memplan.costs import PROFILES
-    from memplan.optimizer import learn_updates
+    from memplan.costs.cost_model import PROFILES
+    from memplan.updates.optimizer import learn_updates
 
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 import memplan
-from memplan.measure import measure_peak
-from memplan.optimizer import UnsupportedOptimizer, UpdatePlacement
-from memplan.viz import min_budget
+from memplan.measure.tracker import measure_peak
+from memplan.updates.optimizer import UnsupportedOptimizer, UpdatePlacement
+from memplan.tools.viz import min_budget
 
 from .helpers import build_step
 
@@ -206,10 +206,10 @@ def test_bad_optimizers_get_one_clear_error():
 @pytest.mark.slow
 def test_updates_in_backward_lower_the_whole_step_minimum_by_about_the_gradients():
     """Each gradient freed as soon as it is applied, instead of all held to the end of backward."""
-    from memplan.analysis import analyze_capture
-    from memplan.capture import capture
-    from memplan.costs import get_profile
-    from memplan.optimizer import learn_updates
+    from memplan.planning.analysis import analyze_capture
+    from memplan.capture.trace import capture
+    from memplan.costs.cost_model import get_profile
+    from memplan.updates.optimizer import learn_updates
 
     module, args, kwargs = build_step("cnn")
     optimizer = torch.optim.AdamW(module.parameters(), foreach=True)

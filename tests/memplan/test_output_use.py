@@ -16,12 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
-from memplan.capture import capture
-from memplan.costs import get_profile
-from memplan.measure import measure_peak
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import get_profile
+from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
-from memplan.output_use import OutputUse
-from memplan.plan import make_plan
+from memplan.passes.output_use import OutputUse
+from memplan.pipeline.plan import make_plan
 from tests.memplan.helpers import clear_grads
 
 VOCAB, WIDTH, BATCH, SEQ = 2000, 64, 8, 64
@@ -215,7 +215,7 @@ def test_a_budget_only_a_plan_without_unused_gradients_fits_works_from_the_first
     opt = memplan.optimize(model, budget)
     loss_only = lambda out: out[0]  # noqa: E731
     traced = []  # the first call traces twice: the plan that assumes nothing, then the one without those gradients
-    for module in (memplan.plan, memplan.api):  # wherever a trace could be made
+    for module in (memplan.pipeline.plan, memplan.frontend.module):  # wherever a trace could be made
         monkeypatch.setattr(module, "capture", lambda *a, **k: traced.append(k) or capture(*a, **k), raising=False)
     for call in range(2):
         with warnings.catch_warnings():
@@ -313,7 +313,7 @@ def _drop_and_step(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> None:
 
 def test_no_new_plan_for_outputs_too_small_to_matter():
     # Logits of 8 x 10 next to megabytes of activations, dropped once the loss is computed outside:
-    # not worth planning again (memplan.output_use.REPLAN_FRACTION).
+    # not worth planning again (memplan.passes.output_use.REPLAN_FRACTION).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
@@ -334,7 +334,7 @@ def test_a_loss_computed_outside_over_large_outputs_warns_once_with_the_fix():
     planned = memplan.optimize(zm.model, budget)
     with pytest.warns(memplan.LossOutsideWarning, match="WithLoss") as seen:
         logits = planned(tokens)
-        assert logits.numel() * logits.element_size() >= memplan.api.LOSS_OUTSIDE_FRACTION * budget
+        assert logits.numel() * logits.element_size() >= memplan.frontend.module.LOSS_OUTSIDE_FRACTION * budget
         zm.loss_fn(logits).backward()
     assert len(seen) == 1
     with warnings.catch_warnings():

@@ -10,8 +10,8 @@ import torch.nn as nn
 import memplan
 import solvers
 from memplan.models import zoo
-from memplan.planformat import graph_signature, input_signature
-from memplan.planio import SavedPlan
+from memplan.planning.saved_format import graph_signature, input_signature
+from memplan.pipeline.saved import SavedPlan
 
 from .helpers import build_step, clear_grads, twin
 
@@ -146,7 +146,7 @@ def test_missing_file():
 
 def test_meta_and_cpu_builds_capture_the_same_graph():
     """A meta-device model traces as its CPU twin (loss labels held in a closure included)."""
-    from memplan.capture import capture
+    from memplan.capture.trace import capture
 
     sigs = []
     for meta in (True, False):
@@ -159,8 +159,8 @@ def test_meta_and_cpu_builds_capture_the_same_graph():
 def test_a_plan_predicts_the_step_that_runs_even_from_a_schedule_with_late_frees(saved):
     """The runtime frees each value after its last read whatever the schedule says; a schedule
     (saved, or from any solver) that frees later than that is predicted as the runtime runs it."""
-    from memplan.measure import measure_peak
-    from memplan.plan import plan_from_schedule
+    from memplan.measure.tracker import measure_peak
+    from memplan.pipeline.plan import plan_from_schedule
 
     plan, _ = saved
     steps = list(plan.schedule.steps)

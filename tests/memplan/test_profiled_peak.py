@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from memplan.measure import profiled_peak
+from memplan.measure.tracker import profiled_peak
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,7 +51,7 @@ def test_frees_of_memory_from_an_earlier_window_do_not_lower_the_peak():
     # The profiler reports the free of a block it saw allocated in an earlier profiling
     # session (here: the last step's gradient, dropped at this step's start). Counted, that
     # free made back-to-back measurements of one step differ by the gradient's bytes.
-    from memplan.measure import measure_peak
+    from memplan.measure.tracker import measure_peak
 
     w = torch.randn(N, N, requires_grad=True)
     x = torch.randn(8, N)

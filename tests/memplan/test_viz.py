@@ -1,4 +1,4 @@
-"""memplan.viz: the numbers behind the plots agree with the plan, and every plot renders to a PNG."""
+"""memplan.tools.viz: the numbers behind the plots agree with the plan, and every plot renders to a PNG."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 import memplan
 import solvers
-from memplan import viz
-from memplan.problem import BACKWARD
+from memplan.tools import viz
+from memplan.planning.lowering import BACKWARD
 
 from .helpers import build_step
 
@@ -20,7 +20,7 @@ def plan():
     """A tiny GPT planned tight enough to recompute something."""
     module, args, kwargs = build_step("gpt", meta=True)
     analysis = memplan.analyze(module, args, kwargs)
-    p = memplan.plan.solve_plan(analysis, int(analysis.eager_peak * 0.75))
+    p = memplan.pipeline.plan.solve_plan(analysis, int(analysis.eager_peak * 0.75))
     assert any(d.decision == "recompute" for d in p.decisions)
     return p
 
@@ -120,7 +120,7 @@ def test_timelines_and_plot_count_gradients_held_from_an_earlier_step(tmp_path):
     # so the plotted peak is the plan's predicted one (which counts them) and the measured one.
     import torch
 
-    from memplan.measure import measure_peak
+    from memplan.measure.tracker import measure_peak
 
     module, args, kwargs = build_step("mlp")
     opt = memplan.optimize(module, 10**12, example_inputs=args, example_kwargs=kwargs)
@@ -182,7 +182,7 @@ def whole_step():
     a = store_all.analysis
     assert a.optimizer_state_bytes > 0 and a.lowered.updates
     budget = max(int(a.graph_peak - 0.4 * a.activation_bytes), viz.min_budget(a))
-    p = memplan.plan.solve_plan(a, budget, time_limit=1)
+    p = memplan.pipeline.plan.solve_plan(a, budget, time_limit=1)
     assert any(d.decision == "recompute" for d in p.decisions)
     return p
 
@@ -197,7 +197,7 @@ def after_backward():
 
 def _simulated(plan) -> np.ndarray:
     """The one simulator's memory before the first step and after each step of the plan."""
-    problem = memplan.plan.problem_for(plan.analysis, plan.budget, plan.schedule.has_transfers())
+    problem = memplan.pipeline.plan.problem_for(plan.analysis, plan.budget, plan.schedule.has_transfers())
     sim = solvers.simulate(problem, plan.schedule)
     return np.concatenate([[sim.initial], sim.timeline]) + plan.held_gradient_bytes
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import memplan
-from memplan.measure import measure_peak
-from memplan.optimizer import UnsupportedOptimizer
+from memplan.measure.tracker import measure_peak
+from memplan.updates.optimizer import UnsupportedOptimizer
 
 from .helpers import build_step
 
@@ -419,13 +419,13 @@ def test_a_non_optimizer_is_a_type_error(thing):
         memplan.optimize(module, "1GB", optimizer=thing)
 
 
-# Not strict: the read tokens (memplan.problem._add_read_tokens) let some searches' schedules
+# Not strict: the read tokens (memplan.planning.lowering._add_read_tokens) let some searches' schedules
 # survive the move, so whether it fails depends on the schedule the search finds.
 MIN_BUDGET_BUG = pytest.mark.xfail(strict=False, raises=memplan.InfeasibleBudgetError, reason=(
     "bug: with updates in backward the error's min_budget comes from the minimum-budget search on the "
     "Problem, which does not see that each update is then moved after its parameter's last read "
     "(a recomputation of a forward op that reads the weight can come after the update) "
-    "(memplan.problem.updated_after_reads): that schedule goes over the 'minimum' (mlp tiny, batch 64: "
+    "(memplan.planning.lowering.updated_after_reads): that schedule goes over the 'minimum' (mlp tiny, batch 64: "
     "263368 B searched, 263880 B after the move), the plan falls back to updates after backward, and "
     "optimize(budget=min_budget) raises InfeasibleBudgetError naming a larger minimum (299208 B; "
     "optimizer_state='auto': 121900 B, then 173104 B)"))

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from memplan.measure import MemoryTracker
+from memplan.measure.tracker import MemoryTracker
 from memplan.models import zoo
 
 

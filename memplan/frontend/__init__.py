@@ -1,0 +1,1 @@
+"""What users call: ``memplan.optimize``, the optimized module, the ``torch.compile`` backend, budgets, distributed guards."""

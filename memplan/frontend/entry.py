@@ -1,0 +1,93 @@
+"""``memplan.optimize``: the public entry point, and the choice between its two front ends.
+
+A model whose forward traces as one graph is planned whole (`memplan.frontend.module.OptimizedModule`:
+one plan per input signature, the optimizer update and saved plans included). A model whose
+Python reads tensor values (a branch on a value, ``.item()``, boolean masks, eager MoE routing)
+cannot be one graph: on its first call it is handed, with a `memplan.frontend.module.GraphBreakWarning`,
+to ``torch.compile`` with memplan's backend (`memplan.frontend.backend`), which splits it there and
+plans every graph under one shared step budget. ``graph_breaks=False`` keeps the
+``CaptureError`` instead.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from memplan.frontend.module import OptimizedModule
+from memplan.costs.cost_model import DeviceProfile
+from memplan.frontend.backend import MemplanBackend
+from memplan.pipeline.options import PlanOptions, StepOptions
+
+
+class SplitAtGraphBreaks:
+    """Makes ``model`` compiled with memplan's backend, for the options ``optimize`` was given
+    (a picklable callable, so that an optimized module can be copied and saved)."""
+
+    def __init__(self, model: nn.Module, budget: int | str, options: PlanOptions):
+        self.model = model
+        self.budget = budget
+        self.options = options
+
+    def __call__(self) -> tuple[Any, MemplanBackend]:
+        backend = MemplanBackend(self.budget, self.options)
+        return torch.compile(self.model, backend=backend), backend
+
+
+def optimize(
+    model: nn.Module,
+    budget: int | str | None = None,
+    *,
+    example_inputs: Any = None,
+    example_kwargs: dict | None = None,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    device_profile: str | DeviceProfile | None = None,
+    offload: bool | None = None,
+    profile: bool = False,
+    compile: bool | Callable[..., Any] = False,
+    kernel_scratch: bool | None = None,
+    optimizer: Any = None,
+    grad_norm: bool = False,
+    updates_after_backward: bool = False,
+    max_grad_norm: float | None = None,
+    optimizer_state: str = "auto",
+    accumulate_steps: int = 1,
+    clip_by: str = "auto",
+    plan: Any = None,
+    graph_breaks: bool = True,
+) -> OptimizedModule:
+    """Wrap ``model`` so that its training step's peak memory stays within ``budget``.
+
+    ``budget`` is bytes (int), a string such as ``"16GB"``, or a share of the
+    eager step's forward+backward peak such as ``"50%"`` (per input signature); it bounds the
+    peak that :func:`memplan.measure_peak` reports for one forward+backward:
+    parameters, buffers, inputs, activations, gradients and temporaries.
+    Plans are made on the first call per input signature, or immediately
+    for ``example_inputs`` (and ``example_kwargs``). Raises :class:`memplan.InfeasibleBudgetError`
+    when no plan fits.
+
+    How plans are made (`memplan.pipeline.options.PlanOptions`, where each is documented): ``solver``,
+    ``time_limit``, ``device_profile``, ``offload``, ``profile``, ``compile``, ``kernel_scratch``.
+    What the step does beyond forward and backward (`memplan.pipeline.options.StepOptions`): ``optimizer``,
+    ``grad_norm``, ``updates_after_backward``, ``max_grad_norm``, ``optimizer_state``,
+    ``accumulate_steps``, ``clip_by``.
+    ``plan=path`` reuses a plan written by ``Plan.save`` (budget defaults to the saved one)
+    after checking it was made for this model and these inputs and validating it under the budget.
+    ``graph_breaks=True``: a model whose Python reads tensor values runs split at those
+    places through ``torch.compile`` with memplan's backend (see :mod:`memplan.frontend.entry`);
+    False: it raises :class:`memplan.CaptureError`.
+    """
+    options = PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile, offload=offload,
+                          profile=profile, compile=compile, kernel_scratch=kernel_scratch)
+    step = StepOptions(optimizer=optimizer, grad_norm=grad_norm, updates_after_backward=updates_after_backward,
+                       max_grad_norm=max_grad_norm, optimizer_state=optimizer_state,
+                       accumulate_steps=accumulate_steps, clip_by=clip_by)
+    split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
+    opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)
+    if example_inputs is not None:
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        opt.prepare(*example_inputs, **(example_kwargs or {}))
+    return opt

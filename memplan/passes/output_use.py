@@ -1,0 +1,127 @@
+"""What a plan may assume about how the step uses the model's outputs.
+
+A model that computes its own loss often returns more than the loss: Hugging
+Face models return ``(loss, logits)``, others their hidden states. The step
+then calls ``out.loss.backward()``, and two things follow in eager PyTorch:
+
+* **no gradient** is ever made for the logits;
+* a caller that keeps only the loss (``model(**batch).loss.backward()``, or
+  Hugging Face's Trainer, whose ``compute_loss`` returns the loss alone) has
+  **dropped** the logits before backward starts, and unless autograd saved
+  them they are freed there.
+
+The first plan for an input signature cannot know either and plans for the
+safe case: a gradient for every output, every output held by the caller to
+the end. :class:`OutputUse` records what a backward showed instead
+(``memplan.frontend.module`` learns it from the first backward and plans again).
+
+No gradient: the joint graph has a tangent for every differentiable output,
+and in the common case that tangent is only an addend (the logits feed the
+loss inside the model, so their gradient is ``add(tangent, gradient_through_
+the_loss)``). :func:`make_tangents_optional` rewrites such an add into
+:func:`add_if_given`, which returns the other addend itself when the tangent is
+``None``, and gives the tangent a zero-byte value. The schedule is the same
+whether the gradient comes or not, so a step whose loss does use the output
+still computes exact gradients; it only holds more than was planned (the
+tangent and the sum). Only addend-only tangents are rewritten: a tangent that
+flows through other ops (an output the model does not use itself) would leave
+the schedule without the activations those ops read if it ever arrived.
+
+Dropped: the Problem then ends the caller's reference to the output at the
+backward barrier instead of at the step's end (``memplan.planning.lowering``), and the
+runtime keeps no reference to it that the plan does not count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+
+@dataclass(frozen=True)
+class OutputUse:
+    """How a step used the model's output tensors (indices among the model outputs the joint graph
+    returns: `OutputTree.sources` maps the output's tensor leaves to them)."""
+
+    no_grad: frozenset[int] = frozenset()  # the loss sent them no gradient (each must be addend-only)
+    dropped: frozenset[int] = frozenset()  # the caller no longer held them when backward began
+
+    def __bool__(self) -> bool:
+        return bool(self.no_grad or self.dropped)
+
+    def key(self) -> tuple:
+        """A hashable, ordered form, for plan keys and saved plans."""
+        return tuple(sorted(self.no_grad)), tuple(sorted(self.dropped))
+
+    def describe(self) -> str:
+        """One line for ``Plan.report``."""
+        parts = []
+        if self.no_grad:
+            parts.append(f"no gradient for output tensor(s) {', '.join(map(str, sorted(self.no_grad)))}")
+        if self.dropped:
+            parts.append(f"output tensor(s) {', '.join(map(str, sorted(self.dropped)))} dropped by the caller "
+                         "before backward")
+        return "; ".join(parts)
+
+
+_ADD = torch.ops.aten.add.Tensor
+
+# What learning how a step uses the outputs must be worth before memplan plans again: the
+# bytes of the outputs concerned, as a fraction of the peak of the plan in use.
+REPLAN_FRACTION = 0.01
+
+
+def add_if_given(tangent: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    """``tangent + grad``, or ``grad`` itself when no gradient came for the output (``None``).
+
+    An empty tangent also stands for "none": it is what the planner's fake value
+    of an optional tangent looks like (``measure_op_times`` runs nodes on
+    tensors made from those values), and a real output with no elements has an
+    empty gradient too, for which ``grad`` is the sum.
+    """
+    if tangent is None or tangent.numel() == 0:
+        return grad
+    return _ADD(tangent, grad)
+
+
+def _addend_of(add: fx.Node, tangent: fx.Node) -> fx.Node | None:
+    """The other addend of ``add(tangent, x)`` when dropping the tangent leaves ``x`` as the sum."""
+    if add.op != "call_function" or add.target is not _ADD or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    a, b = add.args
+    other = b if a is tangent else a if b is tangent else None
+    if not isinstance(other, fx.Node) or other is tangent:
+        return None
+    out, val = add.meta.get("val"), other.meta.get("val")
+    if not isinstance(out, torch.Tensor) or not isinstance(val, torch.Tensor):
+        return None
+    # without the tangent the sum is `other` as it is: no broadcast, no type promotion
+    if val.shape != out.shape or val.dtype != out.dtype or val.layout != torch.strided:
+        return None
+    return other
+
+
+def addend_only(tangent: fx.Node) -> bool:
+    """Whether every use of ``tangent`` is a plain add that :func:`make_tangents_optional` can rewrite."""
+    return bool(tangent.users) and all(_addend_of(user, tangent) is not None for user in tangent.users)
+
+
+def make_tangents_optional(tangents: list[fx.Node]) -> None:
+    """Rewrite, in place, each tangent's adds into :func:`add_if_given` and make the tangent zero bytes.
+
+    Every tangent in ``tangents`` must be :func:`addend_only`. The rewritten add
+    keeps its name and takes the other addend's fake value, so the cost model
+    sees it as an alias of that addend, which is what it is when the gradient
+    does not come.
+    """
+    for tangent in tangents:
+        if not addend_only(tangent):
+            raise ValueError(f"{tangent.name} is not only an addend; its gradient cannot be made optional")
+        for add in list(tangent.users):
+            other = _addend_of(add, tangent)
+            add.target = add_if_given
+            add.args = (tangent, other)
+            add.kwargs = {}
+            add.meta["val"] = other.meta["val"]
+        tangent.meta["val"] = tangent.meta["val"].new_empty((0,))

@@ -1,0 +1,601 @@
+"""A solved plan for one input signature: the schedule, its predictions, its report.
+
+``make_plan`` is the pipeline of DESIGN.md in one place:
+capture -> costs -> Problem -> solver -> Program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import solvers
+from solvers.core.sequence import tighten_frees
+from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import DeviceProfile
+from memplan.updates.optimizer import Accumulation, UpdatePlacement, UpdateRunner, host_updates, learn_updates
+from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
+from memplan.passes.output_use import OutputUse
+from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
+from memplan.planning.lowering import BACKWARD, CUT_RESERVE, is_reference, updated_after_reads
+from memplan.runtime.program import Program, build_program
+from memplan.core.units import format_bytes
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
+    (`solvers.strategies.min_budget.min_budget`: a search, not a proof; a plan between the two may exist).
+    ``addend_only_outputs``: the graph's outputs whose gradient is an addend only
+    (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
+
+    def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
+                 addend_only_outputs: frozenset[int] = frozenset()):
+        self.budget = budget
+        self.min_budget = min_budget
+        self.held_gradient_bytes = held_gradient_bytes
+        self.addend_only_outputs = addend_only_outputs
+        held = (
+            f"; that counts {format_bytes(held_gradient_bytes)} of gradients the parameters already hold from an "
+            "earlier step (accumulation): call optimizer.zero_grad() before the step, or raise the budget"
+            if held_gradient_bytes else "; raise the budget or shrink the batch"
+        )
+        super().__init__(
+            f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
+            f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
+        )
+
+
+# optimize() without a time_limit plans within DEFAULT_TIME_LIMIT seconds, whole call (the eager
+# replay of a relative budget, capture, costs, solve, runtime), and the search stops as soon as its
+# plan is proven within DEFAULT_GAP of optimal: a model reaches its first planned step in seconds.
+# A time_limit given bounds the whole call the same way, and the search then goes on until its
+# plan is within the strategy's own, tighter gap (`solvers.strategies.hierarchical.EARLY_GAP`).
+DEFAULT_TIME_LIMIT = 8.0
+DEFAULT_GAP = 0.03
+# The solver gets at least this many seconds, whatever capture took: a plan is still needed.
+MIN_SOLVE_TIME = 1.0
+
+
+class PlanningTimeWarning(UserWarning):
+    """Capturing and analyzing the step took longer than optimize()'s time_limit."""
+
+
+@dataclass(frozen=True)
+class PlanningClock:
+    """The time limit of one planning call, counted from its start (`time.perf_counter`), and the
+    gap at which its search stops (None: the solver's own)."""
+
+    started: float
+    limit: float
+    gap: float | None
+
+    @classmethod
+    def begin(cls, time_limit: float | None, started: float | None = None) -> "PlanningClock":
+        """The clock of a call that started at ``started`` (default: now) with ``time_limit``
+        (None: `DEFAULT_TIME_LIMIT`, stopping at `DEFAULT_GAP`)."""
+        started = time.perf_counter() if started is None else started
+        if time_limit is None:
+            return cls(started, DEFAULT_TIME_LIMIT, DEFAULT_GAP)
+        return cls(started, float(time_limit), None)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def solve_limit(self) -> float:
+        """Seconds the solver may take now: what is left of the limit, at least `MIN_SOLVE_TIME`."""
+        return max(MIN_SOLVE_TIME, self.limit - self.elapsed())
+
+    def warn_if_spent(self, what: str) -> None:
+        """Warn when ``what`` (the work before the solver) has taken the whole limit already."""
+        took = self.elapsed()
+        if took >= self.limit:
+            warnings.warn(
+                f"memplan: {what} took {took:.1f} s, more than the planning time limit of {self.limit:g} s; "
+                f"the solver still gets {MIN_SOLVE_TIME:g} s to find a plan. Raise time_limit= to let it search "
+                "longer, or save the plan (Plan.save, optimize(plan=...)) to skip planning next time.",
+                PlanningTimeWarning,
+                stacklevel=2,
+            )
+
+
+@dataclass
+class PhaseTimer:
+    """Seconds per phase of a planning call, each phase timed from the end of the one before
+    (the first from ``started``); a phase named twice adds up."""
+
+    last: float
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+@dataclass
+class ValueDecision:
+    """What the plan does with one value computed in forward and needed in backward."""
+
+    name: str
+    nbytes: int
+    decision: str  # "keep" | "recompute" | "offload"
+    computations: int
+
+
+@dataclass
+class Transfer:
+    """One value the plan pages out to host memory and back, with predicted times (seconds into the step)."""
+
+    name: str
+    nbytes: int
+    out_after: str  # the compute after which its copy to host starts
+    out_time: float
+    back_before: str | None  # the first compute that reads it after it comes back (None: never read again)
+    back_time: float | None  # when its copy back starts
+
+
+@dataclass
+class Plan:
+    """The plan for one input signature, with what it predicts."""
+
+    budget: int
+    predicted_peak: int
+    predicted_time: float
+    store_all_time: float
+    store_all_peak: int
+    method: str
+    lower_bound: float | None
+    solve_time: float
+    status: str
+    decisions: list[ValueDecision]
+    schedule: "solvers.Schedule" = field(repr=False)
+    analysis: Analysis = field(repr=False)
+    transfers: list[Transfer] = field(default_factory=list)
+    predicted_wait: float = 0.0  # predicted time compute waits for host copies
+    host_bytes: int = 0  # most host memory the offloaded copies hold at once
+    # Gradients the parameters held when the step started (accumulation): on the device all
+    # step long, outside the graph; counted in predicted_peak, planned for with the rest of the budget.
+    held_gradient_bytes: int = 0
+    # Where the planning call's time went, seconds per phase in order (`PhaseTimer`; empty for a
+    # plan made from a schedule, not by `make_plan`).
+    planning_time: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step time over store-all's (>= 1.0)."""
+        return self.predicted_time / self.store_all_time if self.store_all_time else 1.0
+
+    @functools.cached_property
+    def simulated(self) -> "solvers.SimResult":
+        """The schedule replayed by the simulator on the problem it was solved for (with the host
+        link when it moves values to host memory): its memory timeline, step by step."""
+        offloads = any(op == "offload" for op, _ in self.schedule)
+        return solvers.simulate(problem_for(self.analysis, self.budget, offloads), list(self.schedule))
+
+    @functools.cached_property
+    def carried_bytes(self) -> int:
+        """Bytes resident when the forward returns beyond what was resident when the step began
+        (its parameters, buffers and inputs): what the forward leaves for the backward, and its
+        outputs; what this step holds while other code runs between its forward and its backward
+        (`solvers.strategies.ledger`)."""
+        steps = list(self.schedule)
+        cut = next(k for k, (op, node) in enumerate(steps) if op == "compute" and node == BACKWARD)
+        problem = self.analysis.lowered.problem
+        result = self.simulated
+        # timeline[k] is memory after step k: the step before the barrier (which makes the tangents),
+        # less the room a carry limit reserves there (`memplan.planning.lowering.CUT_RESERVE`)
+        reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0
+        return max(0, int(result.timeline[cut - 1]) - result.initial - reserve) if cut else 0
+
+    @property
+    def gap(self) -> float | None:
+        """Relative distance (time - bound) / time of the plan's predicted step time from the
+        solver's proven lower bound (the same measure as ``solvers.Solution.gap``)."""
+        if self.lower_bound is None or self.lower_bound <= 0 or self.predicted_time <= 0:
+            return None
+        return max(0.0, 1.0 - self.lower_bound / self.predicted_time)
+
+    def record(self) -> dict:
+        """What a saved plan records about this plan (`memplan.planning.saved_format`): the fields of
+        `memplan.pipeline.saved.SavedPlan` but ``path``."""
+        cap = self.analysis.capture
+        return dict(
+            budget=self.budget,
+            predicted_peak=self.predicted_peak,
+            predicted_time=self.predicted_time,
+            method=self.method,
+            status=self.status,
+            lower_bound=self.lower_bound,
+            solve_time=self.solve_time,
+            graph_signature=graph_signature(cap),
+            input_signature=input_signature(cap),
+            inputs=describe_inputs(cap),
+            num_nodes=cap.num_ops(),
+            num_params=count_params(cap),
+            schedule=self.schedule,
+            output_use=cap.output_use,
+            **({"placement": self.analysis.lowered.placement,
+                "optimizer_state_bytes": self.analysis.all_optimizer_state_bytes}
+               if self.analysis.lowered.updates else {}),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
+        Path(path).write_text(record_to_json(self.record()))
+
+    def report(self) -> str:
+        a = self.analysis
+        counts = Counter(d.decision for d in self.decisions)
+        recomputed = sum(d.nbytes for d in self.decisions if d.decision == "recompute")
+        offloaded = sum(t.nbytes for t in self.transfers)
+        lines = [
+            "memplan plan",
+            f"  parameters       {format_bytes(a.param_bytes)}",
+            f"  eager peak       {format_bytes(a.eager_peak)} (eager autograd, replayed on fake tensors)",
+            f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
+            f"  budget           {format_bytes(self.budget)}",
+            f"  planned peak     {format_bytes(self.predicted_peak)} (predicted"
+            + (f"; with {format_bytes(self.held_gradient_bytes)} of gradients held from an earlier step)"
+               if self.held_gradient_bytes else ")"),
+            f"  overhead         {self.predicted_overhead:.3f}x store-all step time (predicted)",
+            f"  method           {self.method} ({self.status}), solved in {self.solve_time:.2f} s"
+            + (f", gap {self.gap:.1%}" if self.gap is not None else ""),
+            *([f"  planning         {sum(self.planning_time.values()):.2f} s: " + ", ".join(
+                f"{phase} {seconds:.2f} s" for phase, seconds in self.planning_time.items() if seconds >= 0.005)]
+              if self.planning_time else []),
+            f"  values           {counts.get('keep', 0)} kept, {counts.get('recompute', 0)} recomputed "
+            f"({format_bytes(recomputed)} not held across the step), {len(self.transfers)} offloaded "
+            f"({format_bytes(offloaded)})",
+        ]
+        if a.lowered.updates:
+            low = a.lowered
+            when = ("once every gradient is final" if low.updates_after_backward
+                    else "in a second backward pass, clipped by the norm a first pass computed, as soon as its "
+                         "gradient is final and its last read done" if low.placement.norm_pass
+                    else "as soon as its gradient is final and its last read done")
+            lines.append(f"  optimizer        {len(low.updates)} parameters updated in backward, each {when}, "
+                         f"its gradient freed; {format_bytes(a.optimizer_state_bytes)} of optimizer state on the "
+                         "device, in the budget")
+            if low.host_states:
+                lines.append(f"  host updates     {len(low.host_states)} of them keep their state in host memory "
+                             f"({format_bytes(a.host_optimizer_state_bytes)}) and are updated there: gradient and "
+                             "parameter copied out, the parameter copied back")
+            if low.placement.accumulate_steps > 1:
+                lines.append(f"  accumulation     updates every {low.placement.accumulate_steps} steps; "
+                             f"{format_bytes(a.accumulated_gradient_bytes)} of accumulated gradients held "
+                             "between them, in the budget")
+        if a.capture.output_use:
+            lines.append(f"  outputs          {a.capture.output_use.describe()} (seen at an earlier backward, "
+                         "or assumed where only such a plan fits)")
+        if a.capture.copied_views:
+            copied = a.capture.copied_views
+            lines.append(f"  copied out       {len(copied)} late-read views ({format_bytes(sum(c.view_bytes for c in copied))}), "
+                         f"so the rest of their storages ({format_bytes(sum(c.storage_bytes - c.view_bytes for c in copied))}) "
+                         "is freed early")
+        if a.capture.dropouts_split:
+            split = a.capture.dropouts_split
+            applied = {s.apply for s in split}
+            by_multiply = sum(d.decision == "recompute" and d.name in applied for d in self.decisions)
+            lines.append(f"  dropouts         {len(split)} split into their mask's draw and a multiply; "
+                         f"{by_multiply} outputs recomputed by the multiply alone, their masks kept")
+        if a.capture.losses_fused:
+            saved = sum(a.costs.values[f.fused].nbytes - a.costs.values[f.fused].scratch for f in a.capture.losses_fused)
+            lines.append(f"  loss backward    {len(a.capture.losses_fused)} cross-entropy backward(s) in one buffer: "
+                         f"{format_bytes(saved)} less held while they run")
+        if self.transfers:
+            lines.append(f"  host link        {format_bytes(self.host_bytes)} held on host at most; compute waits "
+                         f"{self.predicted_wait * 1e3:.2f} ms for copies (predicted)")
+            lines.append("  offloaded (largest first): value, size, out after [ms], back before [ms]")
+            for t in sorted(self.transfers, key=lambda t: -t.nbytes)[:10]:
+                back = f"{t.back_before} [{t.back_time * 1e3:.2f}]" if t.back_before is not None else "-"
+                lines.append(f"    {t.name:<28s} {format_bytes(t.nbytes):>10s}  {t.out_after} [{t.out_time * 1e3:.2f}]"
+                             f"  {back}")
+            if len(self.transfers) > 10:
+                lines.append(f"    ... and {len(self.transfers) - 10} more")
+        return "\n".join(lines)
+
+
+def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDecision]:
+    low = analysis.lowered
+    computes = Counter(str(node) for op, node in schedule if op == "compute")
+    offloaded = {str(node) for op, node in schedule if op == "offload"}
+    out = []
+    for name, node in low.fx_nodes.items():
+        if node.op != "call_function" or is_reference(name) or name == BACKWARD or name in low.norm_pass:
+            continue
+        n = computes.get(name, 0)
+        if n == 0:
+            continue
+        decision = "offload" if name in offloaded else "recompute" if n > 1 else "keep"
+        out.append(ValueDecision(name, analysis.costs.values[name].new_bytes, decision, n))
+    return out
+
+
+def _transfers(problem: "solvers.Problem", schedule: "solvers.Schedule", clock) -> list[Transfer]:
+    """Each offloaded value: after which compute it leaves, before which it comes back, and when."""
+    steps = [(op.value, str(node)) for op, node in schedule]
+    out = []
+    for k, (op, name) in enumerate(steps):
+        if op != "offload":
+            continue
+        before = next((n for o, n in reversed(steps[:k]) if o == "compute"), "start")
+        back_at = next((j for j in range(k + 1, len(steps)) if steps[j] == ("prefetch", name)), None)
+        back_before, back_time = None, None
+        if back_at is not None:
+            reader = problem.index[name]
+            succs = {str(problem.names[s]) for s in problem.succs[reader]}
+            back_before = next((n for o, n in steps[back_at + 1:] if o == "compute" and n in succs), None)
+            back_time = float(clock[back_at - 1]) if back_at > 0 else 0.0
+        out_time = float(clock[k - 1]) if k > 0 else 0.0
+        out.append(Transfer(name, int(problem.mem[problem.index[name]]), before, out_time, back_before, back_time))
+    return out
+
+
+def make_plan(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    budget: int,
+    *,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    profile: DeviceProfile,
+    measure_on: torch.device | None = None,
+    scratch_on: torch.device | None = None,
+    offload: bool = False,
+    output_use: OutputUse = OutputUse(),
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: bool = False,
+    updates_after_backward: bool = False,
+    max_grad_norm: float | None = None,
+    optimizer_state: str = "auto",
+    accumulation: Accumulation | None = None,
+    clip_by: str = "auto",
+    carry_limit: int | None = None,
+    started: float | None = None,
+    eager_peak: int | None = None,
+) -> tuple[Plan, Program]:
+    """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
+
+    ``time_limit`` bounds the whole call, from ``started`` (a `time.perf_counter` reading; default:
+    now) when the caller did work of its own first (`PlanningClock`; None: `DEFAULT_TIME_LIMIT`,
+    stopping at `DEFAULT_GAP`). ``eager_peak``: the eager step's peak when the caller has replayed
+    it already for this output use (it is replayed otherwise).
+
+    ``measure_on``: time every op on that device instead of using the roofline.
+    ``scratch_on``: measure there the scratch of the kernels that allocate for themselves
+    (`memplan.measure.timing.measure_op_scratch`), which the plan then makes room for.
+    ``offload``: let the plan page values to host memory over the profile's host link.
+    ``output_use``: what the step is known to do with the outputs (:mod:`memplan.passes.output_use`).
+    ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
+    in the budget (:mod:`memplan.updates.optimizer`); ``grad_norm``: keep the norm of the gradients it applies;
+    ``updates_after_backward``: every update after backward, not as soon as its gradient is final
+    (which is tried first otherwise, and left for this where it does not fit); ``max_grad_norm``:
+    clip the gradients' global norm to it before the updates (which then come after backward);
+    ``optimizer_state``: "device", "host" (every parameter's state in host memory, updated
+    there) or "auto" (on the device, and in host memory for as many parameters as the budget
+    needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps;
+    ``clip_by`` (with ``max_grad_norm``): "holding" every gradient to the end of backward,
+    "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
+    ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
+    into its backward (`memplan.planning.lowering.CUT_RESERVE`; a graph of a step with several plans).
+    """
+    if clip_by not in CLIP_BY:
+        raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r}: give one of {', '.join(OPTIMIZER_STATES)}")
+    clock = PlanningClock.begin(time_limit, started)
+    phases = PhaseTimer(clock.started)
+    phases.lap("eager replay")  # the caller's, for a budget relative to the eager peak (0 when none)
+    cap = capture(model, args, kwargs, output_use=output_use)
+    phases.lap("capture")
+    primal_names = [p.name for p in cap.primals]
+    updates = (learn_updates(optimizer, model, primal_names, profile, measure_times=measure_on is not None)
+               if optimizer is not None else [])
+    phases.lap("optimizer")
+    if eager_peak is None:
+        eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
+    phases.lap("eager replay")
+    steps = accumulation.steps if accumulation is not None else 1
+    clipping = max_grad_norm is not None
+    forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
+    first = UpdatePlacement(after_backward=(updates_after_backward or clipping) and not forced_pass,
+                            host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
+                            accumulate_steps=steps, norm_pass=forced_pass)
+    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
+                               carry_limit=None if carry_limit is None else (carry_limit, budget),
+                               scratch_on=scratch_on)
+    phases.lap("analysis")
+    clock.warn_if_spent("capturing and analyzing the step")
+    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
+                            norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
+                            solver=solver, clock=clock, offload=offload)
+    phases.lap("solve")
+    runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
+    program = build_program(cap, plan.analysis.lowered, plan.schedule, runner, plan.simulated.timeline)
+    phases.lap("runtime")
+    return dataclasses.replace(plan, planning_time=phases.seconds), program
+
+
+def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,
+                     clock: PlanningClock | None = None, **solve_options) -> Plan:
+    """`solve_plan` for a step with optimizer updates: the first placement of them that fits
+    (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
+    lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
+    backward pass instead of holding the gradients. ``clock``: each solve gets what is left of
+    the planning call's time limit, and stops at its gap. ``solve_options``: `solve_plan`'s."""
+    def options() -> dict:
+        """``solve_options``, with what is left of the clock's limit when one is given (read per solve)."""
+        if clock is None:
+            return solve_options
+        return {**solve_options, "time_limit": clock.solve_limit(), "gap": clock.gap}
+
+    if not analysis.updates:
+        return solve_plan(analysis, budget, **options())
+
+    def solve_for(placement: UpdatePlacement) -> Plan:
+        if placement == analysis.lowered.placement:
+            again = analysis
+        else:
+            again = analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
+                                    placement, costs=analysis.costs)
+        return solve_plan(again, budget, **options())
+
+    return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
+                           norm_pass)
+
+
+
+
+def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
+                    may_move_state: bool, norm_pass: bool = False) -> Plan:
+    """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
+
+    1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
+    2. the same with every update after backward: updates in backward that do not fit bring
+       their temporaries while activations are alive; after backward the gradients are held
+       to its end instead, as ``optimizer.step()`` after ``backward()``. A clipping step
+       (``norm_pass``) holds the gradients first, and then tries a first backward pass that
+       computes only the norm (each gradient freed at once), the updates in the second;
+    3. with ``may_move_state``, the optimizer state of more parameters in host memory, the
+       largest first (`memplan.updates.optimizer.host_updates`), as many bytes as the last attempt's
+       smallest plan was over the budget, then 1 and 2 again; until all state is there.
+
+    ``solve_for(placement)`` solves the step in one placement (raising `InfeasibleBudgetError`).
+    Recomputation is preferred to host updates: a host update costs a parameter's round trip
+    over the host link and the host's much lower throughput on every step. The errors of the
+    placements tried are let go on leaving: none outlives the call."""
+    placement = first
+    best: InfeasibleBudgetError | None = None  # the lowest minimum of the placements tried
+    errors: list[Exception] = []
+    try:
+        while True:
+            if not updates:
+                tries = [placement]
+            elif norm_pass:
+                tries = [placement, dataclasses.replace(placement, after_backward=False, norm_pass=True)]
+            elif placement.after_backward:
+                tries = [placement]
+            else:
+                tries = [placement, dataclasses.replace(placement, after_backward=True)]
+            errors = []
+            for attempt in tries:
+                try:
+                    return solve_for(attempt)
+                except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
+                    errors.append(exc)
+            infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
+            if not infeasible:
+                raise errors[-1]
+            closest = min(infeasible, key=lambda e: e.min_budget)
+            if best is None or closest.min_budget < best.min_budget:
+                best = closest
+            on_device = [u for u in updates if u.name not in placement.host]
+            more = host_updates(on_device, closest.min_budget - budget) if may_move_state else frozenset()
+            if not more:
+                raise best from None
+            placement = dataclasses.replace(placement, host=placement.host | more)
+    finally:
+        # Each error caught here has a traceback that holds this frame and, through its callers,
+        # every frame of the planning call: up to OptimizedModule.forward when a step plans on its
+        # first call. Kept in this frame's variables they made a reference cycle that only the cyclic
+        # collector frees, and until it ran that forward's frame kept the outputs it returned alive:
+        # logits the caller had dropped were held through the backward planned without them, and
+        # taken for still held, so the output use learned from the step was given up (#46). Whether
+        # the collector ran first depended on allocations, a caller's dispatch mode or profiler.
+        best = closest = None
+        errors = infeasible = []
+
+
+def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  grad_norm: bool = False, max_grad_norm: float | None = None,
+                  accumulation: Accumulation | None = None) -> UpdateRunner | None:
+    """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
+    low = analysis.lowered
+    if optimizer is None or not low.updates:
+        return None
+    params = dict(model.named_parameters())
+    host = frozenset(slot for slot, (_, _, name) in enumerate(low.updates) if name in low.host_states)
+    return UpdateRunner(optimizer, [params[name] for _, _, name in low.updates], grad_norm, max_grad_norm,
+                        host, accumulation)
+
+
+def host_bandwidth(analysis: Analysis) -> float:
+    """Bytes/s of the host link the analysis' device profile describes."""
+    profile = analysis.costs.profile
+    return profile.host_bandwidth if profile is not None else 0.0
+
+
+def problem_for(analysis: Analysis, budget: int, offload: bool) -> "solvers.Problem":
+    """The analysis' Problem under ``budget``, with the profile's host link when ``offload``."""
+    return analysis.lowered.with_budget(budget, host_bandwidth(analysis) if offload else 0.0)
+
+
+def solve_plan(
+    analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None,
+    offload: bool = False, gap: float | None = None,
+) -> Plan:
+    """Solve an analyzed step for one budget (a sweep solves one analysis many times).
+
+    ``offload=True`` gives the solver the profile's host link: values may be
+    paged to host memory and back as well as kept or recomputed. ``gap``: the search may stop
+    once its plan is proven within that share of optimal (`solvers.solve`)."""
+    problem = problem_for(analysis, budget, offload)
+    start = time.perf_counter()
+    try:
+        sol = solvers.solve(problem, method=solver, time_limit=time_limit, gap=gap)
+    except solvers.Infeasible as exc:
+        raise InfeasibleBudgetError(budget, int(exc.min_budget),
+                                    addend_only_outputs=analysis.capture.addend_only_outputs) from None
+    # An optimizer update overwrites its parameter: none may run before the parameter's last read.
+    schedule = updated_after_reads(analysis.lowered, problem, sol.schedule)
+    return plan_from_schedule(
+        analysis, budget, schedule, method=sol.method, status=sol.status,
+        lower_bound=sol.lower_bound, solve_time=time.perf_counter() - start,
+    )
+
+
+def plan_from_schedule(
+    analysis: Analysis,
+    budget: int,
+    schedule: "solvers.Schedule",
+    *,
+    method: str,
+    status: str,
+    lower_bound: float | None = None,
+    solve_time: float = 0.0,
+) -> Plan:
+    """A :class:`Plan` for a schedule, validated against the analysis' Problem under ``budget``.
+
+    Peak and time come from the simulator, never from whoever made the schedule.
+    Frees are first moved to the last reads (`solvers.core.sequence.tighten_frees`), where the runtime
+    frees whatever the schedule says, so that the prediction describes the step that runs.
+    Raises ``solvers.ScheduleError`` if the schedule is invalid or over the budget.
+    """
+    problem = problem_for(analysis, budget, schedule.has_transfers())
+    schedule = tighten_frees(problem, schedule)
+    result = solvers.validate(problem, schedule)
+    return Plan(
+        budget=budget,
+        predicted_peak=result.peak,
+        predicted_time=result.time,
+        store_all_time=analysis.store_all.cost,
+        store_all_peak=analysis.store_all.peak,
+        method=method,
+        lower_bound=lower_bound,
+        solve_time=solve_time,
+        status=status,
+        decisions=_decisions(analysis, schedule),
+        schedule=schedule,
+        analysis=analysis,
+        transfers=_transfers(problem, schedule, result.clock),
+        predicted_wait=result.wait,
+        host_bytes=result.host_peak,
+    )

@@ -1,0 +1,1 @@
+"""Tools on top of the library: the command line, plots and reports, and the demo."""

@@ -1,0 +1,725 @@
+"""The ``memplan`` command: plan a model's training step from the shell and show the plan.
+
+::
+
+    memplan report gpt2-small --budget 2GB
+    memplan report models.py:build --budget 50% --json
+    memplan sweep resnet50 --budgets 100%,80%,60%,40%,min --out curve.png
+
+One job: turn a command line into calls on the library (zoo / factory ->
+capture -> analysis -> :func:`memplan.pipeline.plan.solve_plan`) and print what comes
+back, as rich tables or as JSON. Nothing is planned here that the library
+could not plan; nothing big is allocated (zoo models are built on the meta
+device, and capture runs on fake tensors).
+
+Errors a user can fix (unknown target, unreadable budget, infeasible budget,
+untraceable model) print one line and a hint and exit with status 2; no
+traceback unless ``--debug``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from memplan.tools.viz import MemoryBreakdown
+
+EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
+_STRIP_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+class CLIError(Exception):
+    """A problem the user can fix: printed as one line plus a hint, exit status 2."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
+
+
+# --------------------------------------------------------------------------- #
+# Targets
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Target:
+    """What to plan: a module whose one call is the differentiable step, and its example inputs."""
+
+    spec: str
+    module: Any  # torch.nn.Module; the loss is inside it when the target gave one
+    args: tuple
+    kwargs: dict
+    description: str
+
+
+def _zoo_name(spec: str) -> bool:
+    from memplan.models import zoo
+
+    base = spec.split(":", 1)[0]
+    return base in zoo.names() or base in zoo.aliases()
+
+
+def _known_targets() -> str:
+    from memplan.models import zoo
+
+    return ", ".join(zoo.names() + list(zoo.aliases()))
+
+
+def load_target(spec: str, batch_size: int | None = None) -> Target:
+    """Resolve TARGET: a zoo name (``gpt2-small``, ``gpt:small``), ``file.py:factory`` or ``pkg.mod:factory``."""
+    import memplan
+    from memplan.models import zoo
+
+    if _zoo_name(spec):
+        try:
+            zm = zoo.build(spec, batch_size=batch_size, meta=True)
+        except (KeyError, ValueError) as exc:
+            raise CLIError(str(exc).strip("'\""), hint="sizes are listed by `memplan.models.zoo.sizes(name)`") from None
+        module = memplan.WithLoss(zm.model, zm.loss_fn)
+        return Target(spec, module, tuple(zm.example_inputs), dict(zm.example_kwargs), zm.description)
+    if ":" not in spec:
+        raise CLIError(
+            f"unknown target {spec!r}",
+            hint=f"give a built-in model ({_known_targets()}), path/to/file.py:factory or package.module:factory",
+        )
+    where, name = spec.rsplit(":", 1)
+    factory = _load_factory(where, name, spec)
+    return _call_factory(factory, spec, batch_size)
+
+
+def _load_factory(where: str, name: str, spec: str) -> Callable:
+    if where.endswith(".py") or "/" in where or Path(where).suffix == ".py":
+        path = Path(where)
+        if not path.is_file():
+            raise CLIError(f"unknown target {spec!r}: no file {where}", hint="TARGET is path/to/file.py:factory")
+        mod_name = f"_memplan_target_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module  # dataclasses and pickling look their module up here
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001 - the user's file: any error is theirs to see
+            raise CLIError(f"cannot import {where}: {type(exc).__name__}: {exc}", hint="run with --debug for the traceback") from exc
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise CLIError(
+                f"unknown target {spec!r}: no module {exc.name!r}",
+                hint=f"give a built-in model ({_known_targets()}), path/to/file.py:factory or package.module:factory",
+            ) from None
+        except Exception as exc:  # noqa: BLE001
+            raise CLIError(f"cannot import {where}: {type(exc).__name__}: {exc}", hint="run with --debug for the traceback") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise CLIError(f"unknown target {spec!r}: {where} has no callable {name!r}",
+                       hint="the factory returns (model, example_inputs) or (model, example_inputs, loss_fn)")
+    return factory
+
+
+def _call_factory(factory: Callable, spec: str, batch_size: int | None) -> Target:
+    import torch
+
+    import memplan
+
+    kwargs = {}
+    if batch_size is not None:
+        params = inspect.signature(factory).parameters
+        if "batch_size" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise CLIError(f"{spec} takes no batch_size argument", hint="drop --batch-size, or add a batch_size parameter")
+        kwargs["batch_size"] = batch_size
+    try:
+        result = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise CLIError(f"{spec} raised {type(exc).__name__}: {exc}", hint="run with --debug for the traceback") from exc
+    if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], torch.nn.Module):
+        raise CLIError(f"{spec} must return (model, example_inputs) or (model, example_inputs, loss_fn)",
+                       hint=f"it returned {type(result).__name__}")
+    model, inputs = result[0], result[1]
+    loss_fn = result[2] if len(result) == 3 else None
+    if isinstance(inputs, dict):
+        args, kw = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kw = tuple(inputs), {}
+    else:
+        args, kw = (inputs,), {}
+    model.train()
+    module = memplan.WithLoss(model, loss_fn) if loss_fn is not None else model
+    doc = (inspect.getdoc(factory) or "").strip().splitlines()
+    return Target(spec, module, args, kw, f"{type(model).__name__} from {spec}" + (f": {doc[0]}" if doc else ""))
+
+
+# --------------------------------------------------------------------------- #
+# Budgets
+# --------------------------------------------------------------------------- #
+
+
+def parse_budget_arg(text: str, eager_peak: int | None, min_budget: Callable[[], int] | None = None) -> int:
+    """Bytes from ``16GB``/``800MiB``/an int, ``50%`` (of the eager peak), or ``min`` (the smallest budget memplan finds a plan for)."""
+    from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
+
+    text = text.strip()
+    if text.lower() == "min":
+        if min_budget is None:
+            raise CLIError("budget 'min' needs the model analyzed first")
+        return min_budget()
+    try:
+        fraction = budget_fraction(text)
+        if fraction is None:
+            return parse_budget(int(text) if text.isdigit() else text)
+    except ValueError as exc:
+        raise CLIError(str(exc), hint="or a percentage of the eager peak such as '50%', or 'min'") from None
+    if eager_peak is None:
+        raise CLIError(f"budget {text!r} needs the eager peak: analyze the model first")
+    return share_of_peak(fraction, eager_peak)
+
+
+def _check_budget_syntax(text: str) -> None:
+    """Reject an unreadable budget before minutes of capture and solving."""
+    parse_budget_arg(text, eager_peak=1, min_budget=lambda: 1)
+
+
+# --------------------------------------------------------------------------- #
+# Progress and the analysis
+# --------------------------------------------------------------------------- #
+
+
+class Progress:
+    """Spinner lines on stderr, one per stage, each closed with its time; silent under --quiet."""
+
+    def __init__(self, enabled: bool):
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.enabled = enabled
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, key: str, text: str) -> Iterator[None]:
+        start = time.perf_counter()
+        outcome = ""
+        try:
+            if self.enabled:
+                with self.console.status(f"{text} ...", spinner="dots"):
+                    yield
+            else:
+                yield
+        except BaseException:
+            outcome = " (failed)"
+            raise
+        finally:
+            self.times[key] = time.perf_counter() - start
+            if self.enabled:
+                self.console.print(f"[dim]{text}: {self.times[key]:.1f} s{outcome}[/]", highlight=False)
+
+
+# --optimizer NAME: the optimizer of the whole step, with torch's default hyperparameters.
+OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.01, "momentum": 0.9}), "adam": ("Adam", {}), "adamw": ("AdamW", {})}
+
+
+def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None):
+    from memplan.planning.analysis import analyze_capture, replay_eager_peak
+    from memplan.capture.trace import capture
+    from memplan.costs.cost_model import get_profile
+    from memplan.updates.optimizer import learn_updates
+
+    import torch
+
+    device = next((p.device for p in target.module.parameters()), torch.device("cpu"))
+    try:
+        profile = get_profile(device_profile, device)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    with progress.stage("capture", "capturing forward+backward on fake tensors"):
+        cap = capture(target.module, target.args, target.kwargs)
+    with progress.stage("eager", "replaying the eager step on fake tensors"):
+        eager = replay_eager_peak(target.module, target.args, target.kwargs)
+    updates = []
+    if optimizer is not None:
+        cls_name, hyper = OPTIMIZERS[optimizer]
+        opt = getattr(torch.optim, cls_name)(target.module.parameters(), **hyper)
+        with progress.stage("optimizer", f"learning what {cls_name} keeps and allocates"):
+            updates = learn_updates(opt, target.module, [p.name for p in cap.primals], profile)
+    with progress.stage("analyze", "costing and lowering the joint graph"):
+        return analyze_capture(cap, profile, eager, updates=updates)
+
+
+def _solve_options(args: argparse.Namespace) -> dict:
+    """The solve's options from the command line, checked as ``optimize`` checks them (`PlanOptions`)."""
+    from memplan.pipeline.options import PlanOptions
+
+    try:
+        options = PlanOptions(solver=args.solver, time_limit=args.time_limit,
+                              offload=bool(getattr(args, "offload", False)))
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    return {"solver": options.solver, "time_limit": options.time_limit, "offload": options.offload}
+
+
+# --------------------------------------------------------------------------- #
+# report
+# --------------------------------------------------------------------------- #
+
+
+def _fmt(n: float | None) -> str:
+    from memplan.core.units import format_bytes
+
+    return "-" if n is None else format_bytes(n)
+
+
+def memory_strip(plan, width: int, breakdown: MemoryBreakdown | None = None
+                 ) -> tuple[list[tuple[str, list[tuple[str, str]]]], int, int]:
+    """Rows of (label, [(char, style)]) drawing eager and planned memory over predicted time.
+
+    Both rows share the time axis of the longer schedule, so the planned row
+    is longer by its overhead. A column is the peak within its slice, red
+    where it is over the budget. The eight block heights span the lowest to
+    the highest memory either schedule reaches (returned with the rows), so
+    the differences between the two stay visible above the parameters. Under
+    them, the phase axis; and when the step updates parameters, an ``updates``
+    row marks the columns from the first update to the last (``breakdown``:
+    the plan's `viz.memory_breakdown`, when the caller has it already).
+    """
+    from memplan.tools import viz
+
+    eager, planned = viz.memory_timelines(plan)
+    until = max(eager.total_time, planned.total_time)
+    top = max(eager.peak, planned.peak, plan.budget)
+    low = int(min(eager.memory.min(), planned.memory.min()))
+    rows = []
+    for label, tl in (("eager", eager), ("planned", planned)):
+        cols = max(1, round(width * tl.total_time / until)) if until > 0 else width
+        cells = []
+        for v in viz.resample_max(tl, cols):
+            idx = 1 + round(float(v - low) / (top - low) * 7) if top > low else 8
+            style = "red" if v > plan.budget else ("green" if label == "planned" else "grey62")
+            cells.append((_STRIP_BLOCKS[max(1, min(8, idx))], style))
+        rows.append((label, cells))
+
+    def column(t: float) -> int:
+        return round(width * t / until) if until > 0 else 0
+
+    rows.append(("", _phase_axis(column(planned.backward_start), width)))
+    bd = breakdown if breakdown is not None else viz.memory_breakdown(plan)
+    if bd.update_start is not None:
+        rows.append(("updates", _update_row(column(bd.update_start), column(bd.update_end), width)))
+    return rows, low, top
+
+
+def _phase_axis(split: int, width: int) -> list[tuple[str, str]]:
+    """``── forward ──┬── backward ──`` with the tick where backward begins."""
+    def segment(text: str, n: int) -> str:
+        if n < len(text) + 2:
+            return "─" * n
+        left = (n - len(text)) // 2
+        return "─" * left + text + "─" * (n - len(text) - left)
+
+    split = max(0, min(split, width - 1))
+    return [(ch, "dim") for ch in segment(" forward ", split)] + [("┬", "yellow")] + [
+        (ch, "dim") for ch in segment(" backward ", width - split - 1)
+    ]
+
+
+def _update_row(first: int, last: int, width: int) -> list[tuple[str, str]]:
+    """``═`` under the columns where the optimizer updates run, blank elsewhere.
+
+    A row of its own rather than a third phase on the axis: the updates may run
+    during backward (each as its gradient is final), overlapping its columns."""
+    first = max(0, min(first, width - 1))
+    last = max(first + 1, min(last, width))  # at least one column: a short phase still shows
+    return [(" ", "")] * first + [("═", "magenta")] * (last - first) + [(" ", "")] * (width - last)
+
+
+def _breakdown_data(bd: MemoryBreakdown, plan) -> dict:
+    """The JSON report's ``memory``: bytes per category at the planned peak and at most, and the host state."""
+    from memplan.tools import viz
+
+    at_peak, most = bd.at(bd.peak_index), bd.most()
+    return {
+        "categories": [name for name, _, _ in viz.BREAKDOWN_CATEGORIES],
+        "labels": {name: label for name, label, _ in viz.BREAKDOWN_CATEGORIES},
+        "at_peak": at_peak,
+        "most": most,
+        "peak": int(bd.total[bd.peak_index]),
+        "host_optimizer_state_bytes": bd.host_optimizer_state_bytes,
+        "host_state_params": bd.host_state_params,
+        "updated_params": len(plan.analysis.lowered.updates),
+        "updates_after_backward": bd.updates_after_backward,
+    }
+
+
+def report_data(target: Target, plan, progress: Progress, depth: int) -> dict:
+    from memplan.tools import viz
+
+    a = plan.analysis
+    eager, planned = viz.memory_timelines(plan)
+    until = max(eager.total_time, planned.total_time) or 1.0
+    bd = viz.memory_breakdown(plan)
+    return {
+        "target": target.spec,
+        "description": target.description,
+        "summary": {
+            "aten_ops": a.num_nodes,
+            "param_bytes": a.param_bytes,
+            "optimizer_state_bytes": a.optimizer_state_bytes,
+            "eager_peak": a.eager_peak,
+            "store_all_peak": plan.store_all_peak,
+            "budget": plan.budget,
+            "planned_peak": plan.predicted_peak,
+            "predicted_time": plan.predicted_time,
+            "store_all_time": plan.store_all_time,
+            "predicted_overhead": plan.predicted_overhead,
+            "method": plan.method,
+            "status": plan.status,
+            "gap": plan.gap,
+            "solve_time": plan.solve_time,
+            "device_profile": a.profile.name,
+            "stage_seconds": dict(progress.times),
+        },
+        "memory": _breakdown_data(bd, plan),
+        "modules": [r.as_dict() for r in viz.layer_breakdown(plan, depth)],
+        "timeline": {
+            "time_unit": "fraction of the longer schedule's predicted time",
+            "backward_start": planned.backward_start / until,
+            # The optimizer's update phase, first update to last (None without an optimizer).
+            "update_start": None if bd.update_start is None else bd.update_start / until,
+            "update_end": None if bd.update_end is None else bd.update_end / until,
+            "eager": viz.resample_max(eager, max(1, round(100 * eager.total_time / until))).tolist(),
+            "planned": viz.resample_max(planned, max(1, round(100 * planned.total_time / until))).tolist(),
+        },
+    }
+
+
+def print_report(console, target: Target, plan, data: dict, top: int) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    s = data["summary"]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("model", target.description)
+    summary.add_row("joint graph", f"{s['aten_ops']} ATen ops (forward + backward), device profile {s['device_profile']}")
+    summary.add_row("parameters", _fmt(s["param_bytes"]))
+    m = data["memory"]
+    if m["updated_params"] or m["host_optimizer_state_bytes"]:
+        where = f"{_fmt(s['optimizer_state_bytes'])} on the device"
+        if m["host_optimizer_state_bytes"]:
+            n = m["host_state_params"]
+            where += (f", {_fmt(m['host_optimizer_state_bytes'])} in host memory ({n} parameter{'s' * (n != 1)}, "
+                      "updated there)")
+        when = ("the updates run once every gradient is final, each freeing its gradient" if m["updates_after_backward"]
+                else "each update runs in backward as soon as its gradient is final, and frees it")
+        summary.add_row("optimizer state", f"{where}; {when}")
+    summary.add_row("eager peak", f"{_fmt(s['eager_peak'])} (eager autograd, replayed on fake tensors); "
+                                  f"{_fmt(s['store_all_peak'])} keeping every value of the joint graph")
+    summary.add_row("budget", _fmt(s["budget"]))
+    within = s["planned_peak"] <= s["budget"]
+    summary.add_row("planned peak", Text(f"{_fmt(s['planned_peak'])} ({s['planned_peak'] / s['budget']:.0%} of budget)",
+                                         style="green" if within else "red"))
+    summary.add_row("overhead", f"{s['predicted_overhead']:.3f}x store-all step time (predicted, "
+                                f"{s['predicted_time'] * 1e3:.1f} ms vs {s['store_all_time'] * 1e3:.1f} ms)")
+    gap = "no lower bound" if s["gap"] is None else f"gap {s['gap']:.1%} to its lower bound"
+    summary.add_row("method", f"{s['method']} ({s['status']}), {gap}")
+    summary.add_row("solve time", f"{s['solve_time']:.2f} s")
+    console.print(summary)
+    console.print()
+
+    console.print(_memory_table(data))
+    console.print()
+
+    rows = data["modules"]
+    shown = rows
+    if len(rows) > top:
+        biggest = sorted(rows, key=lambda r: -(r["kept_bytes"] + r["recomputed_bytes"] + r["offloaded_bytes"]))[:top]
+        keep = {id(r) for r in biggest}
+        shown = [r for r in rows if id(r) in keep]
+    table = Table(title="saved activations by module", title_justify="left")
+    table.add_column("module")
+    for col in ("kept", "recomputed", "offloaded", "recompute time", "storages"):
+        table.add_column(col, justify="right")
+    for r in shown:
+        table.add_row(
+            r["module"], _fmt(r["kept_bytes"]),
+            Text(_fmt(r["recomputed_bytes"]), style="yellow" if r["recomputed_bytes"] else ""),
+            _fmt(r["offloaded_bytes"]), f"{r['recompute_time'] * 1e3:.2f} ms", str(r["values"]),
+        )
+    if len(shown) < len(rows):
+        table.add_row(Text(f"... {len(rows) - len(shown)} smaller modules (--top, --depth)", style="dim"), "", "", "", "", "")
+    table.add_section()
+    table.add_row(
+        "total", _fmt(sum(r["kept_bytes"] for r in rows)), _fmt(sum(r["recomputed_bytes"] for r in rows)),
+        _fmt(sum(r["offloaded_bytes"] for r in rows)), f"{sum(r['recompute_time'] for r in rows) * 1e3:.2f} ms",
+        str(sum(r["values"] for r in rows)),
+    )
+    console.print(table)
+    console.print()
+
+    width = max(20, min(90, console.width - 12))
+    rows, low, high = memory_strip(plan, width)
+    console.print(Text("memory over the step", style="bold"), Text(
+        f"(predicted time →; a column is the peak in its slice, ▁ {_fmt(low)} to █ {_fmt(high)}, red over budget)",
+        style="dim"))
+    for label, cells in rows:
+        line = Text(f"{label:>8}  ")
+        for ch, style in cells:
+            line.append(ch, style=style)
+        console.print(line, no_wrap=True, overflow="crop")
+
+
+# Rows of the whole-step table that are shown even at zero bytes: every step has them.
+_ALWAYS_SHOWN = ("parameters", "gradients", "activations")
+
+
+def _memory_table(data: dict) -> Table:
+    """The whole step at the planned peak, by what holds the device memory (`viz.memory_breakdown`):
+    parameters, gradients, optimizer state on the device and in host memory, activations."""
+    from rich.table import Table
+    from rich.text import Text
+
+    m = data["memory"]
+    optimizer = bool(m["updated_params"] or m["host_optimizer_state_bytes"])
+    table = Table(title="device memory at the planned peak, by what holds it", title_justify="left")
+    table.add_column("held by")
+    table.add_column("at the peak", justify="right")
+    table.add_column("share", justify="right")
+    table.add_column("most in the step", justify="right")
+    peak = m["peak"] or 1
+    for name in m["categories"]:
+        at, most = m["at_peak"][name], m["most"][name]
+        if not (at or most or name in _ALWAYS_SHOWN or (name == "optimizer_state" and optimizer)):
+            continue
+        label = m["labels"][name] + (" (device)" if name == "optimizer_state" else "")
+        table.add_row(label, _fmt(at), f"{at / peak:.0%}", _fmt(most))
+        if name == "optimizer_state" and m["host_optimizer_state_bytes"]:
+            # Off the device, so not part of the peak: in parentheses, under the device share.
+            host = Text(f"({_fmt(m['host_optimizer_state_bytes'])})", style="dim")
+            table.add_row(Text("optimizer state (host)", style="dim"), host, "", host)
+    table.add_section()
+    table.add_row("planned peak", _fmt(m["peak"]), "100%", "")
+    return table
+
+
+def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
+    from rich.console import Console
+
+    from memplan.pipeline.plan import solve_whole_step
+
+    _check_budget_syntax(args.budget)
+    options = _solve_options(args)
+    with progress.stage("build", f"loading {args.target}"):
+        target = load_target(args.target, args.batch_size)
+    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
+    budget = parse_budget_arg(args.budget, analysis.eager_peak,
+                              lambda: _min_budget(analysis, progress, options["offload"]))
+    limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
+    with progress.stage("solve", f"solving for {_fmt(budget)} with {args.solver}{limit}"):
+        plan = solve_whole_step(analysis, budget, **options)
+    data = report_data(target, plan, progress, args.depth)
+    if args.save:
+        plan.save(args.save)
+        data["saved_to"] = str(args.save)
+    if args.json:
+        print(json.dumps(data, indent=1))
+    else:
+        console = Console()
+        print_report(console, target, plan, data, args.top)
+        if args.save:
+            console.print(f"\nplan saved to {args.save}: reuse it with memplan.optimize(model, plan={str(args.save)!r})")
+    return 0
+
+
+def _min_budget(analysis, progress: Progress, offload: bool = False) -> int:
+    from memplan.tools import viz
+
+    with progress.stage("min_budget", "searching for the smallest budget a plan meets"):
+        return viz.min_budget(analysis, offload)
+
+
+# --------------------------------------------------------------------------- #
+# sweep
+# --------------------------------------------------------------------------- #
+
+
+def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.tools import viz
+
+    labels = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if not labels:
+        raise CLIError("--budgets is empty", hint="for example --budgets 100%,80%,60%,40%,min")
+    for label in labels:
+        _check_budget_syntax(label)
+    options = _solve_options(args)
+    with progress.stage("build", f"loading {args.target}"):
+        target = load_target(args.target, args.batch_size)
+    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
+    find_min = functools.lru_cache(maxsize=1)(lambda: _min_budget(analysis, progress, options["offload"]))
+    budgets = [(label, parse_budget_arg(label, analysis.eager_peak, find_min)) for label in labels]
+    with progress.stage("solve", f"solving {len(budgets)} budgets with {args.solver}"):
+        points = viz.sweep(analysis, budgets, **options)
+
+    out = Path(args.out)
+    try:
+        fig = viz.plot_budget_curve(points, eager_peak=analysis.eager_peak,
+                                    title=f"{target.spec}: memory / time trade-off (predicted)")
+        fig.savefig(out, dpi=110)
+    except ImportError as exc:
+        raise CLIError(f"cannot draw the curve: {exc}", hint="pip install 'memplan[viz]' (matplotlib)") from None
+
+    if args.json:
+        print(json.dumps({
+            "target": target.spec, "eager_peak": analysis.eager_peak, "param_bytes": analysis.param_bytes,
+            "points": [p.as_dict() for p in points], "png": str(out),
+        }, indent=1))
+        return 0
+    console = Console()
+    console.print(f"{target.description}\neager peak {_fmt(analysis.eager_peak)}, parameters {_fmt(analysis.param_bytes)}")
+    methods = sorted({p.plan.method for p in points if p.plan is not None})
+    console.print(f"method: {', '.join(methods) or args.solver}; overhead is predicted step time over store-all's")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, justify in (("budget", "left"), ("bytes", "right"), ("planned peak", "right"), ("overhead", "right"),
+                         ("status", "left"), ("gap", "right"), ("solve", "right")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for p in points:
+        if p.plan is None:
+            table.add_row(p.label, _fmt(p.budget), "[red]infeasible[/]", "-", f"min {_fmt(p.min_budget)}", "-", "-")
+            continue
+        gap = "-" if p.plan.gap is None else f"{p.plan.gap:.1%}"
+        status = p.plan.status if len(methods) == 1 else f"{p.plan.method} {p.plan.status}"
+        table.add_row(p.label, _fmt(p.budget), _fmt(p.plan.predicted_peak), f"{p.plan.predicted_overhead:.3f}x",
+                      status, gap, f"{p.plan.solve_time:.2f}s")
+    console.print(table)
+    console.print(f"curve written to {out}")
+    return 0
+
+
+# --------------------------------------------------------------------------- #
+# Entry point
+# --------------------------------------------------------------------------- #
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="memplan",
+        description="Plan a PyTorch training step's memory under a budget: keep, recompute or offload each activation.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,sweep}")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("target", metavar="TARGET",
+                       help="built-in model (gpt2-small, resnet50, unet, mlp, gpt:small, ...), "
+                            "path/to/file.py:factory or package.module:factory; a factory returns "
+                            "(model, example_inputs) or (model, example_inputs, loss_fn)")
+        p.add_argument("--batch-size", type=int, default=None, help="batch size (zoo models; factories taking batch_size)")
+        p.add_argument("--solver", default="auto", help="solver method (default: auto)")
+        p.add_argument("--time-limit", type=float, default=None, help="solver time limit in seconds")
+        p.add_argument("--device-profile", default=None, help="cost model: cpu, a100, h100, h200 (default: the model's device)")
+        p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
+                       help="allow offloading activations to host memory")
+        p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=None,
+                       help="plan the whole step: this optimizer's state and update in the budget (torch defaults)")
+        p.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+        p.add_argument("--quiet", action="store_true", help="no progress display on stderr")
+        p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+    report = sub.add_parser("report", help="plan one budget and show the plan")
+    common(report)
+    report.add_argument("--budget", required=True,
+                        help="bytes (16GB, 800MiB), a percentage of the eager peak (50%%), or min")
+    report.add_argument("--save", metavar="PLAN.json", default=None, help="write the plan for memplan.optimize(plan=...)")
+    report.add_argument("--depth", type=int, default=2, help="module path components per table row (default 2)")
+    report.add_argument("--top", type=int, default=25, help="largest modules shown in the table (default 25)")
+    report.set_defaults(func=cmd_report)
+
+    sweep = sub.add_parser("sweep", help="plan several budgets and draw the memory/time trade-off")
+    common(sweep)
+    sweep.add_argument("--budgets", default="100%,80%,60%,40%,min",
+                       help="comma-separated budgets: bytes, percentages of the eager peak, min (default %(default)s)")
+    sweep.add_argument("--out", default="memplan-sweep.png", help="PNG of the curve (default %(default)s)")
+    sweep.set_defaults(func=cmd_sweep)
+    return parser
+
+
+def _error(console, message: str, hint: str | None) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if hint:
+        console.print(f"[dim]hint: {escape(hint)}[/]", highlight=False, soft_wrap=True)
+
+
+def _round_up(nbytes: int) -> str:
+    """A budget string at or just above ``nbytes``, as a person would type it (``12.27GB``)."""
+    for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if nbytes >= scale:
+            return f"{math.ceil(nbytes / scale * 100) / 100:g}{unit}"
+    return str(nbytes)
+
+
+def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
+    """(message, hint) for an error the user can fix, None for anything else."""
+    import memplan
+
+    if isinstance(exc, CLIError):
+        return str(exc), exc.hint
+    if isinstance(exc, memplan.InfeasibleBudgetError):
+        return (
+            f"budget {_fmt(exc.budget)} is below the smallest plan memplan found, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
+            f"use --budget {_round_up(exc.min_budget)} or more (or --budget min), or a smaller --batch-size",
+        )
+    if isinstance(exc, memplan.CaptureError):
+        return str(exc), (
+            "memplan traces forward+backward with AOTAutograd on fake tensors; data-dependent Python control "
+            "flow and .item() cannot be traced (--debug shows the traceback)"
+        )
+    if isinstance(exc, (memplan.PlanMismatchError, OSError)):
+        return str(exc), None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = Progress(enabled=not args.quiet)
+    try:
+        return args.func(args, progress)
+    except KeyboardInterrupt:
+        progress.console.print("interrupted")
+        return 130
+    except BrokenPipeError:  # `memplan report ... --json | head`: the reader left, nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line, not a traceback, unless --debug
+        if args.debug:
+            raise
+        known = _user_error(exc)
+        if known is not None:
+            _error(progress.console, *known)
+            return EXIT_USER_ERROR
+        _error(progress.console, f"internal error: {type(exc).__name__}: {exc}",
+               "run with --debug for the traceback, and report it")
+        return EXIT_INTERNAL_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
