@@ -22,7 +22,7 @@ parameters and gradients are not yet seen), so an allowance given then can be to
 generous by exactly those bytes; from the second step on the ledger knows the whole
 step. By the first step's backwards every call of it has been seen: `backward_allowance`
 counts them (a caller that defers the first step's plans to its backward, as
-`memplan.dynamo` does, holds the budget there too), and `rehearsal` is a copy of the
+`memplan.frontend.backend` does, holds the budget there too), and `rehearsal` is a copy of the
 ledger in which the caller plays the next step's forward through, plan by plan, before it
 runs, to learn its carry limits (`adopt` takes them back). A step ends when no plan's
 carried bytes are held any more (every backward has run) and a new forward begins.
