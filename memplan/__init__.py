@@ -28,8 +28,8 @@ from memplan.frontend.backend import BudgetSplitWarning, MemplanBackend, SplitBu
 from memplan.frontend.budget import parse_budget
 from memplan.frontend.module import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss
 from memplan.frontend.entry import optimize
-from memplan.capture.trace import CaptureError
-from memplan.runtime.compiled import CompileWarning
+from memplan.capture.signature import CaptureError
+from memplan.runtime.inductor.reports import CompileWarning
 from memplan.costs.cost_model import PROFILES, DeviceProfile
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
 from memplan.measure.tracker import measure_peak

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 from memplan.core.storage import SCRATCH_BYTES, dense_tensors, storage_key
 
 if TYPE_CHECKING:
-    from memplan.capture.trace import Capture
+    from memplan.capture.signature import Capture
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ import torch.utils._pytree as pytree
 from torch.nn.modules import module as nn_module
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memplan.capture.trace import DataDependentPython, InputSignature
-from memplan.runtime.compiled import CompileReport, compile_program, inductor_compiler
+from memplan.capture.signature import DataDependentPython, InputSignature
+from memplan.runtime.inductor.compiler import inductor_compiler
+from memplan.runtime.inductor.reports import CompileReport
+from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile, output_bytes
 from memplan.frontend.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
@@ -94,7 +96,7 @@ class OptimizedModule(nn.Module):
         # factory() returns it (torch.compile with memplan's backend: `memplan.frontend.entry.optimize`).
         self.split_factory = graph_breaks
         self.split: Any = None  # (the compiled model, its backend) once the model runs split
-        # compile=True: each plan's runs of ATen ops are compiled by Inductor (memplan.runtime.compiled),
+        # compile=True: each plan's runs of ATen ops are compiled by Inductor (memplan.runtime.inductor.segments),
         # its memory decisions kept (`compile_report` says what was compiled); compile=fn: by
         # fn(graph_module, example_inputs) -> a callable taking its inputs boxed.
         self.compile = options.compile

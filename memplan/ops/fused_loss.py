@@ -45,7 +45,7 @@ def log_softmax_nll_backward(
 
 
 def fused_kernel(grad_output, target, weight, reduction, ignore_index, total_weight, output, dim, input_dtype):
-    """The op's kernel, which the eager runtime calls straight (`memplan.kernels.eager_kernel`), so that
+    """The op's kernel, which the eager runtime calls straight (`memplan.ops.kernels.eager_kernel`), so that
     a step's memory tracker sees what it allocates."""
     grad = aten.nll_loss_backward.default(grad_output, output, target, weight, reduction, ignore_index,
                                           total_weight)

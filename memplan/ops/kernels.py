@@ -31,7 +31,7 @@ place: the plan did not count on the room.
 
 The eager runtime (`memplan.runtime.program`) runs these where they apply (`use_stand_ins`); the op
 itself stays in the node's meta (`aten_target`), which is what compiled runs
-(`memplan.runtime.compiled`) hand to Inductor and check their memory against, and the cost model
+(`memplan.runtime.inductor.segments`) hand to Inductor and check their memory against, and the cost model
 (`memplan.measure.timing`) times and measures the kernel that runs (`eager_kernel`). Inductor calls
 the mask's kernel as an op of its own and gets ``dropout_apply`` as a multiply it fuses with
 the ops around it (`dropout_apply_to_fuse`).

@@ -15,7 +15,8 @@ import torch
 
 import solvers
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
-from memplan.capture.trace import Capture, capture
+from memplan.capture.signature import Capture
+from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile
 from memplan.passes.output_use import OutputUse
 from memplan.updates.optimizer import Accumulation, UpdatePlacement, learn_updates

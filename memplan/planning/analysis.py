@@ -24,16 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import solvers
 from solvers.core.solution import finish
-from memplan.capture.trace import (
-    Capture,
-    MetaConstantsAsCPU,
-    capture,
-    eager_resampling,
-    fakeify,
-    flatten_output,
-    swapped_state,
-    traced_as_compiling,
-)
+from memplan.capture.patches import MetaConstantsAsCPU
+from memplan.capture.signature import Capture, flatten_output, swapped_state
+from memplan.capture.patches import eager_resampling, traced_as_compiling
+from memplan.capture.trace import capture, fakeify
 from memplan.costs.cost_model import DeviceProfile, GraphCosts, annotate, get_profile
 from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX, ParamUpdate, UpdatePlacement
 from memplan.passes.output_use import OutputUse

@@ -45,7 +45,7 @@ import torch.fx as fx
 
 import solvers
 from solvers.transforms.ordering import after_last_reads
-from memplan.capture.trace import Capture
+from memplan.capture.signature import Capture
 from memplan.costs.cost_model import GraphCosts
 from memplan.updates.optimizer import (
     ACCUM_PREFIX,

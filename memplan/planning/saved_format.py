@@ -28,7 +28,7 @@ from memplan.updates.optimizer import UpdatePlacement
 from memplan.passes.output_use import OutputUse
 
 if TYPE_CHECKING:
-    from memplan.capture.trace import Capture
+    from memplan.capture.signature import Capture
 
 FORMAT = "memplan.Plan"
 VERSION = 1

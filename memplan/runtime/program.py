@@ -36,7 +36,7 @@ import torch.fx as fx
 
 import solvers
 from solvers.transforms.ordering import storage_readers
-from memplan.capture.trace import Capture
+from memplan.capture.signature import Capture
 from memplan.ops.kernels import eager_kernel, use_stand_ins
 from memplan.updates.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
 from memplan.planning.lowering import BACKWARD, RNG_PREFIX, Lowered, is_reference
@@ -81,7 +81,7 @@ class Program:
     # calls, and per update slot the tangent indices its gradient depends on (as grad_tangents).
     updater: UpdateRunner | None = None
     update_tangents: list[frozenset[int]] = field(default_factory=list)
-    # With compile=True: what memplan.runtime.compiled compiled of the two segments (its CompileReport).
+    # With compile=True: what memplan.runtime.inductor.segments compiled of the two segments (its CompileReport).
     compile_report: Any = None
 
 
@@ -108,7 +108,7 @@ def clear_box(box: list) -> None:
     box.clear()
 
 
-def _generator(device: str) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+def generator_state(device: str | torch.device) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
     """Get and set the state of the default generator of ``device``."""
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -118,7 +118,7 @@ def _generator(device: str) -> tuple[Callable[[], torch.Tensor], Callable[[torch
 
 def _rng_state(device: str) -> torch.Tensor:
     """The generator state a random op is about to draw from."""
-    return _generator(device)[0]()
+    return generator_state(device)[0]()
 
 
 class Replay(torch.nn.Module):
@@ -127,7 +127,7 @@ class Replay(torch.nn.Module):
     def __init__(self, target: Any, device: str):
         super().__init__()
         self.target = target
-        self.get_state, self.set_state = _generator(device)
+        self.get_state, self.set_state = generator_state(device)
 
     def forward(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         saved = self.get_state()
@@ -159,7 +159,7 @@ def _build_segment(
     again, whose first run saves the generator state the replays draw from. Each node made
     for a step records that step's index in the whole schedule (``steps[0]`` is step
     ``first_step``) as ``meta["memplan_step"]``: where the simulator's timeline says how much
-    memory the step runs beside (`memplan.runtime.compiled`); with the plan's ``timeline``, ops below its
+    memory the step runs beside (`memplan.runtime.inductor.segments`); with the plan's ``timeline``, ops below its
     peak may run in place (`memplan.ops.kernels.use_stand_ins`).
     """
     fx_nodes = low.fx_nodes
@@ -277,7 +277,7 @@ def _mark_step(graph: fx.Graph, step: int) -> None:
 
 def _copy_meta(node: fx.Node, name: str, low: Lowered) -> None:
     """Give a segment's input (or an arrived copy) the joint graph's metadata of its value (its
-    fake ``val``), as ``node_copy`` gives computed nodes: `memplan.runtime.compiled` reads layouts from it."""
+    fake ``val``), as ``node_copy`` gives computed nodes: `memplan.runtime.inductor.segments` reads layouts from it."""
     source = low.fx_nodes.get(name.removeprefix(NORM_PASS_PREFIX))
     if source is not None:
         node.meta.update(source.meta)

@@ -34,7 +34,7 @@ import numpy as np
 
 import solvers
 from memplan.planning.analysis import Analysis
-from memplan.capture.trace import module_path
+from memplan.capture.patches import module_path
 from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
 from memplan.planning.lowering import BACKWARD, is_reference, value_name

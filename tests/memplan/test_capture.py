@@ -328,7 +328,8 @@ def test_gpt_1p3b_meta_capture_fits_in_2gb():
 
 
 def test_a_buffer_update_that_does_not_fit_its_buffer_is_refused_at_planning_time():
-    from memplan.capture.trace import CaptureError, _check_buffer_updates
+    from memplan.capture.signature import CaptureError
+    from memplan.capture.trace import _check_buffer_updates
 
     mean, count = torch.zeros(16), torch.zeros((), dtype=torch.long)
     _check_buffer_updates([torch.ones(16), torch.ones((), dtype=torch.long)], [mean, count], ["bn.mean", "bn.count"])

@@ -16,14 +16,14 @@ import torch
 
 import memplan
 from benchmarks import hf_compiled
-from memplan.runtime.compiled import CompileWarning
+from memplan.runtime.inductor.reports import CompileWarning
 from memplan.measure.tracker import measure_peak, profiled_peak
 
 from .helpers import build_step, clear_grads, fresh_dynamo  # noqa: F401 - autouse: dynamo's caches reset
 from .test_dynamo import Branchy
 
 FUSED = dict(rtol=1e-4, atol=1e-6)
-DEFAULT_SLOWER_MARGINS = (memplan.runtime.compiled.SLOWER_MARGIN, memplan.runtime.compiled.STEP_SLOWER_MARGIN)
+DEFAULT_SLOWER_MARGINS = (memplan.runtime.inductor.check.SLOWER_MARGIN, memplan.runtime.inductor.check.STEP_SLOWER_MARGIN)
 
 
 @pytest.fixture(autouse=True)
@@ -31,8 +31,8 @@ def speed_rules_off(monkeypatch):
     """Runs and steps compiled whatever their timings: what a test checks must not hang on the
     machine's load (a loaded CI machine once timed Hugging Face ResNet's step slower compiled and
     ran it eagerly, leaving nothing compiled to check). The speed rules' own test sets them."""
-    monkeypatch.setattr(memplan.runtime.compiled, "SLOWER_MARGIN", float("inf"))
-    monkeypatch.setattr(memplan.runtime.compiled, "STEP_SLOWER_MARGIN", float("inf"))
+    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", float("inf"))
+    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", float("inf"))
 
 
 def _step(module, args, kwargs, seed=0):
@@ -216,7 +216,7 @@ def test_compiled_runs_around_host_copies_and_a_norm_pass_train_as_eager(options
 
 
 def test_a_compiled_run_given_other_strides_than_it_was_compiled_for_runs_eagerly():
-    from memplan.runtime.compiled import LayoutGuard
+    from memplan.runtime.inductor.layouts import LayoutGuard
 
     calls = []
     guard = LayoutGuard(lambda box: calls.append("compiled"), lambda box: calls.append("eager"),
@@ -234,7 +234,7 @@ def test_items_of_a_multi_output_op_are_taken_with_it_so_runs_hand_on_tensors():
     # tuple, which a compiled run cannot, and ViT's whole backward at 50% ran eagerly.
     import torch.fx as fx
 
-    from memplan.runtime.compiled import _groups, _items_with_their_op
+    from memplan.runtime.inductor.runs import grouped_runs, items_with_their_op
 
     def f(x, w, b):
         normed = torch.ops.aten.native_layer_norm.default(x, [4], w, b, 1e-5)
@@ -247,8 +247,8 @@ def test_items_of_a_multi_output_op_are_taken_with_it_so_runs_hand_on_tensors():
     def names(nodes):
         return [n.name.removesuffix("_default").removesuffix("_tensor") for n in nodes]
 
-    before = [(kind, names(members)) for kind, members in _groups(body)]
-    after = [(kind, names(members)) for kind, members in _groups(_items_with_their_op(body))]
+    before = [(kind, names(members)) for kind, members in grouped_runs(body)]
+    after = [(kind, names(members)) for kind, members in grouped_runs(items_with_their_op(body))]
     assert before[0] == (True, ["native_layer_norm", "relu"])  # the tuple escapes this run
     assert after == [(True, ["native_layer_norm", "getitem", "getitem_1", "relu"]), (False, ["add_"])]
 
@@ -287,7 +287,9 @@ def test_a_run_reading_a_value_and_its_alias_is_checked_with_one_buffer():
     # held a logits-size buffer more than eager (which frees one input early) and was refused.
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memplan.runtime.compiled import _check, _examples, _run_module, inductor_compiler
+    from memplan.runtime.inductor.check import check_run
+    from memplan.runtime.inductor.compiler import example_inputs, inductor_compiler
+    from memplan.runtime.inductor.runs import run_module
 
     aten = torch.ops.aten
 
@@ -301,14 +303,14 @@ def test_a_run_reading_a_value_and_its_alias_is_checked_with_one_buffer():
     gm = torch.fx.symbolic_trace(loss_backward)
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
     reads = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    eager = _run_module(gm, ops, reads, [ops[-1].name], boxed=True)  # as the eager runtime runs it
+    eager = run_module(gm, ops, reads, [ops[-1].name], boxed=True)  # as the eager runtime runs it
     compiled = inductor_compiler(gm, vals)
-    shared = _examples(vals, torch.device("cpu"))
+    shared = example_inputs(vals, torch.device("cpu"))
     assert shared[1].untyped_storage().data_ptr() == shared[4].untyped_storage().data_ptr()
     with torch.no_grad():
-        c_peak, e_peak, why, _ = _check(compiled, eager, vals, [False] * 5, torch.device("cpu"))
+        c_peak, e_peak, why, _ = check_run(compiled, eager, vals, [False] * 5, torch.device("cpu"))
         apart = [torch.empty(256, 512), torch.empty(256, 512)]  # the same run on two buffers
-        c_apart, e_apart, _, _ = _check(compiled, eager, [vals[0], apart[0], vals[2], vals[3], apart[1]],
+        c_apart, e_apart, _, _ = check_run(compiled, eager, [vals[0], apart[0], vals[2], vals[3], apart[1]],
                                         [False] * 5, torch.device("cpu"))
     buffer = 256 * 512 * 4
     assert not why and c_peak < e_peak + buffer // 8, (c_peak, e_peak)  # a row sum's few KB more, at most
@@ -446,7 +448,7 @@ def _compiled_step_within_budget(module, args, fraction, **options):
 
 
 class VirtualClock:
-    """The speed check's clock (`memplan.runtime.compiled.CLOCK`) in a test: every reading moves it on by
+    """The speed check's clock (`memplan.runtime.inductor.check.CLOCK`) in a test: every reading moves it on by
     `TICK`, and a stand-in compiler's run by what it `spend`s, so a run's timing is decided by the
     test, never by the machine's load."""
 
@@ -481,9 +483,9 @@ def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
     # A run measured slower than its eager twin runs eagerly (ConvNeXt's compiled backward ran 17-21%
     # slower); a step predicted slower as a whole (the runs allowed through here) runs eager code.
     clock = VirtualClock()
-    monkeypatch.setattr(memplan.runtime.compiled, "CLOCK", clock)
-    monkeypatch.setattr(memplan.runtime.compiled, "SLOWER_MARGIN", margin)
-    monkeypatch.setattr(memplan.runtime.compiled, "STEP_SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[1])
+    monkeypatch.setattr(memplan.runtime.inductor.check, "CLOCK", clock)
+    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", margin)
+    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[1])
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
     opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=5)
@@ -507,16 +509,16 @@ def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
 def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_compiled(monkeypatch):
     # Noise, not Inductor: each run's first timings are 20 ms slow, the rounds taken in doubt are not.
     clock = VirtualClock()
-    monkeypatch.setattr(memplan.runtime.compiled, "CLOCK", clock)
-    monkeypatch.setattr(memplan.runtime.compiled, "SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[0])
-    monkeypatch.setattr(memplan.runtime.compiled, "STEP_SLOWER_MARGIN", float("inf"))
-    monkeypatch.setattr(memplan.runtime.compiled, "DOUBTFUL", float("inf"))
+    monkeypatch.setattr(memplan.runtime.inductor.check, "CLOCK", clock)
+    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[0])
+    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", float("inf"))
+    monkeypatch.setattr(memplan.runtime.inductor.check, "DOUBTFUL", float("inf"))
     slow, rounds = {"now": False}, []
-    best_of = memplan.runtime.compiled._best_of
+    best_of = memplan.runtime.inductor.check.best_times
 
     def first_timings_slow(calls, device, reps):
         rounds.append(reps)
-        slow["now"] = reps == memplan.runtime.compiled.TIMING_ROUNDS
+        slow["now"] = reps == memplan.runtime.inductor.check.TIMING_ROUNDS
         try:
             return best_of(calls, device, reps)
         finally:
@@ -531,13 +533,13 @@ def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_comp
             return out
         return run
 
-    monkeypatch.setattr(memplan.runtime.compiled, "_best_of", first_timings_slow)
+    monkeypatch.setattr(memplan.runtime.inductor.segments, "best_times", first_timings_slow)
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
     opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=5)  # (store-all: no memory refusal)
     opt.prepare(*args, **kwargs)
     report = opt.compile_report
-    assert memplan.runtime.compiled.DOUBT_ROUNDS in rounds, rounds
+    assert memplan.runtime.inductor.check.DOUBT_ROUNDS in rounds, rounds
     assert report.slower == 0 and report.compiled_ops > 0, report.summary()
     clear_grads(module)
     torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
@@ -624,11 +626,11 @@ def test_random_ops_never_replayed_share_a_run_only_where_no_order_could_swap_th
     # masks otherwise than eager. The dropout on the second parallel branch opens a run.
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from memplan.runtime.compiled import _groups, _random
+    from memplan.runtime.inductor.runs import grouped_runs, is_random_op
 
     gm = make_fx(_dropout_chain_and_branches)(torch.randn(4, 4))
     ops = [n for n in gm.graph.nodes if n.op == "call_function"]
-    runs = [[n.name for n in members if _random(n)] for compiled, members in _groups(ops) if compiled]
+    runs = [[n.name for n in members if is_random_op(n)] for compiled, members in grouped_runs(ops) if compiled]
     assert runs == [["native_dropout", "native_dropout_1", "native_dropout_2"], ["native_dropout_3"]], runs
 
 
@@ -644,7 +646,7 @@ def test_a_random_op_in_mid_run_draws_eager_values_whatever_layout_the_run_is_ha
     # its mask in another order than eager. The compiled graph hands the op a copy laid out as traced.
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from memplan.runtime.compiled import inductor_compiler
+    from memplan.runtime.inductor.compiler import inductor_compiler
 
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     gm = make_fx(_conv_gelu_dropout)(x, w)  # traced contiguous
@@ -664,7 +666,7 @@ def test_a_tuple_read_after_its_run_runs_eagerly_with_its_items_alone():
     # a 149-op run ran eagerly for one such tuple).
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from memplan.runtime.compiled import _around_escaping_tuples
+    from memplan.runtime.inductor.runs import around_escaping_tuples
 
     def body(x):
         h = x.sin()
@@ -674,9 +676,9 @@ def test_a_tuple_read_after_its_run_runs_eagerly_with_its_items_alone():
     gm = make_fx(body)(torch.randn(4))
     run = [n for n in gm.graph.nodes if n.op == "call_function"]
     pieces = [[n.target.__name__ if n.target is not operator.getitem else "item" for n in p]
-              for p in _around_escaping_tuples(run, ["native_dropout"])]
+              for p in around_escaping_tuples(run, ["native_dropout"])]
     assert pieces == [["sin.default"], ["native_dropout.default", "item", "item"], ["cos.default", "exp.default"]], pieces
-    assert _around_escaping_tuples(run, ["exp"]) == [run]  # tensors escaping: one run
+    assert around_escaping_tuples(run, ["exp"]) == [run]  # tensors escaping: one run
 
 
 class _HandsOutWhatItsBackwardReads(torch.nn.Module):
@@ -717,7 +719,7 @@ def test_compiled_runs_reuse_memory_read_for_the_last_time_but_never_what_the_ca
 
 
 def test_storage_of_a_segment_follows_views_and_tells_a_recomputation_from_its_first_computation():
-    from memplan.runtime.compiled import shared_storage
+    from memplan.runtime.inductor.sharing import shared_storage
     from memplan.runtime.program import VALUE
 
     graph = torch.fx.Graph()
@@ -758,7 +760,7 @@ class _TwoSines(torch.nn.Module):
 def test_values_a_compiled_run_hands_out_in_one_buffer_are_never_reused(pack):
     # Inductor may write two outputs into one buffer (its CPU `cat` writes an input into the cat's
     # buffer): no graph shows it, so the memory check's record of the outputs' storage decides.
-    from memplan.runtime.compiled import DONATED, inductor_compiler
+    from memplan.runtime.inductor.compiler import DONATED, inductor_compiler
 
     seen: list[tuple[list[str], list[int]]] = []
 
@@ -796,7 +798,7 @@ def test_values_a_compiled_run_hands_out_in_one_buffer_are_never_reused(pack):
 def test_a_value_copied_to_the_host_is_never_reused_by_a_compiled_run(monkeypatch):
     # On CUDA the copy runs on a side stream and may still be reading when a later run would
     # write into the value's memory, so what an offload reads is held, as the caller's values are.
-    from memplan.runtime.compiled import _Segmenting
+    from memplan.runtime.inductor.segments import _Segmenting
     from memplan.ops.transfer import offload
 
     segments = []

@@ -80,7 +80,7 @@ def test_a_compiled_split_dropout_fuses_the_multiply_and_draws_eager_mask(dtype,
     """Inductor calls the mask's kernel (eager's draws) and fuses `dropout_apply` away: neither it
     nor the op is called; output, mask and generator state are the op's, NaN and -0.0 included
     (``chain``: two dropouts)."""
-    from memplan.runtime.compiled import inductor_compiler
+    from memplan.runtime.inductor.compiler import inductor_compiler
 
     def step(x):
         return _dropouts(x, p) if chain else aten.native_dropout.default(x * 1.0, p, True)

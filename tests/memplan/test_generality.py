@@ -480,7 +480,7 @@ def test_two_threads_tracing_at_once_both_trace_interpolation_as_eager_runs_it()
     # kernels set aside (before, A put them back under B's trace), and both leave torch as it was.
     import threading
 
-    from memplan.capture.trace import eager_resampling
+    from memplan.capture.patches import eager_resampling
 
     kernels = torch.ops.aten.upsample_bilinear2d.vec.py_kernels
     before = dict(kernels)

@@ -185,7 +185,7 @@ def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
     """Where the mask would be drawn in another order (a transposed input), Inductor calls the op."""
     from torch.profiler import profile
 
-    from memplan.runtime.compiled import inductor_compiler
+    from memplan.runtime.inductor.compiler import inductor_compiler
 
     def step(x):
         return aten.native_dropout.default(x.t(), 0.3, True)

@@ -13,14 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from memplan.measure.tracker import (
-    MemoryTracker,
-    host_storage,
-    is_host,
-    mark_host,
-    measure_peak,
-    unmeasured,
-)
+from memplan.core.host import host_storage, is_host, mark_host
+from memplan.measure.tracker import MemoryTracker, measure_peak, unmeasured
 
 ROOT = Path(__file__).resolve().parents[2]
 F32 = 4  # bytes per float32 element

@@ -12,15 +12,9 @@ import pytest
 
 from solvers import METHODS, Problem
 from solvers.core import generators as gen
-from solvers.methods.lower_bounds import (
-    BoundContext,
-    interval_bound,
-    interval_moments,
-    lower_bound,
-    lp_lower_bound,
-    main_chain,
-    moments,
-)
+from solvers.methods.bound_moments import BoundContext, moments
+from solvers.methods.interval_bound import interval_bound, interval_moments, main_chain
+from solvers.methods.lower_bounds import lower_bound, lp_lower_bound
 from solvers.strategies.min_budget import min_budget
 
 from .helpers import graph

@@ -1,0 +1,595 @@
+"""One graph dynamo hands the backend, planned: `PlannedGraph` calls its plan per input signature, and in
+the first step, before every graph of the step is known, runs it as a checkpoint whose backward plans
+and runs it whole."""
+from __future__ import annotations
+import collections
+import contextlib
+import operator
+import os
+import warnings
+import weakref
+from typing import Any
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from solvers.strategies.ledger import Call
+from memplan.frontend.module import OptimizedModule
+from memplan.capture.signature import CaptureError, NothingToDifferentiate
+from memplan.pipeline.plan import InfeasibleBudgetError, Plan
+from memplan.planning.lowering import BACKWARD
+from memplan.runtime.program import PlannedStep, generator_state
+from memplan.core.storage import storage_key
+
+
+# A graph keeps its plan while its allowance stays within this share below the plan's budget
+# (and never above it): re-planning for every few bytes another graph's plan moves is not worth a solve.
+REUSE_SLACK = 0.05
+# Plans at this many budget levels are kept per graph (the least recently used goes first): a graph
+# called at many places in a step (an expert's, at every layer) has a level for each, and the first
+# step's rehearsal plans them all before the second step runs them.
+MAX_LEVELS = 16
+
+
+class PlannedGraph:
+    """One graph from dynamo, planned for its allowance of the step's budget at each call."""
+
+    def __init__(self, backend: Any, gm: fx.GraphModule, example_inputs: list[Any], index: int):
+        self.backend = backend  # the `memplan.frontend.backend.MemplanBackend` that made it (imports this module)
+        self.gm = gm
+        self.index = index
+        self.read_as_numbers = _scalars_read_as_numbers(gm)
+        self.stateful = _GraphWithBuffers(gm, example_inputs)
+        # (budget, carry limit) -> a module planned for them, least recently used first
+        self.levels: collections.OrderedDict[tuple[int, int | None], OptimizedModule] = collections.OrderedDict()
+        # (level, shape) pairs whose module already holds a plan: later calls go straight to the step
+        # (a module's own signature lookup would repeat the work `prepare` did, on every call)
+        self.prepared: set[tuple[tuple[int, int | None], Any]] = set()
+        # Per input shape (an expert's graph is called with as many shapes as token counts):
+        # (shape, budget, carry limit) where no plan fits -> the smallest plan's peak found there
+        self.failed: dict[tuple[Any, int, int | None], int] = {}
+        self.min_budget: dict[Any, int] = {}  # shape -> the smallest plan's peak, once a budget was below it
+        self.last_allowance: int | None = None
+        self.unplanned = False  # set when the graph cannot be captured: it then runs as dynamo made it
+        self.graph_break = _graph_break_site()  # where dynamo broke the frame after this graph (None: it returned)
+        # A graph that changes its inputs in place cannot be captured for a plan (it runs as dynamo
+        # made it), nor run twice from its inputs as the first step runs the others.
+        self.changes_inputs = _changes_inputs(gm, self.stateful.buffer_set)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.read_as_numbers:
+            args = tuple(a.item() if i in self.read_as_numbers else a for i, a in enumerate(args))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if self.unplanned or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return self.gm(*args)  # nothing is saved for a backward: nothing to plan
+        if self.changes_inputs:
+            self._mark_unplanned(CaptureError("it changes its inputs in place"), stacklevel=3)
+            return self.gm(*args)
+        ledger = self.backend.ledger
+        # One pass over the arguments (this runs every call): parameters and buffers are resident,
+        # each parameter makes a gradient, the step's own inputs (the batch) are the caller's, held
+        # until the step ends.
+        first = not ledger.live
+        resident: dict[int, int] = {}
+        final: dict[tuple[str, int], int] = {}
+        others: dict[int, int] = {}
+        for i, t in enumerate(args):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key, nbytes = storage_key(t), t.untyped_storage().nbytes()
+            if isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
+                resident[key] = nbytes
+                if isinstance(t, nn.Parameter) and t.requires_grad:
+                    final[("grad", key)] = t.numel() * t.element_size()
+            else:
+                others[key] = nbytes
+        step_inputs = {k: b for k, b in others.items() if k not in resident} if first else {}
+        eager_saved: dict[int, int] = {}
+        if not first:  # what eager code since the last graph saved for its backward is held too
+            eager_saved = _saved_by_eager_autograd(tensors)
+            ledger.hold_with_last(eager_saved)
+        call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others))
+        if first:
+            self.backend.new_step()
+        # Inputs other than the step's own and the resident ones: a plan holds them to its backward.
+        held = {k: b for k, b in others.items() if k not in ledger.resident and k not in ledger.step_resident}
+        if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
+            return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs, others,
+                                                                           held, eager_saved))
+        allowance = self.last_allowance = ledger.allowance(call)
+        limit = ledger.carry_limit(call)
+        args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
+        try:
+            module, over = self._plan_call(allowance, limit, args)
+        except CaptureError as exc:
+            return self._run_unplanned(exc, args)
+        if over:
+            # The graphs before this one carry too much for it: they carry less from the next
+            # step on (`StepLedger.short`); this call runs its smallest plan, over the budget.
+            ledger.short(call, over)
+            self.backend.warn_over(self.index, over)
+        if module is None:
+            raise InfeasibleBudgetError(self.backend.budget, allowance + over + ledger.held_by_others(call))
+        out = module(*args)
+        self._hold_until_backward(call, module.plan, tensors, out, held)
+        return out
+
+    def _discover(self, call: Call, args: tuple, account: "_Account") -> Any:
+        """The first step's call: run the graph without saving anything for its backward, its
+        inputs kept; plan it at its backward, once the step's graphs are all known (`_FirstStep`)."""
+        ledger = self.backend.ledger
+        record = FirstCall(self, call, args, account)
+        self.backend.first_calls.append(record)
+        out = _FirstStep.apply(record, *args)
+        outputs = _tensors(out)
+        record.output_refs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in out]
+        seen = {storage_key(t) for t in args if isinstance(t, torch.Tensor)}
+        for t in outputs:  # what it returned, by storage, as `_hold_until_backward` counts it
+            k = storage_key(t)
+            if k not in seen:
+                seen.add(k)
+                account.outputs[k] = t.untyped_storage().nbytes()
+                record.outputs.append(weakref.ref(t))
+        # Held to its backward: its inputs no other account counts, its outputs, and the buffer copies.
+        record.token = ledger.hold(call, record.kept_bytes, {**account.held, **account.outputs})
+        node = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+        if node is not None:
+            with contextlib.suppress(TypeError):
+                weakref.finalize(node, ledger.release, record.token)
+        return list(out) if record.returns_list else out
+
+    def _plan_call(self, allowance: int, limit: int | None, args: tuple) -> tuple[OptimizedModule | None, int]:
+        """The module for a call given ``allowance`` and carry ``limit``, and how many bytes its
+        plan is over the allowance (0 where it fits): planned for both; where the limit asks more
+        than the graph can give, for the least carry that fits (the limit raised by what the
+        smallest plan under it was over); else for the allowance alone; else its smallest plan."""
+        module = self._planned(allowance, limit, args)
+        if module is None and limit is not None:
+            excess = self._failed_by(args, allowance, limit)
+            if excess:
+                module = self._planned(allowance, limit + excess, args)
+            if module is None:  # no limit that fits: keep what this graph needs
+                module = self._planned(allowance, None, args)
+        if module is not None:
+            return module, 0
+        least = self.min_budget.get(_shape_key(args), allowance)
+        return self._planned(least, None, args, exact=True), max(1, least - allowance)
+
+    def _failed_by(self, args: tuple, budget: int, limit: int | None) -> int | None:
+        """How many bytes the smallest plan found for ``args`` at ``budget`` and ``limit`` was over it."""
+        shape, budget = _shape_key(args), max(budget, 1)
+        failures = [(b, least) for (s, b, l), least in self.failed.items() if s == shape and l == limit and b >= budget]
+        return min(failures)[1] - min(failures)[0] if failures else None
+
+    def _module_at_backward(self, record: "FirstCall", tangent_bytes: int) -> OptimizedModule | None:
+        """The module that runs ``record``'s call whole at its backward in the first step: the one
+        the rehearsal planned for the next steps where it fits what the ledger leaves it now (the
+        output gradients held through its forward), else one planned for that; None where the
+        graph cannot be planned (it runs as dynamo made it)."""
+        ledger = self.backend.ledger
+        # its own holdings: what it keeps for this backward, and those of its outputs still alive
+        own = record.kept_bytes + sum({storage_key(t): t.untyped_storage().nbytes()
+                                       for t in (ref() for ref in record.outputs) if t is not None}.values())
+        allowance = self.last_allowance = ledger.backward_allowance(record.call, record.token) - own
+        args = record.args
+        if self.unplanned:
+            return None
+
+        def fits(module: OptimizedModule | None) -> bool:
+            return module is not None and _peak_holding(module.prepare(*args), tangent_bytes) <= allowance
+
+        if fits(record.module):
+            return record.module
+        try:  # the output gradients held through the plan's forward too: a plan for that much less
+            module = self._planned(allowance - tangent_bytes, None, args)
+            if module is None:
+                least = self.min_budget.get(_shape_key(args), allowance)
+                module = self._planned(least, None, args, exact=True)
+                if module is None:
+                    raise InfeasibleBudgetError(self.backend.budget, least + self.backend.budget - allowance)
+                if not fits(module):
+                    self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) - allowance)
+        except CaptureError as exc:
+            self._mark_unplanned(exc)
+            return None
+        return module
+
+    @property
+    def latest_plan(self) -> Plan | None:
+        """The plan of the module used last (every module kept in :attr:`levels` has one); None
+        before the graph was planned."""
+        return next(reversed(self.levels.values())).plan if self.levels else None
+
+    def _run_unplanned(self, exc: CaptureError, args: tuple) -> Any:
+        """This graph cannot be planned: from now on it runs as dynamo handed it over (its memory
+        outside every plan, said once unless there is simply no backward through it)."""
+        self._mark_unplanned(exc)
+        return self.stateful(*args)
+
+    def _mark_unplanned(self, exc: CaptureError, stacklevel: int = 4) -> None:
+        self.unplanned = True
+        if not isinstance(exc, NothingToDifferentiate):
+            warnings.warn(f"memplan backend: graph {self.index} runs unplanned, outside the budget: {exc}",
+                          UserWarning, stacklevel=stacklevel)
+
+    def _planned(self, budget: int, limit: int | None, args: tuple, exact: bool = False) -> OptimizedModule | None:
+        """A module with a plan for ``args`` at a budget at most ``budget`` (within ``REUSE_SLACK`` of
+        it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered per input
+        shape, with the smallest plan's peak in :attr:`min_budget`)."""
+        budget = max(budget, 1)  # nothing left: a 1-byte attempt still finds the smallest plan
+        shape = _shape_key(args)
+        if any(s == shape and l == limit and b >= budget for s, b, l in self.failed):
+            return None
+        key = next(((b, l) for (b, l) in self.levels
+                    if l == limit and (b == budget or (not exact and (1 - REUSE_SLACK) * budget <= b <= budget))),
+                   (budget, limit))
+        module = self.levels.get(key)
+        if module is not None and (key, shape) in self.prepared:
+            self.levels.move_to_end(key)
+            return module
+        if module is None:
+            module = OptimizedModule(self.stateful, budget, self.backend.plan_options, carry_limit=limit)
+            # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
+            module._warned_loss_outside = True
+            self.levels[key] = module
+            while len(self.levels) > MAX_LEVELS:
+                dropped, _ = self.levels.popitem(last=False)
+                self.prepared = {(k, sh) for k, sh in self.prepared if k != dropped}
+        try:
+            module.prepare(*args)
+        except CaptureError:
+            self.levels.pop(key, None)
+            raise
+        except InfeasibleBudgetError as exc:
+            self.failed[(shape, *key)] = exc.min_budget
+            self.levels.pop(key, None)
+            if limit is None:
+                self.min_budget[shape] = max(self.min_budget.get(shape, 0), exc.min_budget)
+            return None
+        self.levels.move_to_end(key)
+        self.prepared.add((key, shape))
+        return module
+
+    def _hold_until_backward(self, call: Call, plan: Plan, inputs: list[torch.Tensor], out: Any,
+                             held: dict[int, int]) -> None:
+        """Open this call's carried account in the ledger; close it when the backward reaches
+        the graph's inputs, or when its autograd graph is dropped without a backward. ``held``:
+        its inputs that no other account counts (made by eager code), which the plan holds as
+        its sources (`Plan.carried_bytes` leaves them out) and the other graphs must count."""
+        ledger = self.backend.ledger
+        # What the graph returned, by storage (a view of an input is no new memory): the plan's
+        # carried bytes include it, the ledger counts it apart, once, against the graphs that do not read it.
+        seen = {storage_key(t) for t in inputs}
+        returned: dict[int, int] = {}
+        outputs = _tensors(out)
+        for t in outputs:
+            k = storage_key(t)
+            if k not in seen:
+                seen.add(k)
+                returned[k] = t.untyped_storage().nbytes()
+        token = ledger.hold(call, max(0, plan.carried_bytes - sum(returned.values())), {**held, **returned})
+        handle: list[Any] = []
+
+        def release(*_grads: Any) -> None:
+            ledger.release(token)
+            while handle:
+                handle.pop().remove()
+
+        nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        step = next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), None)
+        if step is not None:
+            # The planned step's own autograd node: its post-hook runs once its backward (the
+            # plan's whole backward) has returned, and goes with the node. One hook, where a hook
+            # on every input would cost a registration per parameter per call.
+            step.register_hook(release)
+        else:
+            needing = [t for t in inputs if t.requires_grad]
+            handle.append(torch.autograd.graph.register_multi_grad_hook(needing, release, mode="any"))
+        node = step or (nodes[0] if nodes else None)
+        if node is not None:
+            try:
+                weakref.finalize(node, ledger.release, token)
+            except TypeError:  # an output view's node takes no weak reference; the hook still releases
+                pass
+
+
+class _Account:
+    """What one call holds in the step's ledger, by storage (key -> bytes), kept from the first
+    step so that its rehearsal of the next steps opens the same accounts."""
+
+    def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict):
+        self.resident = resident  # parameters and buffers
+        self.final = final  # the gradients its backward makes
+        self.step_inputs = step_inputs  # the step's own inputs (the first call only)
+        self.inputs = frozenset(resident) | frozenset(inputs)  # every storage it reads
+        self.held = held  # inputs no other account counts, held to its backward
+        self.eager_saved = eager_saved  # what eager code before it saved for its backward
+        self.outputs: dict[int, int] = {}  # what it returned
+
+
+class FirstCall:
+    """One call of a graph in the first step: what `_FirstStep` needs at its backward, and what
+    the rehearsal of the next steps needs of it."""
+
+    def __init__(self, graph: PlannedGraph, call: Call, args: tuple, account: _Account):
+        self.graph = graph
+        self.call = call
+        self.args: tuple | None = args  # the inputs, held to its backward (as a checkpoint holds them)
+        self.account = account
+        self.token: int | None = None
+        self.module: OptimizedModule | None = None  # planned by the rehearsal for the next steps
+        self.returns_list = False
+        self.outputs: list[weakref.ref] = []  # what it returned (new storages): alive at its backward or not
+        self.output_refs: list[weakref.ref | None] = []  # each output, by position
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self.rng = _rng_states(tensors)
+        # a graph that updates buffers in place (BatchNorm's statistics) runs twice: the second
+        # run reads and updates copies of the values the first run read
+        self.buffers = {name: b.clone() for name, b in graph.stateful._buffers.items() if b is not None}
+        self.kept_bytes = sum(b.untyped_storage().nbytes() for b in self.buffers.values())  # on the device
+
+
+class _FirstStep(torch.autograd.Function):
+    """A graph's call in the first step: the forward runs the graph as dynamo made it, saving
+    nothing for the backward but its inputs (as ``torch.utils.checkpoint`` does); the backward
+    plans the graph, now that the step's graphs are all known, and runs its plan whole.
+
+    The backward replays the forward's random draws (the generator states are restored) and
+    hands buffers the graph updates in place their values from before the forward, in copies,
+    so that they are updated once, as in eager mode."""
+
+    @staticmethod
+    def forward(ctx, record: FirstCall, *args: Any):
+        ctx.record = record
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        out = record.graph.stateful(*args)
+        if [t._version for t in tensors] != versions:  # `_changes_inputs` missed an in-place op on an input
+            raise RuntimeError(f"memplan backend: graph {record.graph.index} changed one of its inputs in place, "
+                               "which its first step cannot run again from its inputs at its backward")
+        ctx.save_for_backward(*tensors)  # changed in place later, before the backward reads them: caught there
+        record.returns_list = isinstance(out, list)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        ctx.mark_non_differentiable(*(o for o in outs if isinstance(o, torch.Tensor)
+                                      and not (o.is_floating_point() or o.is_complex())))
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        record: FirstCall = ctx.record
+        graph, backend = record.graph, record.graph.backend
+        ctx.saved_tensors  # noqa: B018 (raises where an input was changed in place since the forward)
+        args = record.args
+        needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+        given = [g for g in grads if g is not None]
+        try:
+            if not given:
+                return (None, *(None for _ in args))
+            with torch.enable_grad():
+                backend.rehearse()
+                module = graph._module_at_backward(record, sum(g.untyped_storage().nbytes() for g in given))
+                leaves = tuple(a.detach().requires_grad_() if need else a for a, need in zip(args, needs))
+                saved_buffers = dict(graph.stateful._buffers)
+                graph.stateful._buffers.update(record.buffers)
+                try:
+                    with _replayed_rng(record.rng):
+                        out = module(*leaves) if module is not None else graph.stateful(*leaves)
+                finally:
+                    graph.stateful._buffers.update(saved_buffers)
+                outs = out if isinstance(out, (tuple, list)) else (out,)
+                pairs = [(o, g) for o, g in zip(outs, grads)
+                         if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+                # the outputs the caller still holds are held through the plan's backward, as they are
+                # in a later step: the plan learns how the step uses its outputs from this backward too
+                held = [o for o, ref in zip(outs, record.output_refs) if ref is not None and ref() is not None]
+                del out, outs
+                wrt = [leaf for leaf, need in zip(leaves, needs) if need]
+                got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                           if pairs else [None] * len(wrt))
+                del pairs, held
+            return (None, *(next(got) if need else None for need in needs))
+        finally:
+            record.args = None
+            backend.ledger.release(record.token)
+
+
+def _peak_holding(plan: Plan, extra: int) -> int:
+    """The peak of ``plan`` run while ``extra`` bytes (its output gradients) are held from its start,
+    not from its backward on: the first step runs a graph's plan whole inside its backward."""
+    steps = list(plan.schedule)
+    cut = next((k for k, (op, node) in enumerate(steps) if op == "compute" and node == BACKWARD), 0)
+    before = int(plan.simulated.timeline[:cut].max()) if cut else plan.simulated.initial
+    return max(plan.predicted_peak, before + extra)
+
+
+def _rng_states(tensors: list[torch.Tensor]) -> tuple[list[torch.device], list[bytes]]:
+    """The generator states a replay of a forward on ``tensors`` restores: the CPU generator's and
+    each CUDA device's the tensors are on (as ``torch.utils.checkpoint`` saves them), as Python
+    bytes: a state tensor held to the backward would be CPU memory in the step (5 kB a graph)."""
+    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    return [torch.device("cpu"), *devices], [_rng_state(d) for d in [torch.device("cpu"), *devices]]
+
+
+def _rng_state(device: torch.device) -> bytes:
+    return generator_state(device)[0]().numpy().tobytes()
+
+
+def _set_rng_state(device: torch.device, state: bytes) -> None:
+    # the bytes' own memory, not the allocator's
+    generator_state(device)[1](torch.frombuffer(bytearray(state), dtype=torch.uint8))
+
+
+@contextlib.contextmanager
+def _replayed_rng(saved: tuple[list[torch.device], list[bytes]]):
+    """Run with the generators as they were at ``saved``; put them back as they are now after."""
+    devices, states = saved
+    now = [_rng_state(d) for d in devices]
+    for d, state in zip(devices, states):
+        _set_rng_state(d, state)
+    try:
+        yield
+    finally:
+        for d, state in zip(devices, now):
+            _set_rng_state(d, state)
+
+
+# Methods and functions whose result may share its first argument's memory (views), through which
+# an in-place op on the result changes a graph input.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "t", "permute", "expand", "expand_as", "squeeze",
+    "unsqueeze", "narrow", "select", "flatten", "unflatten", "as_strided", "diagonal", "unbind", "split", "chunk",
+    "contiguous", "detach", "__getitem__", "movedim", "swapaxes", "swapdims", "unfold", "real", "imag",
+    "type_as", "to", "float", "half", "double", "bfloat16",
+})
+_VIEW_FUNCTIONS = frozenset({
+    operator.getitem, torch.reshape, torch.transpose, torch.t, torch.permute, torch.squeeze, torch.unsqueeze,
+    torch.narrow, torch.select, torch.flatten, torch.unflatten, torch.as_strided, torch.diagonal, torch.unbind,
+    torch.split, torch.chunk, torch.movedim, torch.swapaxes, torch.detach, getattr,
+})
+
+
+def _changes_inputs(gm: fx.GraphModule, buffers: frozenset[int]) -> bool:
+    """Whether the graph changes one of its inputs (other than the module buffers at ``buffers``,
+    which `_GraphWithBuffers` hands over) in place: an in-place op (``add_``, ``x[i] = v``,
+    ``+=``, ``inplace=True``, ``out=``) on an input or on a view of one."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    aliases = {n for i, n in enumerate(placeholders) if i not in buffers}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_method", "call_function") or not node.args:
+            continue
+        first = node.args[0]
+        if node.op == "call_method":
+            name, view = node.target, node.target in _VIEW_METHODS
+        else:
+            name, view = getattr(node.target, "__name__", ""), node.target in _VIEW_FUNCTIONS
+        in_place = ((name.endswith("_") and not name.endswith("__")) or node.target in _IN_PLACE_OPERATORS
+                    or node.kwargs.get("inplace") is True or "out" in node.kwargs)
+        if first in aliases and in_place:
+            return True
+        if first in aliases and view:
+            aliases.add(node)
+    return False
+
+
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+    operator.imatmul,
+})
+
+
+def _graph_break_site() -> str | None:
+    """Where dynamo broke the frame it is compiling a graph from (``file:line `code```, and why),
+    read while the backend is called; None when the graph ends with the frame's return, or where
+    dynamo does not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        reason = InstructionTranslator.current_tx().output.compile_subgraph_reason
+    except Exception:  # not called by dynamo (a test calling the backend itself), or dynamo changed
+        return None
+    if reason is None or not getattr(reason, "graph_break", False) or not reason.user_stack:
+        return None
+    frame = reason.user_stack[-1]
+    why = reason.reason.strip().splitlines()[0] if reason.reason else ""
+    why = "a branch on a tensor's value" if why.startswith("generic_jump") else why
+    code = (frame.line or "").strip()
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} `{code}`" + (f" ({why})" if why else "")
+
+
+class _GraphWithBuffers(nn.Module):
+    """A dynamo graph whose module buffers are buffers again.
+
+    Dynamo hands a module's buffers (BatchNorm's running statistics) to the graph as inputs,
+    which the graph updates in place; memplan plans steps that update buffers (applied once,
+    after the forward) but not steps that write to their inputs. The inputs dynamo took from
+    a module's ``_buffers`` are registered here, so that a plan treats them as buffers; the
+    tensors are the model's own, rebound on every call (a module may replace a buffer)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        super().__init__()
+        self.graph_module = gm
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.buffer_positions: list[int] = []
+        for i, (node, example) in enumerate(zip(placeholders, example_inputs)):
+            grapharg = node.meta.get("grapharg")
+            source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+            if isinstance(example, torch.Tensor) and "._buffers[" in source:
+                self.register_buffer(f"b{i}", example)
+                self.buffer_positions.append(i)
+        self.buffer_set = frozenset(self.buffer_positions)
+        self.arity = len(placeholders)
+
+    def bind(self, args: tuple) -> tuple:
+        """Take this call's buffers from ``args``; the other arguments, for :meth:`forward`."""
+        for i in self.buffer_positions:
+            self._buffers[f"b{i}"] = args[i]
+        return tuple(a for i, a in enumerate(args) if i not in self.buffer_set)
+
+    def forward(self, *rest: Any) -> Any:
+        it = iter(rest)
+        args = [self._buffers[f"b{i}"] if i in self.buffer_set else next(it) for i in range(self.arity)]
+        return self.graph_module(*args)
+
+
+def _scalars_read_as_numbers(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of inputs the graph only reads as Python numbers (``x.item()``), rewritten in
+    place to take the number itself.
+
+    With ``dynamic=True`` dynamo passes a module's float attributes (LayerNorm's ``eps``) as 0-d
+    tensors and reads them with ``.item()`` inside the graph; a plan is made on fake tensors,
+    whose values cannot be read. The number is a constant of the input signature instead (its
+    plan is reused while the value stays the same, as dynamo's own guards would have it)."""
+    positions = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        users = list(node.users)
+        if users and all(u.op == "call_method" and u.target == "item" and len(u.args) == 1 for u in users):
+            for user in users:
+                user.replace_all_uses_with(node)
+                gm.graph.erase_node(user)
+            positions.append(i)
+    if positions:
+        gm.recompile()
+    return frozenset(positions)
+
+
+def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
+    """Storages (key -> bytes) that eager autograd saved for backward between the planned graphs
+    and these inputs: the ``_saved_*`` tensors of every autograd node reached back from the inputs,
+    stopping at planned steps (their memory is in their plans) and at leaves.
+
+    Eager Python between graphs (what dynamo runs itself, frames it skips) keeps tensors for its
+    backward like any eager code; the ledger has to count them to know what a graph is left."""
+    saved: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in inputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, (PlannedStep._backward_cls, _FirstStep._backward_cls)) \
+                or type(node).__name__ == "AccumulateGrad":
+            continue
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, attr)
+            except RuntimeError:  # already freed by a backward
+                continue
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    saved[storage_key(t)] = t.untyped_storage().nbytes()
+        stack.extend(f for f, _ in node.next_functions)
+    return saved
+
+
+def _shape_key(args: tuple) -> tuple:
+    """What a plan depends on in a graph's arguments: each tensor's shape and dtype, other values as they are."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
