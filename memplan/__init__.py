@@ -23,7 +23,8 @@ The modules, in pipeline order (a stage imports only from the stages above it;
 ``memplan.models`` (the built-in model zoo and ``make demo``) is no part of the
 pipeline: nothing above imports it but the CLI.
 """
-from memplan.planning.analysis import Analysis, analyze
+from memplan.planning.analysis import Analysis
+from memplan.pipeline.stages import analyze
 from memplan.frontend.backend import BudgetSplitWarning, MemplanBackend, SplitBudgetError, backend
 from memplan.frontend.budget import parse_budget
 from memplan.frontend.module import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss

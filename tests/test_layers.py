@@ -304,3 +304,30 @@ def test_every_warning_class_of_memplan_is_exported():
                     and getattr(memplan, name, None) is not obj):
                 missing.append(f"{info.name}.{name}")
     assert not missing, f"warning classes not exported by memplan: {missing}"
+
+
+# The stages every planning caller reaches through `memplan.pipeline.stages` only.
+PIPELINE_STAGES = {"capture", "learn_updates", "analyze_capture"}
+PIPELINE_MODULE = "memplan.pipeline.stages"
+
+
+def stage_callers(package: str) -> dict[str, set[str]]:
+    """Stage function name -> the modules of ``package`` that call it (by name or as an attribute)."""
+    callers: dict[str, set[str]] = {name: set() for name in PIPELINE_STAGES}
+    for module, path in package_modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+                if name in callers:
+                    callers[name].add(module)
+    return callers
+
+
+def test_the_pipeline_is_the_only_caller_of_its_stages():
+    """``optimize``, the backend, saved plans, ``analyze`` and the CLI all plan through one
+    pipeline: none of them captures, probes the optimizer or analyses by itself."""
+    callers = stage_callers("memplan")
+    assert all(callers.values()), f"a stage nobody calls: {callers}"
+    others = {name: sorted(mods - {PIPELINE_MODULE}) for name, mods in callers.items() if mods - {PIPELINE_MODULE}}
+    assert not others, f"stages called outside {PIPELINE_MODULE}: {others}"

@@ -1,10 +1,11 @@
 """A solved plan for one input signature: the schedule, its predictions, its report.
 
-``make_plan`` is the pipeline of DESIGN.md in one place:
+``make_plan`` runs the pipeline (`memplan.pipeline.stages`) for a budget:
 capture -> costs -> Problem -> solver -> Program.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -17,15 +18,15 @@ import torch
 
 import solvers
 from solvers.core.sequence import tighten_frees
-from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
-from memplan.capture.trace import capture
+from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile
-from memplan.updates.optimizer import Accumulation, UpdatePlacement, UpdateRunner, host_updates, learn_updates
+from memplan.updates.optimizer import Accumulation, UpdatePlacement, host_updates
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.planning.lowering import BACKWARD, CUT_RESERVE, is_reference, updated_after_reads
-from memplan.runtime.program import Program, build_program
+from memplan.runtime.program import Program
+from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step
 from memplan.core.units import format_bytes
 
 
@@ -394,32 +395,32 @@ def make_plan(
     clock = PlanningClock.begin(time_limit, started)
     phases = PhaseTimer(clock.started)
     phases.lap("eager replay")  # the caller's, for a budget relative to the eager peak (0 when none)
-    cap = capture(model, args, kwargs, output_use=output_use)
-    phases.lap("capture")
-    primal_names = [p.name for p in cap.primals]
-    updates = (learn_updates(optimizer, model, primal_names, profile, measure_times=measure_on is not None)
-               if optimizer is not None else [])
-    phases.lap("optimizer")
-    if eager_peak is None:
-        eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
-    phases.lap("eager replay")
+    lap_as = {"capture": "capture", "optimizer": "optimizer", "eager": "eager replay"}
+
+    @contextlib.contextmanager
+    def lapped(key: str, text: str):
+        yield
+        phases.lap(lap_as[key])
+
+    prepared = prepare_step(model, args, kwargs, profile=profile, output_use=output_use, optimizer=optimizer,
+                            measure_on=measure_on, eager_peak=eager_peak, stage=lapped)
+    updates = prepared.updates
     steps = accumulation.steps if accumulation is not None else 1
     clipping = max_grad_norm is not None
     forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
     first = UpdatePlacement(after_backward=(updates_after_backward or clipping) and not forced_pass,
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass)
-    analysis = analyze_capture(cap, profile, eager_peak, measure_on, updates, first,
-                               carry_limit=None if carry_limit is None else (carry_limit, budget),
-                               scratch_on=scratch_on)
+    analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
+                            carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
     phases.lap("analysis")
     clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                             solver=solver, clock=clock, offload=offload)
     phases.lap("solve")
-    runner = update_runner(plan.analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
-    program = build_program(cap, plan.analysis.lowered, plan.schedule, runner, plan.simulated.timeline)
+    program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
+                         max_grad_norm, accumulation)
     phases.lap("runtime")
     return dataclasses.replace(plan, planning_time=phases.seconds), program
 
@@ -444,8 +445,7 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         if placement == analysis.lowered.placement:
             again = analysis
         else:
-            again = analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
-                                    placement, costs=analysis.costs)
+            again = analyze_placement(analysis, placement)
         return solve_plan(again, budget, **options())
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
@@ -512,19 +512,6 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
         # the collector ran first depended on allocations, a caller's dispatch mode or profiler.
         best = closest = None
         errors = infeasible = []
-
-
-def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                  grad_norm: bool = False, max_grad_norm: float | None = None,
-                  accumulation: Accumulation | None = None) -> UpdateRunner | None:
-    """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
-    low = analysis.lowered
-    if optimizer is None or not low.updates:
-        return None
-    params = dict(model.named_parameters())
-    host = frozenset(slot for slot, (_, _, name) in enumerate(low.updates) if name in low.host_states)
-    return UpdateRunner(optimizer, [params[name] for _, _, name in low.updates], grad_norm, max_grad_norm,
-                        host, accumulation)
 
 
 def host_bandwidth(analysis: Analysis) -> float:

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 import solvers
-from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
+from memplan.planning.analysis import Analysis
 from memplan.capture.signature import Capture
-from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile
 from memplan.passes.output_use import OutputUse
-from memplan.updates.optimizer import Accumulation, UpdatePlacement, learn_updates
-from memplan.pipeline.plan import Plan, plan_from_schedule, update_runner
+from memplan.updates.optimizer import Accumulation, UpdatePlacement
+from memplan.pipeline.plan import Plan, plan_from_schedule
+from memplan.pipeline.stages import analyze_step, build_step, prepare_step
 from memplan.planning.lowering import SCRATCH_PREFIX
 from memplan.core.storage import SCRATCH_BYTES
 from memplan.planning.saved_format import (
@@ -32,7 +32,7 @@ from memplan.planning.saved_format import (
     record_from_json,
     record_to_json,
 )
-from memplan.runtime.program import Program, build_program
+from memplan.runtime.program import Program
 from memplan.core.units import format_bytes
 
 
@@ -159,18 +159,18 @@ def make_plan_from_saved(
     where = saved.path or "the saved plan"
     _check_whole_step(saved, where, optimizer, max_grad_norm, accumulation)
     try:
-        cap = capture(model, args, kwargs, output_use=saved.output_use)
+        prepared = prepare_step(model, args, kwargs, profile=profile, output_use=saved.output_use, optimizer=optimizer,
+                                measure_on=measure_on, check_capture=saved.check)  # checked before the eager replay
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
+        if isinstance(exc, PlanMismatchError):
+            raise
         raise PlanMismatchError(f"{where} was made for a different model: {exc}") from None
-    saved.check(cap)  # before the eager replay: a mismatch should fail fast
-    updates = (learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
-                             measure_times=measure_on is not None) if optimizer is not None else [])
+    cap = prepared.capture
     # (scratch a graph pass declared on its node is not measured: every plan counts it)
     declared = {SCRATCH_PREFIX + n.name for n in cap.graph_module.graph.nodes if SCRATCH_BYTES in n.meta}
     with_scratch = any(str(name).startswith(SCRATCH_PREFIX) and name not in declared for _, name in saved.schedule)
-    analysis = analyze_capture(cap, profile, replay_eager_peak_of(cap, model, args, kwargs), measure_on,
-                               updates, saved.placement or UpdatePlacement(),
-                               scratch_on=scratch_on if with_scratch else None)
+    analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=saved.placement or UpdatePlacement(),
+                            scratch_on=scratch_on if with_scratch else None)
     if optimizer is not None and analysis.all_optimizer_state_bytes != saved.optimizer_state_bytes:
         raise PlanMismatchError(
             f"{where} was made for an optimizer that keeps {format_bytes(saved.optimizer_state_bytes)} of state; "
@@ -178,8 +178,8 @@ def make_plan_from_saved(
             "pass the optimizer the plan was made with, or re-plan"
         )
     plan = saved.bind(analysis, budget)
-    runner = update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation)
-    return plan, build_program(cap, analysis.lowered, plan.schedule, runner, plan.simulated.timeline)
+    return plan, build_step(analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
+                            max_grad_norm, accumulation)
 
 
 def _check_whole_step(saved: SavedPlan, where: str, optimizer: torch.optim.Optimizer | None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -27,8 +27,8 @@ from solvers.core.solution import finish
 from memplan.capture.patches import MetaConstantsAsCPU
 from memplan.capture.signature import Capture, flatten_output, swapped_state
 from memplan.capture.patches import eager_resampling, traced_as_compiling
-from memplan.capture.trace import capture, fakeify
-from memplan.costs.cost_model import DeviceProfile, GraphCosts, annotate, get_profile
+from memplan.capture.trace import fakeify
+from memplan.costs.cost_model import DeviceProfile, GraphCosts, annotate
 from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX, ParamUpdate, UpdatePlacement
 from memplan.passes.output_use import OutputUse
 from memplan.planning.lowering import BACKWARD, Lowered, lower, updated_after_reads
@@ -241,19 +241,3 @@ def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None
 
         scratch = measure_op_scratch(cap.graph_module, scratch_on)
     return annotate(cap.graph_module, profile, measured, scratch)
-
-
-def analyze(
-    model: torch.nn.Module,
-    example_inputs: Any = (),
-    example_kwargs: dict | None = None,
-    *,
-    device_profile: str | DeviceProfile | None = None,
-) -> Analysis:
-    """Capture ``model`` on fake tensors and predict its eager step's memory and time."""
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
-    device = next((t.device for t in model.parameters()), torch.device("cpu"))
-    cap = capture(model, example_inputs, example_kwargs)
-    eager = replay_eager_peak(model, example_inputs, dict(example_kwargs or {}))
-    return analyze_capture(cap, get_profile(device_profile, device), eager)

@@ -234,10 +234,8 @@ OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.01, "momentum": 0.9}), "adam": ("Adam", {}
 
 
 def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None):
-    from memplan.planning.analysis import analyze_capture, replay_eager_peak
-    from memplan.capture.trace import capture
     from memplan.costs.cost_model import get_profile
-    from memplan.updates.optimizer import learn_updates
+    from memplan.pipeline.stages import analyze
 
     import torch
 
@@ -246,18 +244,12 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         profile = get_profile(device_profile, device)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    with progress.stage("capture", "capturing forward+backward on fake tensors"):
-        cap = capture(target.module, target.args, target.kwargs)
-    with progress.stage("eager", "replaying the eager step on fake tensors"):
-        eager = replay_eager_peak(target.module, target.args, target.kwargs)
-    updates = []
+    opt = None
     if optimizer is not None:
         cls_name, hyper = OPTIMIZERS[optimizer]
         opt = getattr(torch.optim, cls_name)(target.module.parameters(), **hyper)
-        with progress.stage("optimizer", f"learning what {cls_name} keeps and allocates"):
-            updates = learn_updates(opt, target.module, [p.name for p in cap.primals], profile)
-    with progress.stage("analyze", "costing and lowering the joint graph"):
-        return analyze_capture(cap, profile, eager, updates=updates)
+    return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
+                   stage=progress.stage)
 
 
 def _solve_options(args: argparse.Namespace) -> dict:

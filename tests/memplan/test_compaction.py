@@ -6,7 +6,7 @@ import torch
 
 import memplan
 import memplan.capture.trace
-from memplan.planning.analysis import analyze
+from memplan.pipeline.stages import analyze
 from memplan.capture.trace import capture
 from memplan.passes.compaction import copy_out_late_views
 from memplan.measure.tracker import measure_peak

@@ -1,0 +1,149 @@
+"""The pipeline written once: capture -> learn the updates -> eager replay -> costs and lowering
+-> (solve) -> build.
+
+Every caller goes through these functions: `memplan.pipeline.plan.make_plan` (``optimize`` and
+the backend), `memplan.pipeline.saved.make_plan_from_saved` (a saved plan reused), `analyze`
+(the exported ``memplan.analyze``) and the CLI. None of them calls the capture, the optimizer's
+probe or the analysis by itself (`tests/test_layers.py` checks it), so a stage added here is added
+for all of them.
+
+``stage``: a context manager factory ``stage(key, text)`` wrapped around each stage, for callers
+that time or show progress (the CLI's spinner, ``make_plan``'s phase timer); the keys are
+"capture", "optimizer", "eager" and (in `analyze`) "analyze".
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from memplan.capture.signature import Capture
+from memplan.capture.trace import capture
+from memplan.costs.cost_model import DeviceProfile, GraphCosts, get_profile
+from memplan.passes.output_use import OutputUse
+from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
+from memplan.updates.optimizer import Accumulation, ParamUpdate, UpdatePlacement, UpdateRunner, learn_updates
+from memplan.runtime.program import Program, build_program
+
+Stage = Callable[[str, str], ContextManager[Any]]
+
+
+def no_stage(key: str, text: str) -> ContextManager[None]:
+    """The default ``stage``: nothing around a stage."""
+    return contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """What the stages before the costs make of one step: its joint graph, what the optimizer's
+    update of each parameter costs (empty without an optimizer), and the eager step's peak."""
+
+    capture: Capture
+    updates: list[ParamUpdate]
+    eager_peak: int
+
+
+def prepare_step(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    profile: DeviceProfile,
+    output_use: OutputUse = OutputUse(),
+    optimizer: torch.optim.Optimizer | None = None,
+    measure_on: torch.device | None = None,
+    eager_peak: int | None = None,
+    check_capture: Callable[[Capture], None] | None = None,
+    stage: Stage = no_stage,
+) -> PreparedStep:
+    """Capture the step, learn its optimizer's updates and replay it eagerly on fake tensors.
+
+    ``eager_peak``: the eager step's peak when the caller has replayed it already for this output
+    use. ``check_capture`` runs on the capture before anything else (a saved plan's check: a
+    mismatch fails before the replay). ``measure_on``: the optimizer's update is timed there."""
+    with stage("capture", "capturing forward+backward on fake tensors"):
+        cap = capture(model, args, kwargs, output_use=output_use)
+    if check_capture is not None:
+        check_capture(cap)
+    updates: list[ParamUpdate] = []
+    if optimizer is not None:
+        with stage("optimizer", f"learning what {type(optimizer).__name__} keeps and allocates"):
+            updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
+                                    measure_times=measure_on is not None)
+    with stage("eager", "replaying the eager step on fake tensors"):
+        if eager_peak is None:
+            eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
+    return PreparedStep(cap, updates, eager_peak)
+
+
+def analyze_step(
+    prepared: PreparedStep,
+    profile: DeviceProfile,
+    *,
+    measure_on: torch.device | None = None,
+    placement: UpdatePlacement = UpdatePlacement(),
+    carry_limit: tuple[int, int] | None = None,
+    scratch_on: torch.device | None = None,
+) -> Analysis:
+    """Costs, the solver's Problem and the store-all baseline of a prepared step
+    (`memplan.planning.analysis.analyze_capture`), its updates placed as ``placement`` says."""
+    return analyze_capture(prepared.capture, profile, prepared.eager_peak, measure_on, prepared.updates, placement,
+                           carry_limit=carry_limit, scratch_on=scratch_on)
+
+
+def analyze_placement(analysis: Analysis, placement: UpdatePlacement, carry_limit: tuple[int, int] | None = None,
+                      costs: GraphCosts | None = None) -> Analysis:
+    """The same step lowered again with its updates placed otherwise; its costs are reused."""
+    return analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
+                           placement, costs=costs if costs is not None else analysis.costs, carry_limit=carry_limit)
+
+
+def build_step(
+    analysis: Analysis,
+    schedule: Any,
+    timeline: Any,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    grad_norm: bool = False,
+    max_grad_norm: float | None = None,
+    accumulation: Accumulation | None = None,
+) -> Program:
+    """The runnable program of a solved schedule, with the runner of the optimizer updates it places."""
+    return build_program(analysis.capture, analysis.lowered, schedule,
+                         update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation), timeline)
+
+
+def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                  grad_norm: bool = False, max_grad_norm: float | None = None,
+                  accumulation: Accumulation | None = None) -> UpdateRunner | None:
+    """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
+    low = analysis.lowered
+    if optimizer is None or not low.updates:
+        return None
+    params = dict(model.named_parameters())
+    host = frozenset(slot for slot, (_, _, name) in enumerate(low.updates) if name in low.host_states)
+    return UpdateRunner(optimizer, [params[name] for _, _, name in low.updates], grad_norm, max_grad_norm,
+                        host, accumulation)
+
+
+def analyze(
+    model: torch.nn.Module,
+    example_inputs: Any = (),
+    example_kwargs: dict | None = None,
+    *,
+    device_profile: str | DeviceProfile | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    stage: Stage = no_stage,
+) -> Analysis:
+    """Capture ``model`` on fake tensors and predict its eager step's memory and time
+    (with ``optimizer``: the whole step, its state and updates included)."""
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    device = next((t.device for t in model.parameters()), torch.device("cpu"))
+    profile = get_profile(device_profile, device)
+    prepared = prepare_step(model, example_inputs, dict(example_kwargs or {}), profile=profile, optimizer=optimizer,
+                            stage=stage)
+    with stage("analyze", "costing and lowering the joint graph"):
+        return analyze_step(prepared, profile)
