@@ -84,13 +84,15 @@ def test_compiled_rows_are_measured_by_the_profiler(quick_run):
 
 
 def test_readme_summary_between_markers(quick_run):
-    _, readme = quick_run
+    out, readme = quick_run
     text = readme.read_text()
     assert text.startswith("# project\n\nfirst lines\n")
     inner = text[text.index(START) + len(START) : text.index(END)]
-    assert "| unet |" in inner
-    assert "| memplan compiled |" in inner  # the per-model speed table
-    assert "time at 50%" in inner
+    assert "| unet |" in inner  # the one summary table
+    assert "(./unet.md)" in inner and "(./README.md)" in inner  # links to the results files
+    assert "time at 50%" not in inner  # the per-model tables stay in the results folder
+    full = (out / "README.md").read_text()
+    assert "| memplan compiled |" in full and "time at 50%" in full
 
 
 def test_markdown_regenerates_from_results_json(quick_run, tmp_path):
@@ -104,7 +106,8 @@ def test_markdown_regenerates_from_results_json(quick_run, tmp_path):
     assert (regen / "unet.md").read_text() == (out / "unet.md").read_text()
     assert (regen / "README.md").read_text() == (out / "README.md").read_text()
     summary = lambda text: text[text.index(START) : text.index(END)]
-    assert summary(regen_readme.read_text()) == summary(readme.read_text())
+    # the same summary; its links point at each run's own folder (here results/, there the README's own)
+    assert summary(regen_readme.read_text()).replace("results/", "./") == summary(readme.read_text())
 
 
 def test_splice_replaces_only_between_markers():
