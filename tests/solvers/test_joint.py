@@ -1,4 +1,4 @@
-"""Method "joint" (solvers/joint.py): the keep / recompute / offload MILP.
+"""Method "joint" (solvers/strategies/joint.py): the keep / recompute / offload MILP.
 
 Checked against the simulator, the exhaustive remat-only search and the
 "offload" heuristic on small random graphs, and on a constructed graph where
