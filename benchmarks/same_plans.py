@@ -1,10 +1,12 @@
 """Same plans before and after a change that must not change them.
 
-A restructuring of `solvers/` promises identical plans: deterministic
-methods give the same costs and peaks on the exported real-model graphs
-and on small random training graphs, and "auto" (whose local search runs
-on the clock) gives costs within a tolerance. This records them through the
-public API only, so the same script runs on both sides of the change:
+A restructuring of `solvers/` or `memplan/` promises identical plans: deterministic
+methods give the same costs and peaks on the exported real-model graphs, on
+small random training graphs and on every zoo model captured afresh (whose
+analysis, eager peak, node count, FLOPs and predicted time must match too), and
+"auto" (whose local search runs on the clock) gives costs within a tolerance.
+This records them through the public API only (``memplan.analyze``,
+``solvers``), so the same script runs on both sides of the change:
 
     python -m benchmarks.same_plans --save before.json     # on the old tree
     python -m benchmarks.same_plans --compare before.json  # on the new tree
@@ -53,6 +55,23 @@ def _small_problems() -> list[tuple[str, solvers.Problem]]:
     return out
 
 
+def _zoo_problems() -> list[tuple[str, dict, solvers.Problem]]:
+    """Each zoo model at its tiny size, captured and analysed now: its analysis' figures, and its
+    Problem at half the way from the memory lower bound to store-all's peak."""
+    import memplan
+    from memplan.models import zoo
+
+    out = []
+    for name in zoo.names():
+        m = zoo.build(name, "tiny")
+        analysis = memplan.analyze(m.model, m.example_inputs, m.example_kwargs)
+        figures = {k: getattr(analysis, k) for k in ("num_nodes", "eager_peak", "graph_peak", "flops", "predicted_time",
+                                                       "activation_bytes", "param_bytes")}
+        problem = analysis.lowered.problem
+        out.append((f"zoo:{name}", figures, problem.with_budget(_budget(problem, 0.5))))
+    return out
+
+
 def _run(problem: solvers.Problem, method: str, limit) -> dict:
     started = time.perf_counter()
     try:
@@ -62,7 +81,7 @@ def _run(problem: solvers.Problem, method: str, limit) -> dict:
     return {"cost": sol.cost, "peak": sol.peak, "fits": sol.fits, "seconds": round(time.perf_counter() - started, 2)}
 
 
-def record(with_auto: bool, graphs: tuple[str, ...] = GRAPHS, small: bool = True) -> dict:
+def record(with_auto: bool, graphs: tuple[str, ...] = GRAPHS, small: bool = True, zoo: bool = True) -> dict:
     rows: dict[str, dict] = {}
     for name in graphs:
         problem = _graph(name)
@@ -75,6 +94,9 @@ def record(with_auto: bool, graphs: tuple[str, ...] = GRAPHS, small: bool = True
             print(key, json.dumps(rows[key]), flush=True)
     for key, p in (_small_problems() if small else ()):
         rows[key] = {"budget": p.budget, **{m: _run(p, m, 60.0) for m in DETERMINISTIC + SMALL_EXACT}}
+        print(key, json.dumps(rows[key]), flush=True)
+    for key, figures, p in (_zoo_problems() if zoo else ()):
+        rows[key] = {"budget": p.budget, "analysis": figures, **{m: _run(p, m, None) for m in DETERMINISTIC}}
         print(key, json.dumps(rows[key]), flush=True)
     return rows
 
@@ -103,8 +125,9 @@ def main() -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--compare", type=Path)
     parser.add_argument("--no-auto", action="store_true")
+    parser.add_argument("--only-zoo", action="store_true", help="the zoo models alone (what a memplan change can move)")
     args = parser.parse_args()
-    rows = record(with_auto=not args.no_auto)
+    rows = record(with_auto=not args.no_auto, graphs=() if args.only_zoo else GRAPHS, small=not args.only_zoo)
     if args.save:
         args.save.write_text(json.dumps(rows, indent=1))
     if args.compare:

@@ -54,7 +54,7 @@ import torch.fx as fx
 from memplan.runtime.program import VALUE
 from memplan.core.storage import storage_key
 from memplan.ops.transfer import offload
-from memplan.runtime.inductor import check
+from memplan.runtime.inductor import check as speed_check
 from memplan.runtime.inductor.check import best_times, check_run, seconds_per_call
 from memplan.runtime.inductor.compiler import Compiler, DONATED, KEEP_STRIDES, inductor_compiler
 from memplan.runtime.inductor.layouts import LayoutGuard, Restrided, is_dense, layout_of
@@ -253,7 +253,7 @@ class _Segmenting:
             i for i, w in enumerate(writes) if w in self.keep_strides]
         positional.meta[DONATED] = self.donatable(members, reads, vals)
         entry.donated = len(positional.meta[DONATED])
-        started = check.CLOCK()
+        started = speed_check.CLOCK()
         try:
             with torch.no_grad():
                 compiled = self.compiler(positional, vals)
@@ -262,7 +262,7 @@ class _Segmenting:
             entry.reason = f"it did not compile ({type(exc).__name__}: {first[:200]})"
             return None
         finally:
-            entry.compile_s = check.CLOCK() - started
+            entry.compile_s = speed_check.CLOCK() - started
             self.report.compile_s += entry.compile_s
         if self.check:
             # held through the run: values read later, and the step's inputs (parameters, buffers,
@@ -311,15 +311,15 @@ class _Segmenting:
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
             with torch.no_grad():
                 entry.compiled_s, entry.eager_s = best_times([(compiled, vals), (eager, traced_vals)], self.device,
-                                                           check.TIMING_ROUNDS)
+                                                           speed_check.TIMING_ROUNDS)
             # (not where its eager code would need copies of values laid out otherwise: they cost
             # memory the plan does not have, and time)
             relaid = any(isinstance(v, torch.Tensor) and v is not t for v, t in zip(vals, traced_vals))
-            if check.SLOWER_MARGIN * entry.eager_s < entry.compiled_s < check.DOUBTFUL * entry.eager_s and not relaid:
+            if speed_check.SLOWER_MARGIN * entry.eager_s < entry.compiled_s < speed_check.DOUBTFUL * entry.eager_s and not relaid:
                 with torch.no_grad():
-                    again = best_times([(compiled, vals), (eager, traced_vals)], self.device, check.DOUBT_ROUNDS)
+                    again = best_times([(compiled, vals), (eager, traced_vals)], self.device, speed_check.DOUBT_ROUNDS)
                 entry.compiled_s, entry.eager_s = min(entry.compiled_s, again[0]), min(entry.eager_s, again[1])
-            if entry.compiled_s > check.SLOWER_MARGIN * entry.eager_s and not relaid:
+            if entry.compiled_s > speed_check.SLOWER_MARGIN * entry.eager_s and not relaid:
                 # Inductor's kernels are not always faster (small depthwise convolutions and layer
                 # norms on a channels-last layout: ConvNeXt's ran 17-21% slower than eager's)
                 entry.reason = (f"compiled, it runs slower than eager ({entry.compiled_s * 1e3:.2f} ms against "
@@ -475,7 +475,7 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
         keep_backward |= backward.copied
         kept_carried |= {position_of[v] for v in backward.copied if v in position_of}
     report.predicted_peak += held
-    if -report.predicted_saving > (check.STEP_SLOWER_MARGIN - 1) * plan.predicted_time:
+    if -report.predicted_saving > (speed_check.STEP_SLOWER_MARGIN - 1) * plan.predicted_time:
         # Inductor's code is not faster everywhere (small convolutions, layouts copied between runs)
         report.eager_instead = (f"compiled, the step was predicted {-report.predicted_saving * 1e3:.2f} ms slower "
                                 f"than eager ({sum(r.compiled for r in report.runs)} of {len(report.runs)} runs "
