@@ -85,6 +85,6 @@ def test_python_example_runs(line_no, code, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("line_no,command", CLI_LINES, ids=[f"cli-line-{n}" for n, _ in CLI_LINES])
 def test_cli_example_runs(line_no, command, tmp_path):
-    argv = [sys.executable, "-m", "memplan.cli", *shlex.split(command)[1:]]
+    argv = [sys.executable, "-m", "memplan.tools.cli", *shlex.split(command)[1:]]
     done = _run(argv, tmp_path)
     assert done.returncode == 0, f"README.md line {line_no}: {command}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"

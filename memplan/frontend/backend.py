@@ -15,7 +15,7 @@ made shape-generic gets a plan per concrete shape it is called with).
 others hold memory: their parameters, what their forwards saved for their backwards,
 and the gradients their backwards already made. Each call of a graph is planned for its
 *allowance*, the budget less those holdings; a graph whose allowance moves by more than
-``REUSE_SLACK`` gets a new plan (at most ``MAX_LEVELS`` kept per graph). Eager Python between
+``TUNABLES.reuse_slack`` gets a new plan (at most ``TUNABLES.max_levels`` kept per graph). Eager Python between
 graphs (what dynamo runs itself) is outside every plan; what it saves for its backward is
 counted against the graphs.
 
@@ -52,11 +52,7 @@ from memplan.capture.signature import CaptureError
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan
 from memplan.core.units import format_bytes
 from memplan.frontend.graphs import FirstCall, PlannedGraph
-# The first step's rehearsal of the next steps replays the step at most this many times while the
-# carry limits settle (each replay is what one more step would learn), and looks for the smallest
-# budget of a split that does not fit in at most this many more budgets.
-REHEARSALS = 6
-MIN_BUDGET_TRIES = 3
+from memplan.core.config import TUNABLES
 
 
 class BudgetSplitWarning(UserWarning):
@@ -129,7 +125,7 @@ class MemplanBackend:
         # graphs before it carrying nothing but what they return); try budgets from there up.
         lower = self.budget + max(floor, 0)
         need, found = self.budget + (floor if floor > 0 else min(short.values())), None
-        for _ in range(MIN_BUDGET_TRIES):
+        for _ in range(TUNABLES.min_budget_tries):
             trial = self.ledger.rehearsal()
             trial.budget, trial.reserve, trial.pending, trial.most_carried = need, {}, {}, {}
             _, short, floor = self._replay(trial, calls)
@@ -150,7 +146,7 @@ class MemplanBackend:
         beyond all that the calls before it carried (> 0: no carry limit can make the split fit)."""
         short: dict[int, int] = {}
         floor = 0
-        for _ in range(REHEARSALS):
+        for _ in range(TUNABLES.rehearsals):
             short, floor = {}, 0
             for record in calls:
                 graph, account = record.graph, record.account

@@ -19,15 +19,9 @@ from memplan.pipeline.plan import InfeasibleBudgetError, Plan
 from memplan.planning.lowering import BACKWARD
 from memplan.runtime.program import PlannedStep, generator_state
 from memplan.core.storage import storage_key
+from memplan.core.config import TUNABLES
 
 
-# A graph keeps its plan while its allowance stays within this share below the plan's budget
-# (and never above it): re-planning for every few bytes another graph's plan moves is not worth a solve.
-REUSE_SLACK = 0.05
-# Plans at this many budget levels are kept per graph (the least recently used goes first): a graph
-# called at many places in a step (an expert's, at every layer) has a level for each, and the first
-# step's rehearsal plans them all before the second step runs them.
-MAX_LEVELS = 16
 
 
 class PlannedGraph:
@@ -212,7 +206,7 @@ class PlannedGraph:
                           UserWarning, stacklevel=stacklevel)
 
     def _planned(self, budget: int, limit: int | None, args: tuple, exact: bool = False) -> OptimizedModule | None:
-        """A module with a plan for ``args`` at a budget at most ``budget`` (within ``REUSE_SLACK`` of
+        """A module with a plan for ``args`` at a budget at most ``budget`` (within ``TUNABLES.reuse_slack`` of
         it, or ``exact``) carrying at most ``limit``; None where no plan fits (remembered per input
         shape, with the smallest plan's peak in :attr:`min_budget`)."""
         budget = max(budget, 1)  # nothing left: a 1-byte attempt still finds the smallest plan
@@ -220,7 +214,7 @@ class PlannedGraph:
         if any(s == shape and l == limit and b >= budget for s, b, l in self.failed):
             return None
         key = next(((b, l) for (b, l) in self.levels
-                    if l == limit and (b == budget or (not exact and (1 - REUSE_SLACK) * budget <= b <= budget))),
+                    if l == limit and (b == budget or (not exact and (1 - TUNABLES.reuse_slack) * budget <= b <= budget))),
                    (budget, limit))
         module = self.levels.get(key)
         if module is not None and (key, shape) in self.prepared:
@@ -231,7 +225,7 @@ class PlannedGraph:
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module._warned_loss_outside = True
             self.levels[key] = module
-            while len(self.levels) > MAX_LEVELS:
+            while len(self.levels) > TUNABLES.max_levels:
                 dropped, _ = self.levels.popitem(last=False)
                 self.prepared = {(k, sh) for k, sh in self.prepared if k != dropped}
         try:

@@ -24,18 +24,19 @@ from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile, output_bytes
 from memplan.frontend.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
-                                 warn_unplanned_engine_memory)
+                                          warn_unplanned_engine_memory)
 from memplan.core.storage import storages_of
 from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
 from memplan.measure.tracker import unmeasured
 from memplan.updates.optimizer import Accumulation, check_optimizer
-from memplan.passes.output_use import REPLAN_FRACTION, OutputUse
+from memplan.passes.output_use import OutputUse
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.pipeline.saved import PlanMismatchError, as_saved, make_plan_from_saved
 from memplan.measure.timing import measure_host_bandwidth
 from memplan.runtime.program import Program, run_program
 from memplan.core.units import format_bytes
+from memplan.core.config import TUNABLES
 
 def held_gradient_bytes(model: nn.Module) -> int:
     """Bytes of the gradients ``model``'s trainable parameters already hold (each storage once).
@@ -55,8 +56,6 @@ def held_gradient_bytes(model: nn.Module) -> int:
     return sum(storages.values())
 
 
-# A loss computed outside the module from outputs this large a share of the budget is worth a warning.
-LOSS_OUTSIDE_FRACTION = 0.05
 
 
 class GraphBreakWarning(UserWarning):
@@ -316,7 +315,7 @@ class OptimizedModule(nn.Module):
         gradient (``missing``) and those the caller had let go (``dropped``): what the next plan assumes.
 
         A new assumption is taken up only where it concerns outputs worth re-planning for: at
-        least ``REPLAN_FRACTION`` of the plan's peak (a logits tensor, not a scalar loss)."""
+        least ``TUNABLES.replan_fraction`` of the plan's peak (a logits tensor, not a scalar loss)."""
         self._check_loss_inside(plan, missing)
         arrived = planned.no_grad - missing
         kept = planned.dropped - dropped
@@ -345,12 +344,12 @@ class OptimizedModule(nn.Module):
         if not changed:
             return
         sizes = output_bytes(plan.analysis.capture, plan.analysis.costs)
-        if sum(sizes[i] for i in changed) >= REPLAN_FRACTION * plan.predicted_peak:
+        if sum(sizes[i] for i in changed) >= TUNABLES.replan_fraction * plan.predicted_peak:
             self._output_use[sig] = learned
 
     def _check_loss_inside(self, plan: Plan, missing: frozenset[int]) -> None:
         """Warn once when the loss is computed outside the module from outputs that hold a
-        significant share of the budget (``LOSS_OUTSIDE_FRACTION``): the caller's graph between
+        significant share of the budget (``TUNABLES.loss_outside_fraction``): the caller's graph between
         them and the loss is not in the plan. A cross-entropy over logits saves a log-softmax
         as large as the logits, so the step can exceed the budget by about the outputs' bytes."""
         if self._warned_loss_outside:
@@ -359,7 +358,7 @@ class OptimizedModule(nn.Module):
         sizes = output_bytes(cap, plan.analysis.costs)
         given = [i for i, needs in enumerate(cap.user_requires_grad) if needs and i not in missing]
         outside = sum(sizes[i] for i in given)
-        if outside < LOSS_OUTSIDE_FRACTION * plan.budget:
+        if outside < TUNABLES.loss_outside_fraction * plan.budget:
             return
         self._warned_loss_outside = True
         warnings.warn(

@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from memplan.ops.kernels import eager_kernel
+from memplan.core.config import TUNABLES
 
 
 def _materialize(val: Any, device: torch.device) -> Any:
@@ -127,8 +128,6 @@ SCRATCH_OPS: frozenset[str] = frozenset({
     "aten._safe_softmax.default",
 })
 
-# Scratch under this many bytes is the allocator's rounding or a scalar, not worth a node of the Problem.
-MIN_SCRATCH_BYTES = 256
 
 _SCRATCH_CACHE: dict[tuple, int] = {}
 
@@ -150,7 +149,7 @@ def _signature(node: fx.Node, device: torch.device) -> tuple:
 def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[str, int]:
     """Bytes each op of `SCRATCH_OPS` in ``gm`` allocates for itself while it runs (its peak on the
     device allocator, less its new outputs), measured once per op signature on ``device`` with
-    synthetic inputs; ops under `MIN_SCRATCH_BYTES` are left out.
+    synthetic inputs; ops under `TUNABLES.min_scratch_bytes` are left out.
 
     The caller's random state is left as it was (dropout draws here). An op that fails on synthetic
     inputs is left out (no scratch known)."""
@@ -183,6 +182,6 @@ def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[s
                     _SCRATCH_CACHE[sig] = 0
                 finally:
                     del held
-            if _SCRATCH_CACHE[sig] >= MIN_SCRATCH_BYTES:
+            if _SCRATCH_CACHE[sig] >= TUNABLES.min_scratch_bytes:
                 scratch[node.name] = _SCRATCH_CACHE[sig]
     return scratch

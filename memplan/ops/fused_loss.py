@@ -12,15 +12,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from memplan.core.config import TUNABLES
 
 aten = torch.ops.aten
 
-# The gradient is made this many blocks of rows at a time: one block's bytes are the op's scratch.
-SCRATCH_BLOCKS = 32
 
 
 def _block_rows(rows: int) -> int:
-    return max(1, -(-rows // SCRATCH_BLOCKS))
+    return max(1, -(-rows // TUNABLES.loss_scratch_blocks))
 
 
 def _over_its_input(device: torch.device) -> bool:

@@ -22,9 +22,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from memplan.core.storage import dense_tensors, storage_key
+from memplan.core.config import TUNABLES
 
-# A copy is worth making when it frees at least as many bytes as it takes.
-MAX_VIEW_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def _late_views(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, list[fx.Node
                 continue  # only a plain tensor read by ops, not viewed further, is copied
             storage = val.untyped_storage().nbytes()
             view_bytes = val.numel() * val.element_size()
-            if not 0 < view_bytes <= MAX_VIEW_FRACTION * storage:
+            if not 0 < view_bytes <= TUNABLES.max_view_fraction * storage:
                 continue
             rest = [u for h in holders if h is not view for u in h.users if u is not view]
             last_rest = max(rest, key=position.__getitem__, default=None)

@@ -17,7 +17,7 @@ backward: 21 ms against 32 ms for the two ops, whose second buffer is fresh memo
 where that is not checked here, a block of rows at a time: each block's gradient is the ATen
 kernel's on those rows (a row's sum and its entries read that row alone), copied back over the
 block it was made from, with no assumption on how a kernel treats an output that aliases its
-input; one block (`memplan.ops.fused_loss.SCRATCH_BLOCKS`) is the op's scratch, which the node declares
+input; one block (`memplan.core.config.Tunables.loss_scratch_blocks`) is the op's scratch, which the node declares
 (`memplan.core.storage.SCRATCH_BYTES`) so that plans count it. Either way the values are the two ops'
 to the bit (`tests/memplan/test_loss_fusion.py`), and the step holds two logits-size buffers
 where it held three.

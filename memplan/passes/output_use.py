@@ -67,9 +67,6 @@ class OutputUse:
 
 _ADD = torch.ops.aten.add.Tensor
 
-# What learning how a step uses the outputs must be worth before memplan plans again: the
-# bytes of the outputs concerned, as a fraction of the peak of the plan in use.
-REPLAN_FRACTION = 0.01
 
 
 def add_if_given(tangent: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:

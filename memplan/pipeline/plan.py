@@ -28,6 +28,7 @@ from memplan.planning.lowering import BACKWARD, CUT_RESERVE, is_reference, updat
 from memplan.runtime.program import Program
 from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step
 from memplan.core.units import format_bytes
+from memplan.core.config import TUNABLES
 
 
 class InfeasibleBudgetError(ValueError):
@@ -53,15 +54,6 @@ class InfeasibleBudgetError(ValueError):
         )
 
 
-# optimize() without a time_limit plans within DEFAULT_TIME_LIMIT seconds, whole call (the eager
-# replay of a relative budget, capture, costs, solve, runtime), and the search stops as soon as its
-# plan is proven within DEFAULT_GAP of optimal: a model reaches its first planned step in seconds.
-# A time_limit given bounds the whole call the same way, and the search then goes on until its
-# plan is within the strategy's own, tighter gap (`solvers.strategies.hierarchical.EARLY_GAP`).
-DEFAULT_TIME_LIMIT = 8.0
-DEFAULT_GAP = 0.03
-# The solver gets at least this many seconds, whatever capture took: a plan is still needed.
-MIN_SOLVE_TIME = 1.0
 
 
 class PlanningTimeWarning(UserWarning):
@@ -80,18 +72,18 @@ class PlanningClock:
     @classmethod
     def begin(cls, time_limit: float | None, started: float | None = None) -> "PlanningClock":
         """The clock of a call that started at ``started`` (default: now) with ``time_limit``
-        (None: `DEFAULT_TIME_LIMIT`, stopping at `DEFAULT_GAP`)."""
+        (None: `TUNABLES.default_time_limit`, stopping at `TUNABLES.default_gap`)."""
         started = time.perf_counter() if started is None else started
         if time_limit is None:
-            return cls(started, DEFAULT_TIME_LIMIT, DEFAULT_GAP)
+            return cls(started, TUNABLES.default_time_limit, TUNABLES.default_gap)
         return cls(started, float(time_limit), None)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def solve_limit(self) -> float:
-        """Seconds the solver may take now: what is left of the limit, at least `MIN_SOLVE_TIME`."""
-        return max(MIN_SOLVE_TIME, self.limit - self.elapsed())
+        """Seconds the solver may take now: what is left of the limit, at least `TUNABLES.min_solve_time`."""
+        return max(TUNABLES.min_solve_time, self.limit - self.elapsed())
 
     def warn_if_spent(self, what: str) -> None:
         """Warn when ``what`` (the work before the solver) has taken the whole limit already."""
@@ -99,7 +91,7 @@ class PlanningClock:
         if took >= self.limit:
             warnings.warn(
                 f"memplan: {what} took {took:.1f} s, more than the planning time limit of {self.limit:g} s; "
-                f"the solver still gets {MIN_SOLVE_TIME:g} s to find a plan. Raise time_limit= to let it search "
+                f"the solver still gets {TUNABLES.min_solve_time:g} s to find a plan. Raise time_limit= to let it search "
                 "longer, or save the plan (Plan.save, optimize(plan=...)) to skip planning next time.",
                 PlanningTimeWarning,
                 stacklevel=2,
@@ -366,8 +358,8 @@ def make_plan(
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
     ``time_limit`` bounds the whole call, from ``started`` (a `time.perf_counter` reading; default:
-    now) when the caller did work of its own first (`PlanningClock`; None: `DEFAULT_TIME_LIMIT`,
-    stopping at `DEFAULT_GAP`). ``eager_peak``: the eager step's peak when the caller has replayed
+    now) when the caller did work of its own first (`PlanningClock`; None: `TUNABLES.default_time_limit`,
+    stopping at `TUNABLES.default_gap`). ``eager_peak``: the eager step's peak when the caller has replayed
     it already for this output use (it is replayed otherwise).
 
     ``measure_on``: time every op on that device instead of using the roofline.

@@ -39,6 +39,7 @@ from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
 from memplan.planning.lowering import BACKWARD, is_reference, value_name
 from memplan.core.units import format_bytes
+from memplan.core.config import TUNABLES
 from solvers.core.memory import Residency
 
 if TYPE_CHECKING:
@@ -275,11 +276,9 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
     )
 
 
-BUDGET_SHOWN_ABOVE_PEAK = 1.5  # a budget more than this many times both peaks is left off plot_memory's scale
-PLOT_BINS = 800  # plot_memory draws this many slices of time (about one per pixel), each at its highest point
 
 
-def _steps(time: np.ndarray, total: np.ndarray, bins: int = PLOT_BINS) -> tuple[np.ndarray, np.ndarray]:
+def _steps(time: np.ndarray, total: np.ndarray, bins: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(edges in ms, columns): what to draw of a timeline, as a staircase of columns over ``edges``.
 
     Column j >= 1 (the memory while step j - 1 runs) holds from ``time[j - 1]`` to ``time[j]``.
@@ -287,6 +286,7 @@ def _steps(time: np.ndarray, total: np.ndarray, bins: int = PLOT_BINS) -> tuple[
     no peak is lost, the categories still add up, and the many steps that take no time (frees,
     views) do not draw a comb of vertical lines.
     """
+    bins = TUNABLES.plot_bins if bins is None else bins
     n = len(time) - 1
     if n == 0 or time[-1] <= 0:
         return np.array([0.0, 1e-9]), np.array([0])
@@ -320,7 +320,7 @@ def plot_memory(plan: Plan, *, title: str | None = None) -> Figure:
     bd = memory_breakdown(plan)
     total = bd.total
     peak = int(total.max())
-    budget_shown = plan.budget <= BUDGET_SHOWN_ABOVE_PEAK * max(eager.peak, peak)
+    budget_shown = plan.budget <= TUNABLES.budget_shown_above_peak * max(eager.peak, peak)
     top = max(eager.peak, peak, plan.budget if budget_shown else 0)
     scale, unit = _unit(top)
     end = max(eager.total_time, float(bd.time[-1])) * 1e3

@@ -57,6 +57,7 @@ from memplan.costs.cost_model import PROFILES, DeviceProfile
 from memplan.core.host import host_storage, is_host
 from memplan.measure.tracker import MemoryTracker, unmeasured
 from memplan.ops.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
+from memplan.core.config import TUNABLES
 
 STATE_PREFIX = "optstate:"  # a parameter's optimizer state on the device: a source of the Problem
 ACCUM_PREFIX = "accum:"  # a parameter's accumulated gradient (accumulate_steps > 1): a source too
@@ -70,12 +71,6 @@ NORM_PASS_PREFIX = "normpass:"
 SQUARE_PREFIX = "square:"
 NORM_FINAL = "__grad_norm__"
 
-# Numels of the two probe parameters each (group, dtype, device) is stepped with.
-PROBE_NUMELS = (1024, 4096)
-# Numels of the two parameters an update is timed on with ``profile=True``: large enough that the
-# per-element time shows above the fixed cost of one optimizer call (which the fit keeps: a step
-# calls the optimizer once per parameter, and for small parameters that call is the time).
-TIMING_NUMELS = (1 << 14, 1 << 18)
 
 
 class UnsupportedOptimizer(TypeError):
@@ -193,7 +188,7 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
 
     ``primal_names``: the capture's primal names (parameters first, by name). ``measure_times``
     (``profile=True``): the update's time on the device and on the host are measured, by timing the
-    optimizer's own class on two parameters per (group, dtype, device) (`TIMING_NUMELS`) and fitting
+    optimizer's own class on two parameters per (group, dtype, device) (`TUNABLES.timing_numels`) and fitting
     ``fixed + per_element * numel`` as for the bytes; else the update's memory traffic at the
     profile's bandwidth (the device's, and `HOST_PROFILE`'s for the host), which leaves out the cost
     of one optimizer call per parameter."""
@@ -212,7 +207,7 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 key = (gi, p.dtype, device)
                 if key not in learned:
                     try:
-                        points = [_probe(optimizer, group, p.dtype, device, n) for n in PROBE_NUMELS]
+                        points = [_probe(optimizer, group, p.dtype, device, n) for n in TUNABLES.probe_numels]
                     except Exception as exc:  # the optimizer's own error says what it needs
                         raise UnsupportedOptimizer(
                             f"memplan cannot learn what {type(optimizer).__name__} holds and allocates: stepping a "
@@ -220,8 +215,8 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                             "memplan.optimize(..., optimizer=) needs an optimizer whose class can be built over "
                             "new parameters with its param group's hyperparameters and stepped."
                         ) from exc
-                    learned[key] = (_fit([(n, s) for n, (s, _) in zip(PROBE_NUMELS, points)]),
-                                    _fit([(n, t) for n, (_, t) in zip(PROBE_NUMELS, points)]))
+                    learned[key] = (_fit([(n, s) for n, (s, _) in zip(TUNABLES.probe_numels, points)]),
+                                    _fit([(n, t) for n, (_, t) in zip(TUNABLES.probe_numels, points)]))
                 state_fit, temp_fit = learned[key]
                 numel = p.numel()
                 state, temp = state_fit.at(numel), temp_fit.at(numel)
@@ -232,7 +227,7 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                     if key not in timed:
                         timed[key] = tuple(  # type: ignore[assignment]
                             _fit([(n, _time_update(optimizer, group, p.dtype, device, n, on_host))
-                                  for n in TIMING_NUMELS])
+                                  for n in TUNABLES.timing_numels])
                             for on_host in (False, True))
                     device_fit, host_fit = timed[key]
                     on_device, host_step = device_fit.seconds_at(numel), host_fit.seconds_at(numel)

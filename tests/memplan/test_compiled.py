@@ -17,22 +17,23 @@ import torch
 import memplan
 from benchmarks import hf_compiled
 from memplan.runtime.inductor.reports import CompileWarning
+from memplan.core.config import TUNABLES, Tunables, override
 from memplan.measure.tracker import measure_peak, profiled_peak
 
 from .helpers import build_step, clear_grads, fresh_dynamo  # noqa: F401 - autouse: dynamo's caches reset
 from .test_dynamo import Branchy
 
 FUSED = dict(rtol=1e-4, atol=1e-6)
-DEFAULT_SLOWER_MARGINS = (memplan.runtime.inductor.check.SLOWER_MARGIN, memplan.runtime.inductor.check.STEP_SLOWER_MARGIN)
+DEFAULT_SLOWER_MARGINS = (Tunables().slower_margin, Tunables().step_slower_margin)
 
 
 @pytest.fixture(autouse=True)
-def speed_rules_off(monkeypatch):
+def speed_rules_off():
     """Runs and steps compiled whatever their timings: what a test checks must not hang on the
     machine's load (a loaded CI machine once timed Hugging Face ResNet's step slower compiled and
     ran it eagerly, leaving nothing compiled to check). The speed rules' own test sets them."""
-    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", float("inf"))
-    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", float("inf"))
+    with override(slower_margin=float("inf"), step_slower_margin=float("inf")):
+        yield
 
 
 def _step(module, args, kwargs, seed=0):
@@ -448,7 +449,7 @@ def _compiled_step_within_budget(module, args, fraction, **options):
 
 
 class VirtualClock:
-    """The speed check's clock (`memplan.runtime.inductor.check.CLOCK`) in a test: every reading moves it on by
+    """The speed check's clock (`memplan.core.config.Tunables.clock`) in a test: every reading moves it on by
     `TICK`, and a stand-in compiler's run by what it `spend`s, so a run's timing is decided by the
     test, never by the machine's load."""
 
@@ -479,71 +480,67 @@ def _slow(clock: VirtualClock):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("margin", [DEFAULT_SLOWER_MARGINS[0], float("inf")])
-def test_compiled_code_slower_than_eager_runs_eagerly(monkeypatch, margin):
+def test_compiled_code_slower_than_eager_runs_eagerly(margin):
     # A run measured slower than its eager twin runs eagerly (ConvNeXt's compiled backward ran 17-21%
     # slower); a step predicted slower as a whole (the runs allowed through here) runs eager code.
     clock = VirtualClock()
-    monkeypatch.setattr(memplan.runtime.inductor.check, "CLOCK", clock)
-    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", margin)
-    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[1])
-    module, args, kwargs = build_step("mlp")
-    reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CompileWarning)  # a choice of speed, not a failure: no warning
-        opt.prepare(*args, **kwargs)
-    report = opt.compile_report
-    program = opt._plans[opt._last_signature][1]
-    if margin == float("inf"):
-        assert report.eager_instead and "slower than eager" in report.summary(), report.summary()
-        assert type(program.forward).__name__ == "Segment"  # the eager runtime's own
-    else:
-        assert report.slower > 0 and report.compiled_ops == 0, report.summary()
-        assert "runs slower than eager" in report.summary()
-    assert opt.plan.predicted_time >= opt.plan.store_all_time  # no saving predicted
-    clear_grads(module)
-    torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
-    _assert_close_grads(module, reference, **FUSED)
+    with override(clock=clock, slower_margin=margin, step_slower_margin=DEFAULT_SLOWER_MARGINS[1]):
+        module, args, kwargs = build_step("mlp")
+        reference = copy.deepcopy(module)
+        opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CompileWarning)  # a choice of speed, not a failure: no warning
+            opt.prepare(*args, **kwargs)
+        report = opt.compile_report
+        program = opt._plans[opt._last_signature][1]
+        if margin == float("inf"):
+            assert report.eager_instead and "slower than eager" in report.summary(), report.summary()
+            assert type(program.forward).__name__ == "Segment"  # the eager runtime's own
+        else:
+            assert report.slower > 0 and report.compiled_ops == 0, report.summary()
+            assert "runs slower than eager" in report.summary()
+        assert opt.plan.predicted_time >= opt.plan.store_all_time  # no saving predicted
+        clear_grads(module)
+        torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
+        _assert_close_grads(module, reference, **FUSED)
 
 
 def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_compiled(monkeypatch):
     # Noise, not Inductor: each run's first timings are 20 ms slow, the rounds taken in doubt are not.
     clock = VirtualClock()
-    monkeypatch.setattr(memplan.runtime.inductor.check, "CLOCK", clock)
-    monkeypatch.setattr(memplan.runtime.inductor.check, "SLOWER_MARGIN", DEFAULT_SLOWER_MARGINS[0])
-    monkeypatch.setattr(memplan.runtime.inductor.check, "STEP_SLOWER_MARGIN", float("inf"))
-    monkeypatch.setattr(memplan.runtime.inductor.check, "DOUBTFUL", float("inf"))
-    slow, rounds = {"now": False}, []
-    best_of = memplan.runtime.inductor.check.best_times
+    with override(clock=clock, slower_margin=DEFAULT_SLOWER_MARGINS[0], step_slower_margin=float("inf"),
+                  doubtful=float("inf")):
+        slow, rounds = {"now": False}, []
+        best_of = memplan.runtime.inductor.check.best_times
 
-    def first_timings_slow(calls, device, reps):
-        rounds.append(reps)
-        slow["now"] = reps == memplan.runtime.inductor.check.TIMING_ROUNDS
-        try:
-            return best_of(calls, device, reps)
-        finally:
-            slow["now"] = False
+        def first_timings_slow(calls, device, reps):
+            rounds.append(reps)
+            slow["now"] = reps == TUNABLES.timing_rounds
+            try:
+                return best_of(calls, device, reps)
+            finally:
+                slow["now"] = False
 
-    def compiler(gm, examples):
-        def run(box):
-            if slow["now"]:
-                clock.spend(0.02)
-            out = gm(*box)
-            box.clear()
-            return out
-        return run
+        def compiler(gm, examples):
+            def run(box):
+                if slow["now"]:
+                    clock.spend(0.02)
+                out = gm(*box)
+                box.clear()
+                return out
+            return run
 
-    monkeypatch.setattr(memplan.runtime.inductor.segments, "best_times", first_timings_slow)
-    module, args, kwargs = build_step("mlp")
-    reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=5)  # (store-all: no memory refusal)
-    opt.prepare(*args, **kwargs)
-    report = opt.compile_report
-    assert memplan.runtime.inductor.check.DOUBT_ROUNDS in rounds, rounds
-    assert report.slower == 0 and report.compiled_ops > 0, report.summary()
-    clear_grads(module)
-    torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
-    _assert_close_grads(module, reference, **FUSED)
+        monkeypatch.setattr(memplan.runtime.inductor.segments, "best_times", first_timings_slow)
+        module, args, kwargs = build_step("mlp")
+        reference = copy.deepcopy(module)
+        opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=5)  # (store-all: no memory refusal)
+        opt.prepare(*args, **kwargs)
+        report = opt.compile_report
+        assert TUNABLES.doubt_rounds in rounds, rounds
+        assert report.slower == 0 and report.compiled_ops > 0, report.summary()
+        clear_grads(module)
+        torch.testing.assert_close(_step(opt, args, kwargs), _step(reference, args, kwargs), **FUSED)
+        _assert_close_grads(module, reference, **FUSED)
 
 
 @pytest.mark.slow

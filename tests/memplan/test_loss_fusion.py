@@ -10,7 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import memplan
 from memplan import WithLoss
-from memplan.ops.fused_loss import SCRATCH_BLOCKS, softmax_backward_block_by_block, softmax_backward_over_its_input
+from memplan.core.config import TUNABLES
+from memplan.ops.fused_loss import softmax_backward_block_by_block, softmax_backward_over_its_input
 from memplan.passes.loss_fusion import fuse_cross_entropy_backward
 from memplan.measure.tracker import measure_peak
 
@@ -34,7 +35,7 @@ def _targets(gm) -> list:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("reduction", [0, 1, 2])  # none, mean, sum
-@pytest.mark.parametrize("rows", [1, 7, 2 * SCRATCH_BLOCKS + 3])
+@pytest.mark.parametrize("rows", [1, 7, 2 * TUNABLES.loss_scratch_blocks + 3])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_the_fused_backward_computes_the_two_ops_bit_for_bit(dtype, reduction, rows, weighted):
     """Class weights, ignored rows, every reduction, row counts below, at and between block sizes:
@@ -60,7 +61,7 @@ def test_the_fused_backward_computes_the_two_ops_bit_for_bit(dtype, reduction, r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("rows", [1, SCRATCH_BLOCKS - 1, 3 * SCRATCH_BLOCKS + 5])
+@pytest.mark.parametrize("rows", [1, TUNABLES.loss_scratch_blocks - 1, 3 * TUNABLES.loss_scratch_blocks + 5])
 @pytest.mark.parametrize("way", [softmax_backward_over_its_input, softmax_backward_block_by_block])
 def test_both_ways_of_making_the_gradient_where_it_lies_are_the_kernel_bit_for_bit(dtype, rows, way):
     """Over its input (the CPU's way) and block by block (elsewhere; run here on the CPU): the

@@ -313,7 +313,7 @@ def _drop_and_step(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> None:
 
 def test_no_new_plan_for_outputs_too_small_to_matter():
     # Logits of 8 x 10 next to megabytes of activations, dropped once the loss is computed outside:
-    # not worth planning again (memplan.passes.output_use.REPLAN_FRACTION).
+    # not worth planning again (memplan.core.config.Tunables.replan_fraction).
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     x, y = torch.randn(8, 256), torch.randint(0, 10, (8,))
@@ -334,7 +334,7 @@ def test_a_loss_computed_outside_over_large_outputs_warns_once_with_the_fix():
     planned = memplan.optimize(zm.model, budget)
     with pytest.warns(memplan.LossOutsideWarning, match="WithLoss") as seen:
         logits = planned(tokens)
-        assert logits.numel() * logits.element_size() >= memplan.frontend.module.LOSS_OUTSIDE_FRACTION * budget
+        assert logits.numel() * logits.element_size() >= memplan.core.config.TUNABLES.loss_outside_fraction * budget
         zm.loss_fn(logits).backward()
     assert len(seen) == 1
     with warnings.catch_warnings():

@@ -1,7 +1,6 @@
 """The check every compiled run passes before it is used: its peak and the bytes its outputs keep are
-at most its eager twin's, and it is not slower (timed by `CLOCK`, which tests replace)."""
+at most its eager twin's, and it is not slower (timed by `TUNABLES.clock`, which tests replace)."""
 from __future__ import annotations
-import time
 from typing import Any, Callable
 import torch
 import torch.fx as fx
@@ -9,20 +8,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from memplan.measure.tracker import allocated_during
 from memplan.core.storage import storage_key
 from memplan.runtime.inductor.compiler import example_inputs
+from memplan.core.config import TUNABLES
 
 
-# A compiled run measured this much slower than its eager twin runs eagerly, and so does a whole
-# step predicted this much slower than eager (the margin: timing noise).
-SLOWER_MARGIN = 1.05
-STEP_SLOWER_MARGIN = 1.05
-TIMING_ROUNDS = 3  # a compiled run and its eager twin, timed in turn, the best of each
-# A run first measured slower, but by less than this, is timed DOUBT_ROUNDS more times before it is
-# refused: three rounds refused ConvNeXt's compiled forward in two benchmark runs of three.
-DOUBTFUL = 1.3
-DOUBT_ROUNDS = 6
-# What the speed check times compiled runs and their eager twins by (seconds): every verdict of
-# that check reads this clock, so a test replaces it with one whose time it decides.
-CLOCK: Callable[[], float] = time.perf_counter
 
 
 def _peak_of(fn: Callable[[], Any], device: torch.device, lay_out: bool = False) -> tuple[int, int, list[torch.Tensor]]:
@@ -80,10 +68,10 @@ def best_times(calls: list[tuple[Callable[[list], Any], list[torch.Tensor]]], de
             box = example_inputs(vals, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            started = CLOCK()
+            started = TUNABLES.clock()
             out = fn(box)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best[i] = min(best[i], CLOCK() - started)
+            best[i] = min(best[i], TUNABLES.clock() - started)
             del out
     return best

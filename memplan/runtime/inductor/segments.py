@@ -54,16 +54,13 @@ import torch.fx as fx
 from memplan.runtime.program import VALUE
 from memplan.core.storage import storage_key
 from memplan.ops.transfer import offload
-from memplan.runtime.inductor import check as speed_check
 from memplan.runtime.inductor.check import best_times, check_run, seconds_per_call
 from memplan.runtime.inductor.compiler import Compiler, DONATED, KEEP_STRIDES, inductor_compiler
 from memplan.runtime.inductor.layouts import LayoutGuard, Restrided, is_dense, layout_of
 from memplan.runtime.inductor.reports import CompileReport, CompileWarning, RunReport
 from memplan.runtime.inductor.runs import around_escaping_tuples, calling_aten, drawn_from, grouped_runs, is_header, items_with_their_op, is_random_op, run_module, tensor_valued
 from memplan.runtime.inductor.sharing import alias_roots, held_all_step, shared_storage, sharing_storage
-# Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing.
-MIN_RUN_OPS = 3
-COMPILE_PASSES = 3  # each pass makes in their traced layout the values the last one copied
+from memplan.core.config import TUNABLES
 
 
 @dataclass
@@ -253,7 +250,7 @@ class _Segmenting:
             i for i, w in enumerate(writes) if w in self.keep_strides]
         positional.meta[DONATED] = self.donatable(members, reads, vals)
         entry.donated = len(positional.meta[DONATED])
-        started = speed_check.CLOCK()
+        started = TUNABLES.clock()
         try:
             with torch.no_grad():
                 compiled = self.compiler(positional, vals)
@@ -262,7 +259,7 @@ class _Segmenting:
             entry.reason = f"it did not compile ({type(exc).__name__}: {first[:200]})"
             return None
         finally:
-            entry.compile_s = speed_check.CLOCK() - started
+            entry.compile_s = TUNABLES.clock() - started
             self.report.compile_s += entry.compile_s
         if self.check:
             # held through the run: values read later, and the step's inputs (parameters, buffers,
@@ -311,15 +308,15 @@ class _Segmenting:
             # The cost model times eager ops; the compiled run's measured speed-up scales its steps' share.
             with torch.no_grad():
                 entry.compiled_s, entry.eager_s = best_times([(compiled, vals), (eager, traced_vals)], self.device,
-                                                           speed_check.TIMING_ROUNDS)
+                                                           TUNABLES.timing_rounds)
             # (not where its eager code would need copies of values laid out otherwise: they cost
             # memory the plan does not have, and time)
             relaid = any(isinstance(v, torch.Tensor) and v is not t for v, t in zip(vals, traced_vals))
-            if speed_check.SLOWER_MARGIN * entry.eager_s < entry.compiled_s < speed_check.DOUBTFUL * entry.eager_s and not relaid:
+            if TUNABLES.slower_margin * entry.eager_s < entry.compiled_s < TUNABLES.doubtful * entry.eager_s and not relaid:
                 with torch.no_grad():
-                    again = best_times([(compiled, vals), (eager, traced_vals)], self.device, speed_check.DOUBT_ROUNDS)
+                    again = best_times([(compiled, vals), (eager, traced_vals)], self.device, TUNABLES.doubt_rounds)
                 entry.compiled_s, entry.eager_s = min(entry.compiled_s, again[0]), min(entry.eager_s, again[1])
-            if entry.compiled_s > speed_check.SLOWER_MARGIN * entry.eager_s and not relaid:
+            if entry.compiled_s > TUNABLES.slower_margin * entry.eager_s and not relaid:
                 # Inductor's kernels are not always faster (small depthwise convolutions and layer
                 # norms on a channels-last layout: ConvNeXt's ran 17-21% slower than eager's)
                 entry.reason = (f"compiled, it runs slower than eager ({entry.compiled_s * 1e3:.2f} ms against "
@@ -346,12 +343,12 @@ class _Segmenting:
 def _cut(members: list[fx.Node], seg: _Segmenting) -> int | None:
     """Where to halve a refused run: near its middle, both halves long enough to compile, and no
     multi-output value (a tuple) crossing the cut. None when there is no such place."""
-    if len(members) < 2 * MIN_RUN_OPS:
+    if len(members) < 2 * TUNABLES.min_run_ops:
         return None
     middle = len(members) // 2
     for offset in range(len(members)):
         for cut in (middle + offset, middle - offset):
-            if MIN_RUN_OPS <= cut <= len(members) - MIN_RUN_OPS and all(
+            if TUNABLES.min_run_ops <= cut <= len(members) - TUNABLES.min_run_ops and all(
                     tensor_valued(n) for n in members[:cut] if n.name in seg.escaping(members[:cut])):
                 return cut
     return None
@@ -411,7 +408,7 @@ def compile_segment(segment: Any, name: str, device: torch.device, report: Compi
     plan: list[tuple[bool, list[fx.Node]]] = []
     for kind, group in grouped_runs(body):
         for members in (around_escaping_tuples(group, seg.escaping(group)) if kind else [group]):
-            compiles = kind and len(members) >= MIN_RUN_OPS and all(
+            compiles = kind and len(members) >= TUNABLES.min_run_ops and all(
                 tensor_valued(n) for n in members if n.name in seg.escaping(members))
             if plan and not compiles and not plan[-1][0]:
                 plan[-1][1].extend(members)
@@ -457,7 +454,7 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     # traced layout; copies cost memory the plan does not have (Hugging Face ResNet at 90% measured
     # 769 KB over its budget). So each later pass makes the values the last one copied in their
     # traced layout where they are made.
-    for _ in range(COMPILE_PASSES):
+    for _ in range(TUNABLES.compile_passes):
         shared: set[str] = set()
         report = CompileReport(predicted_peak=plan.predicted_peak - held)
         forward = compile_segment(program.forward, "forward", device, report, timeline, budget, step_cost, compiler,
@@ -475,7 +472,7 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
         keep_backward |= backward.copied
         kept_carried |= {position_of[v] for v in backward.copied if v in position_of}
     report.predicted_peak += held
-    if -report.predicted_saving > (speed_check.STEP_SLOWER_MARGIN - 1) * plan.predicted_time:
+    if -report.predicted_saving > (TUNABLES.step_slower_margin - 1) * plan.predicted_time:
         # Inductor's code is not faster everywhere (small convolutions, layouts copied between runs)
         report.eager_instead = (f"compiled, the step was predicted {-report.predicted_saving * 1e3:.2f} ms slower "
                                 f"than eager ({sum(r.compiled for r in report.runs)} of {len(report.runs)} runs "

@@ -1,0 +1,116 @@
+"""Every tunable of memplan in one place: the thresholds, margins, counts and sizes that decide
+how plans are made, checked, run and drawn.
+
+Code reads them where it uses them, from `TUNABLES`, so a change takes effect at once; tests
+change them through `override` (a context manager, or `override_tunables` as a pytest
+fixture helper), and nothing monkeypatches a module's constant. Options a user gives per call
+(`memplan.PlanOptions`, `memplan.StepOptions`) are not here: these are the project's own
+settings, with the reason for each value beside it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+
+@dataclass
+class Tunables:
+    """memplan's tunables, each with its reason."""
+
+    # ---- planning time (memplan.pipeline.plan) ----
+    default_time_limit: float = 8.0
+    """``optimize()`` without a ``time_limit`` plans within this many seconds, whole call (the eager
+    replay of a relative budget, capture, costs, solve, runtime): a model reaches its first planned
+    step in seconds."""
+    default_gap: float = 0.03
+    """Without a ``time_limit`` the search stops as soon as its plan is proven within this gap of
+    optimal (with one, it goes on to the strategy's own, tighter gap)."""
+    min_solve_time: float = 1.0
+    """The solver gets at least this many seconds, whatever capture took: a plan is still needed."""
+
+    # ---- compiled runs (memplan.runtime.inductor) ----
+    min_run_ops: int = 3
+    """Shorter runs stay eager: a compile costs seconds and a run of one or two ops fuses nothing."""
+    compile_passes: int = 3
+    """Compile passes of a segment: each makes in their traced layout the values the last one copied."""
+    slower_margin: float = 1.05
+    """A compiled run measured this much slower than its eager twin runs eagerly (the margin is
+    timing noise)."""
+    step_slower_margin: float = 1.05
+    """A whole step predicted this much slower compiled than eager runs eagerly."""
+    timing_rounds: int = 3
+    """A compiled run and its eager twin are timed in turn this many times, the best of each kept."""
+    doubtful: float = 1.3
+    """A run first measured slower, but by less than this factor, is timed `doubt_rounds` more times
+    before it is refused (three rounds refused ConvNeXt's compiled forward in two benchmark runs of three)."""
+    doubt_rounds: int = 6
+    """The timings of a doubtful run."""
+    clock: Callable[[], float] = time.perf_counter
+    """What the speed check times compiled runs and their eager twins by (seconds): every verdict of
+    that check reads it, so a test gives a clock whose time it decides."""
+
+    # ---- the torch.compile backend (memplan.frontend) ----
+    reuse_slack: float = 0.05
+    """A graph keeps its plan while its allowance stays within this share below the plan's budget (and
+    never above it): re-planning for every few bytes another graph's plan moves is not worth a solve."""
+    max_levels: int = 16
+    """Plans at this many budget levels are kept per graph, the least recently used going first: a graph
+    called at many places in a step (an expert's, at every layer) has a level for each."""
+    rehearsals: int = 6
+    """The first step's rehearsal of the next steps replays the step at most this many times while the
+    carry limits settle (each replay is what one more step would learn)."""
+    min_budget_tries: int = 3
+    """Budgets tried, at most, in looking for the smallest budget of a split that does not fit."""
+
+    # ---- what the step does with its outputs and loss (memplan.frontend.module, memplan.passes.output_use) ----
+    replan_fraction: float = 0.01
+    """What learning how a step uses its outputs must be worth before memplan plans again: the bytes of
+    the outputs concerned, as a fraction of the peak of the plan in use."""
+    loss_outside_fraction: float = 0.05
+    """A loss computed outside the module from outputs this large a share of the budget is worth a warning."""
+
+    # ---- graph passes and costs ----
+    max_view_fraction: float = 0.5
+    """A late view is copied out when the copy frees at least as many bytes as it takes (memplan.passes.compaction)."""
+    loss_scratch_blocks: int = 32
+    """The fused loss backward makes its gradient this many blocks of rows at a time off the CPU: one
+    block's bytes are the op's scratch (memplan.ops.fused_loss)."""
+    min_scratch_bytes: int = 256
+    """Kernel scratch under this many bytes is the allocator's rounding or a scalar, not worth a node of
+    the Problem (memplan.measure.timing)."""
+
+    # ---- the optimizer's probe (memplan.updates.optimizer) ----
+    probe_numels: tuple[int, int] = (1024, 4096)
+    """Numels of the two probe parameters each (group, dtype, device) is stepped with."""
+    timing_numels: tuple[int, int] = (1 << 14, 1 << 18)
+    """Numels of the two parameters an update is timed on with ``profile=True``: large enough that the
+    per-element time shows above the fixed cost of one optimizer call (which the fit keeps)."""
+
+    # ---- plots (memplan.tools.viz) ----
+    budget_shown_above_peak: float = 1.5
+    """A budget more than this many times both peaks is left off plot_memory's scale."""
+    plot_bins: int = 800
+    """plot_memory draws this many slices of time (about one per pixel), each at its highest point."""
+
+
+TUNABLES = Tunables()
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[Tunables]:
+    """Set some of `TUNABLES` inside the block, and put them back after; an unknown name raises."""
+    known = {f.name for f in dataclasses.fields(Tunables)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"memplan has no tunable {', '.join(unknown)}; it has {', '.join(sorted(known))}")
+    before = {name: getattr(TUNABLES, name) for name in changes}
+    for name, value in changes.items():
+        setattr(TUNABLES, name, value)
+    try:
+        yield TUNABLES
+    finally:
+        for name, value in before.items():
+            setattr(TUNABLES, name, value)

@@ -1,0 +1,44 @@
+"""memplan's tunables: one module (`memplan.core.config`), one way for a test to change them."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from memplan.core.config import TUNABLES, Tunables, override
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_override_sets_inside_the_block_and_restores_after_even_on_error():
+    before = TUNABLES.slower_margin
+    with pytest.raises(RuntimeError):
+        with override(slower_margin=2.0, min_run_ops=7):
+            assert (TUNABLES.slower_margin, TUNABLES.min_run_ops) == (2.0, 7)
+            raise RuntimeError
+    assert TUNABLES.slower_margin == before and TUNABLES.min_run_ops == Tunables().min_run_ops
+
+
+def test_an_unknown_tunable_is_refused_by_name():
+    with pytest.raises(TypeError, match="no tunable slower_margn"):
+        with override(slower_margn=2.0):
+            pass
+
+
+def test_every_tunable_has_a_docstring():
+    source = (ROOT / "memplan" / "core" / "config.py").read_text()
+    body = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "Tunables").body
+    documented = {prev.target.id for prev, nxt in zip(body, body[1:])
+                  if isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+    assert documented == {f.name for f in dataclasses.fields(Tunables)}
+
+
+def test_no_test_monkeypatches_a_constant_of_memplan():
+    """Tests change tunables through `override`; a module constant patched by name would be a
+    second way, and one that code reading `TUNABLES` never sees."""
+    patched = re.compile(r"monkeypatch\.setattr\(\s*memplan[\w.]*,\s*[\"'][A-Z][A-Z0-9_]+[\"']")
+    found = [f"{path.relative_to(ROOT)}" for path in (ROOT / "tests").rglob("*.py") if patched.search(path.read_text())]
+    assert not found, f"tests patching a memplan constant instead of using override: {found}"
