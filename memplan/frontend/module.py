@@ -95,22 +95,13 @@ class OptimizedModule(nn.Module):
         # factory() returns it (torch.compile with memplan's backend: `memplan.frontend.entry.optimize`).
         self.split_factory = graph_breaks
         self.split: Any = None  # (the compiled model, its backend) once the model runs split
-        # compile=True: each plan's runs of ATen ops are compiled by Inductor (memplan.runtime.inductor.segments),
-        # its memory decisions kept (`compile_report` says what was compiled); compile=fn: by
-        # fn(graph_module, example_inputs) -> a callable taking its inputs boxed.
-        self.compile = options.compile
         # plan=path (or a SavedPlan / Plan): reuse that schedule instead of solving.
         self.saved_plan = as_saved(plan) if plan is not None else None
         # carry_limit=bytes: the plan carries at most this much from its forward (the backend's ledger)
         self.carry_limit = carry_limit
         # The whole step (`StepOptions`): the optimizer's updates in backward, its state in the budget.
-        self.optimizer = step.optimizer
-        self.track_grad_norm = step.grad_norm
-        self.updates_after_backward = step.updates_after_backward
-        self.max_grad_norm = step.max_grad_norm
-        self.optimizer_state = step.optimizer_state
+        self.optimizer = step.optimizer  # (the other step options are read from step_options)
         self.accumulation = Accumulation(step.accumulate_steps)
-        self.clip_by = step.clip_by
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
             refuse_distributed_updates(model)
@@ -408,10 +399,10 @@ class OptimizedModule(nn.Module):
         run inside another profiling session: under one (a caller measuring the step) the plan
         runs eagerly, and compiles on the first call after it."""
         plan, program, param_names, buffer_names = entry
-        if not self.compile or program.compile_report is not None or torch.autograd._profiler_enabled():
+        if not self.plan_options.compile or program.compile_report is not None or torch.autograd._profiler_enabled():
             return entry
         device = next((p.device for p in self._orig_mod.parameters()), torch.device("cpu"))
-        compiler = inductor_compiler if self.compile is True else self.compile
+        compiler = inductor_compiler if self.plan_options.compile is True else self.plan_options.compile
         with unmeasured(), _disable_current_modes():
             program = compile_program(program, plan, device, compiler)
         report = program.compile_report
@@ -443,7 +434,7 @@ class OptimizedModule(nn.Module):
         # the CPU a compiled plan's allocator events (`profiled_peak`; the dispatch-mode tracker
         # of eager steps does not see it).
         scratch = self.plan_options.kernel_scratch
-        witnessed = device.type == "cuda" or bool(self.compile)
+        witnessed = device.type == "cuda" or bool(self.plan_options.compile)
         scratch_on = device if (witnessed if scratch is None else bool(scratch)) else None
         # Offloading pays off where a host link runs beside compute: on by default on CUDA.
         offload = self.plan_options.offload
@@ -451,7 +442,7 @@ class OptimizedModule(nn.Module):
         if self.saved_plan is not None:
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
                                         measure_on=measure_on, scratch_on=device, optimizer=self.optimizer,
-                                        grad_norm=self.track_grad_norm, max_grad_norm=self.max_grad_norm,
+                                        grad_norm=self.step_options.grad_norm, max_grad_norm=self.step_options.max_grad_norm,
                                         accumulation=self.accumulation)
         return make_plan(
             model,
@@ -466,12 +457,12 @@ class OptimizedModule(nn.Module):
             offload=offload,
             output_use=use,
             optimizer=self.optimizer,
-            grad_norm=self.track_grad_norm,
-            updates_after_backward=self.updates_after_backward,
-            max_grad_norm=self.max_grad_norm,
-            optimizer_state=self.optimizer_state,
+            grad_norm=self.step_options.grad_norm,
+            updates_after_backward=self.step_options.updates_after_backward,
+            max_grad_norm=self.step_options.max_grad_norm,
+            optimizer_state=self.step_options.optimizer_state,
             accumulation=self.accumulation,
-            clip_by=self.clip_by,
+            clip_by=self.step_options.clip_by,
             carry_limit=self.carry_limit,
             started=started,
             eager_peak=eager_peak,
