@@ -39,7 +39,7 @@ from benchmarks.models.layouts import layout_for
 from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 from memplan.core.units import format_bytes
-from memplan.tools.viz import min_budget
+from memplan.pipeline.sweep import min_budget
 
 RESULTS = Path(__file__).resolve().parent / "results" / "whole_step.md"
 

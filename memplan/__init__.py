@@ -25,6 +25,7 @@ pipeline: nothing above imports it but the CLI.
 """
 from memplan.planning.analysis import Analysis
 from memplan.pipeline.stages import analyze
+from memplan.pipeline.sweep import SweepPoint, min_budget, sweep
 from memplan.frontend.backend import BudgetSplitWarning, MemplanBackend, SplitBudgetError, backend
 from memplan.frontend.budget import parse_budget
 from memplan.frontend.module import GraphBreakWarning, LossOutsideWarning, OptimizedModule, WithLoss
@@ -68,4 +69,7 @@ __all__ = [
     "measure_peak",
     "optimize",
     "parse_budget",
+    "min_budget",
+    "sweep",
+    "SweepPoint",
 ]

@@ -538,10 +538,10 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _min_budget(analysis, progress: Progress, offload: bool = False) -> int:
-    from memplan.tools import viz
+    from memplan.pipeline import sweep as sweeps
 
     with progress.stage("min_budget", "searching for the smallest budget a plan meets"):
-        return viz.min_budget(analysis, offload)
+        return sweeps.min_budget(analysis, offload)
 
 
 # --------------------------------------------------------------------------- #
@@ -554,6 +554,7 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from memplan.pipeline import sweep as sweeps
     from memplan.tools import viz
 
     labels = [b.strip() for b in args.budgets.split(",") if b.strip()]
@@ -568,7 +569,7 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
     find_min = functools.lru_cache(maxsize=1)(lambda: _min_budget(analysis, progress, options["offload"]))
     budgets = [(label, parse_budget_arg(label, analysis.eager_peak, find_min)) for label in labels]
     with progress.stage("solve", f"solving {len(budgets)} budgets with {args.solver}"):
-        points = viz.sweep(analysis, budgets, **options)
+        points = sweeps.sweep(analysis, budgets, **options)
 
     out = Path(args.out)
     try:

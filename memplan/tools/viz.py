@@ -26,7 +26,7 @@ through Agg and display inline in notebooks.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -36,11 +36,12 @@ import solvers
 from memplan.planning.analysis import Analysis
 from memplan.capture.patches import module_path
 from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX
-from memplan.pipeline.plan import InfeasibleBudgetError, Plan, problem_for, solve_plan
+from memplan.pipeline.plan import Plan, problem_for
 from memplan.planning.lowering import BACKWARD, is_reference, value_name
 from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
 from solvers.core.memory import Residency
+from memplan.pipeline.sweep import SweepPoint
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -612,68 +613,6 @@ def plot_layers(plan: Plan, depth: int = 2, *, top: int = 30, title: str | None 
     ax.legend(loc="lower right", fontsize="small")
     ax.set_title(title or "what the plan does with each module's saved activations")
     return fig
-
-
-# --------------------------------------------------------------------------- #
-# Budget sweep
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class SweepPoint:
-    """One budget of a sweep; ``plan`` is None when the budget is infeasible."""
-
-    label: str  # how the budget was asked for ("80%", "min", "2GB")
-    budget: int
-    plan: Plan | None
-    min_budget: int | None = None  # set when infeasible
-
-    @property
-    def feasible(self) -> bool:
-        return self.plan is not None
-
-    def as_dict(self) -> dict:
-        p = self.plan
-        return {
-            "label": self.label,
-            "budget": self.budget,
-            "feasible": p is not None,
-            "planned_peak": p.predicted_peak if p else None,
-            "predicted_overhead": p.predicted_overhead if p else None,
-            "method": p.method if p else None,
-            "status": p.status if p else "infeasible",
-            "gap": p.gap if p else None,
-            "solve_time": p.solve_time if p else None,
-            "min_budget": self.min_budget,
-        }
-
-
-def min_budget(analysis: Analysis, offload: bool = False) -> int:
-    """The smallest budget the solvers can meet for this step (paging to host memory if ``offload``)."""
-    return int(solvers.min_budget(problem_for(analysis, analysis.lowered.problem.budget, offload))[0])
-
-
-def sweep(
-    analysis: Analysis,
-    budgets: Iterable[tuple[str, int]],
-    *,
-    solver: str = "auto",
-    time_limit: float | None = None,
-    on_point=None,
-    offload: bool = False,
-) -> list[SweepPoint]:
-    """Solve one analyzed step at each ``(label, budget)``; ``on_point(point)`` after each."""
-    points = []
-    for label, budget in budgets:
-        try:
-            point = SweepPoint(label, budget, solve_plan(analysis, budget, solver=solver, time_limit=time_limit,
-                                                           offload=offload))
-        except InfeasibleBudgetError as exc:
-            point = SweepPoint(label, budget, None, exc.min_budget)
-        points.append(point)
-        if on_point is not None:
-            on_point(point)
-    return points
 
 
 def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = None, title: str | None = None) -> Figure:

@@ -84,7 +84,7 @@ def recomputing_budget(module: nn.Module, args: tuple) -> int:
     """A budget under which the step of ``module(*args)`` must recompute: half its activations
     below its store-all peak, but not below the least budget the solvers meet."""
     import memplan
-    from memplan.tools.viz import min_budget
+    from memplan.pipeline.sweep import min_budget
 
     analysis = memplan.optimize(module, 10**12, solver="store_all", example_inputs=args).plan.analysis
     return max(int(analysis.graph_peak - 0.5 * analysis.activation_bytes), min_budget(analysis))

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import memplan
 from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
 from memplan.measure.tracker import measure_peak
-from memplan.tools.viz import min_budget
+from memplan.pipeline.sweep import min_budget
 
 from .helpers import assert_same_step, clear_grads, recomputing_budget
 

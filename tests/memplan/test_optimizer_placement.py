@@ -16,7 +16,7 @@ import torch
 import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak
-from memplan.tools.viz import min_budget
+from memplan.pipeline.sweep import min_budget
 
 from .helpers import build_step
 

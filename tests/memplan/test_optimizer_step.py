@@ -17,7 +17,7 @@ import torch.nn as nn
 import memplan
 from memplan.measure.tracker import measure_peak
 from memplan.updates.optimizer import UnsupportedOptimizer, UpdatePlacement
-from memplan.tools.viz import min_budget
+from memplan.pipeline.sweep import min_budget
 
 from .helpers import build_step
 

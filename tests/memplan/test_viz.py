@@ -102,8 +102,8 @@ def test_plot_layers(plan, tmp_path):
 @pytest.mark.slow
 def test_sweep_and_curve(plan, tmp_path):
     a = plan.analysis
-    low = viz.min_budget(a)
-    points = viz.sweep(a, [("100%", a.eager_peak), ("min", low), ("half min", low // 2)])
+    low = memplan.min_budget(a)
+    points = memplan.sweep(a, [("100%", a.eager_peak), ("min", low), ("half min", low // 2)])
     assert [p.feasible for p in points] == [True, True, False]
     assert points[0].plan.predicted_overhead <= points[1].plan.predicted_overhead
     assert points[2].min_budget is not None and points[2].min_budget >= low // 2
@@ -181,7 +181,7 @@ def whole_step():
     store_all, _ = _whole_step()
     a = store_all.analysis
     assert a.optimizer_state_bytes > 0 and a.lowered.updates
-    budget = max(int(a.graph_peak - 0.4 * a.activation_bytes), viz.min_budget(a))
+    budget = max(int(a.graph_peak - 0.4 * a.activation_bytes), memplan.min_budget(a))
     p = memplan.pipeline.plan.solve_plan(a, budget, time_limit=1)
     assert any(d.decision == "recompute" for d in p.decisions)
     return p
