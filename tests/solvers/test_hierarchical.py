@@ -29,6 +29,7 @@ from solvers.transforms.coarsen import coarsen
 
 from .helpers import exported_graph, graph, with_fraction
 
+
 def _graphs_with_views():
     for seed in range(6):
         yield Problem.from_networkx(random_dag(14, seed=seed, view_prob=0.4, n_sources=2), 10**9)

@@ -25,11 +25,23 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.config import DEFAULT_FRACTIONS, DEFAULT_MODELS, README, RESULTS_DIR, full_config, quick_config
-from benchmarks.methods import ALIASES
-from benchmarks.readme import update_readme
-from benchmarks.report import dump_json, from_json, full_report, model_section, summary_markdown
-from benchmarks.runner import ModelResult, run
+from benchmarks.harness.config import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_MODELS,
+    full_config,
+    quick_config,
+)
+from benchmarks.harness.methods import ALIASES
+from benchmarks.harness.paths import README, RESULTS_DIR
+from benchmarks.harness.readme import update_readme
+from benchmarks.harness.report import (
+    dump_json,
+    from_json,
+    full_report,
+    model_section,
+    summary_markdown,
+)
+from benchmarks.harness.runner import ModelResult, run
 
 
 def environment(threads: int, load_before: float) -> str:
@@ -90,7 +102,7 @@ def write_results(
     for r in results:
         (out / f"{r.spec.name}.md").write_text(model_section(r))
         if plots:
-            from benchmarks.plots import plot_model
+            from benchmarks.harness.plots import plot_model
 
             plot_model(r, out / f"{r.spec.name}.png")
 

@@ -8,7 +8,7 @@ the dispatch-mode tracker and by the profiler (two witnesses); backend steps by 
 profiler only (``torch.compile`` runs a frame eagerly under a dispatch mode). Writes
 ``benchmarks/results/backend.md``.
 
-    python -m benchmarks.backend_vs_optimize [--models mlp,cnn,gpt,unet,vit] [--fraction 0.5] [--repeats 11]
+    python -m benchmarks.studies.backend_vs_optimize [--models mlp,cnn,gpt,unet,vit] [--fraction 0.5] [--repeats 11]
                                              [--size tiny|small] [--out FILE]
 """
 from __future__ import annotations
@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 
 import memplan
-from benchmarks.report import markdown_table
-from benchmarks.time_prediction import spread
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.report import markdown_table
+from benchmarks.studies.time_prediction import spread
 from memplan.measure import measure_peak, profiled_peak
 from memplan.models import zoo
 
 BATCH = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16}
-RESULTS = Path(__file__).parent / "results" / "backend.md"
+RESULTS = RESULTS_DIR / "backend.md"
 
 
 def pred_text(ratio: float | None) -> str:

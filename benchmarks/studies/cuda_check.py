@@ -17,7 +17,7 @@ code (Inductor's Triton kernels and their buffers) included. One run checks, eac
 Times are medians of interleaved repetitions (CUDA synchronised around each step) over eager's.
 Writes ``cuda.json`` and ``cuda.md`` into ``--out``.
 
-    python -m benchmarks.cuda_check --out DIR [--parts activations,whole_step,mixtral] [--deadline 480]
+    python -m benchmarks.studies.cuda_check --out DIR [--parts activations,whole_step,mixtral] [--deadline 480]
 """
 from __future__ import annotations
 

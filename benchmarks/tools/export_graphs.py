@@ -1,12 +1,12 @@
 """Export the joint graphs of real models as `solvers.Problem` JSON files.
 
-The solver benchmarks (`benchmarks.scale_bench`) and solver tests then run
+The solver benchmarks (`benchmarks.studies.scale_bench`) and solver tests then run
 on the real thing without torch: GPT-2-small-size (12 layers) and a 48-layer
 variant, ResNet-50 and a U-Net, each captured on meta tensors (no memory),
 loss included, costs from the roofline of the named device profile. The
 budget stored in each file is store-all's peak (an unconstrained problem).
 
-    python -m benchmarks.export_graphs [--out benchmarks/graphs]
+    python -m benchmarks.tools.export_graphs [--out benchmarks/graphs]
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import gzip
 import time
 from pathlib import Path
 
+from benchmarks.harness.paths import GRAPHS_DIR
 from memplan.analysis import analyze_capture
 from memplan.api import WithLoss
 from memplan.capture import capture
@@ -48,7 +49,7 @@ def export(name: str, out: Path, profile: str = "h100") -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "graphs")
+    parser.add_argument("--out", type=Path, default=GRAPHS_DIR)
     parser.add_argument("names", nargs="*", default=list(GRAPHS))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -58,11 +59,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def load(name: str, directory: Path = Path(__file__).parent / "graphs"):
-    """The exported Problem ``name`` (torch-free; its budget is unconstrained)."""
-    import solvers
-
-    with gzip.open(directory / f"{name}.json.gz", "rt") as f:
-        return solvers.Problem.from_json(f.read())

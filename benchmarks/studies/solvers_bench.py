@@ -1,6 +1,6 @@
 """Benchmark the solvers on training-like graphs.
 
-    .venv/bin/python -m benchmarks.solvers_bench [--quick] [--time-limit 60]
+    .venv/bin/python -m benchmarks.studies.solvers_bench [--quick] [--time-limit 60]
 
 For every method, on joint forward+backward graphs of 50, 100, 200 and 500
 values (``solvers.core.generators.training_like``) at 70% and 50% of store_all's
@@ -14,6 +14,7 @@ import platform
 import time
 from pathlib import Path
 
+from benchmarks.harness.paths import RESULTS_DIR
 from solvers import (
     METHODS,
     Infeasible,
@@ -29,7 +30,7 @@ SIZES = (50, 100, 200, 500)
 FRACTIONS = (0.7, 0.5)
 METHOD_NAMES = ("store_all", "recompute_all", "sqrt_n", "greedy", "checkmate_highs", "checkmate_cpsat")
 BACKENDS = ("checkmate_highs", "checkmate_cpsat", "checkmate_scip")
-RESULTS = Path(__file__).resolve().parent / "results" / "solvers.md"
+RESULTS = RESULTS_DIR / "solvers.md"
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:

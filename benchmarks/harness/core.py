@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 import memplan
-from benchmarks.config import ModelSpec
-from benchmarks.models.layouts import BlockLayout, layout_for
-from benchmarks.steps import (
+from benchmarks.harness.config import ModelSpec
+from benchmarks.harness.steps import (
     GradCheck,
     StepInputs,
     clear_grads,
@@ -29,6 +28,7 @@ from benchmarks.steps import (
     compare_grads,
     measure_step_peak,
 )
+from benchmarks.models.layouts import BlockLayout, layout_for
 from memplan.models import zoo
 
 

@@ -1,4 +1,6 @@
-"""Small models written the way library code writes them, for prediction checks.
+"""Small models written the way library code writes them: test subjects for prediction checks.
+
+The tests of byte counts and generality and `benchmarks.studies.prediction_accuracy` plan them.
 
 Most keep several views of one storage alive after the op that made them is
 done: ``nn.LSTM`` and ``nn.GRU`` unbind their input projection over time

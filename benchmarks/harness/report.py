@@ -1,4 +1,4 @@
-"""Markdown tables and JSON from :class:`~benchmarks.runner.ModelResult`.
+"""Markdown tables and JSON from :class:`~benchmarks.harness.runner.ModelResult`.
 
 * :func:`model_table`: one row per (budget, method), the full detail.
 * :func:`speed_table`: one model, one row per method: the lowest budget met
@@ -8,18 +8,18 @@
 * :func:`minimum_table`: each method's own minimum, as a share of eager's peak.
 
 :func:`to_json` and :func:`from_json` write and read ``results.json``, so the
-Markdown can be regenerated from a finished run (``python -m benchmarks.readme``).
+Markdown can be regenerated from a finished run (``python -m benchmarks.harness.readme``).
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from benchmarks.config import ModelSpec
-from benchmarks.core import Candidate, Cell
-from benchmarks.methods import OWN_MIN
-from benchmarks.runner import ModelResult
-from benchmarks.steps import GradCheck
+from benchmarks.harness.config import ModelSpec
+from benchmarks.harness.core import Candidate, Cell
+from benchmarks.harness.methods import OWN_MIN
+from benchmarks.harness.runner import ModelResult
+from benchmarks.harness.steps import GradCheck
 
 COLUMNS = (
     "budget",

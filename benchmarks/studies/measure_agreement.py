@@ -1,4 +1,4 @@
-"""Do the two CPU peak measurements agree on eager steps? ``python -m benchmarks.measure_agreement``.
+"""Do the two CPU peak measurements agree on eager steps? ``python -m benchmarks.studies.measure_agreement``.
 
 Compiled steps are measured with ``memplan.measure.profiled_peak`` (profiler
 allocation events), eager ones with ``MemoryTracker`` (a dispatch mode). The
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.config import RESULTS_DIR, ModelSpec
-from benchmarks.core import ModelUnderTest
-from benchmarks.steps import clear_grads, measure_step_peak
+from benchmarks.harness.config import ModelSpec
+from benchmarks.harness.core import ModelUnderTest
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.steps import clear_grads, measure_step_peak
 
 MODELS: tuple[str, ...] = ("mlp", "gpt", "vit", "cnn", "resnet50", "unet")
 
@@ -74,7 +75,7 @@ def table(rows: list[Agreement]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.measure_agreement", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.measure_agreement", description=__doc__)
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--size", default="small", help="zoo size (the benchmark tables use small)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "measure_agreement.md")

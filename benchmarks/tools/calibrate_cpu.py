@@ -2,7 +2,7 @@
 
 The roofline (`memplan.costs.DeviceProfile.op_time`) puts FLOPs over peak FLOP/s and bytes over
 bandwidth; a plan's predicted overhead is its recomputations' share of that, so a kind of kernel
-the roofline misjudges moves the prediction (`benchmarks/time_prediction.py`). This script
+the roofline misjudges moves the prediction (`benchmarks/studies/time_prediction.py`). This script
 captures the training steps of Hugging Face models (GPT-2, ViT, ResNet; small configurations,
 random weights), times every op on synthetic inputs (`memplan.profiling.measure_op_times`, one
 thread) and fits, in order:
@@ -16,9 +16,9 @@ thread) and fits, in order:
   generation, normalizations, softmax, pooling: work the FLOP counter leaves out).
 
 It prints the fitted profile and a table per op kind. The zoo models (gpt, vit, resnet50) are
-left out on purpose: `benchmarks.time_prediction` checks the profile on them.
+left out on purpose: `benchmarks.studies.time_prediction` checks the profile on them.
 
-    python -m benchmarks.calibrate_cpu [--repeats 3]
+    python -m benchmarks.tools.calibrate_cpu [--repeats 3]
 """
 from __future__ import annotations
 

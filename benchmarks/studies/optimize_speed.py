@@ -5,7 +5,7 @@ it should cost nothing) and at fractions of it (does the measured slowdown
 match ``plan.predicted_overhead``?). Every timing is the median over
 interleaved repetitions in one process, reported as a ratio to eager.
 
-    python -m benchmarks.optimize_speed --model gpt --size small --fractions 1.0,0.5
+    python -m benchmarks.studies.optimize_speed --model gpt --size small --fractions 1.0,0.5
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import memplan
+from benchmarks.harness.paths import RESULTS_DIR
 from memplan.measure import measure_peak
 from memplan.models import zoo
 
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--no-profile", action="store_true", help="use the roofline instead of timing every op")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable ratios on a shared machine)")
-    parser.add_argument("--out", default="benchmarks/results/optimize_speed.md")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "optimize_speed.md")
     a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)
     table = run(a.model, a.size, [float(f) for f in a.fractions.split(",")], a.repeats, a.solver, a.time_limit, not a.no_profile)

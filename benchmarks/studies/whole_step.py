@@ -20,7 +20,7 @@ For the memplan rows the budget is the smallest the planner finds
 at it, and the step time over eager's (median of interleaved repetitions,
 with the spread). Writes ``benchmarks/results/whole_step.md``.
 
-    python -m benchmarks.whole_step [--model gpt] [--size tiny] [--repeats 7] [--batches 16 1]
+    python -m benchmarks.studies.whole_step [--model gpt] [--size tiny] [--repeats 7] [--batches 16 1]
 """
 from __future__ import annotations
 
@@ -28,20 +28,20 @@ import argparse
 import copy
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 import memplan
-from benchmarks.checkpointing import checkpoint_blocks
+from benchmarks.harness.checkpointing import checkpoint_blocks
+from benchmarks.harness.paths import RESULTS_DIR
 from benchmarks.models.layouts import layout_for
 from memplan.measure import measure_peak
 from memplan.models import zoo
 from memplan.units import format_bytes
 from memplan.viz import min_budget
 
-RESULTS = Path(__file__).resolve().parent / "results" / "whole_step.md"
+RESULTS = RESULTS_DIR / "whole_step.md"
 
 
 def _adamw(module: torch.nn.Module) -> torch.optim.Optimizer:

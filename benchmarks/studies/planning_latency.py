@@ -10,7 +10,7 @@ of issue #28 (n_embd 192, 6 heads, seq 128, batch 4, a 2000-token vocabulary; ~2
 values in its joint graph). One thread, as the other CPU benchmarks. Writes
 ``benchmarks/results/planning_latency.md``.
 
-    python -m benchmarks.planning_latency [--models gpt2_12,gpt,vit,resnet50,cnn,unet,mlp]
+    python -m benchmarks.studies.planning_latency [--models gpt2_12,gpt,vit,resnet50,cnn,unet,mlp]
                                           [--budget 50%] [--repeats 3] [--out FILE]
 """
 from __future__ import annotations
@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 import memplan
-from benchmarks.report import markdown_table
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.report import markdown_table
 from memplan.models import zoo
 from memplan.plan import DEFAULT_GAP, DEFAULT_TIME_LIMIT
 
-RESULTS = Path(__file__).parent / "results" / "planning_latency.md"
+RESULTS = RESULTS_DIR / "planning_latency.md"
 MODELS = ("gpt2_12", "gpt", "vit", "resnet50", "cnn", "unet", "mlp")
 TARGET_S = 10.0  # issue #28: the first planned step within 10 s (and gpt2_12's plan within 3% of its bound)
 
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(rows[-1], flush=True)
     text = (
         "# Time to the first planned step, with default settings\n\n"
-        f"`python -m benchmarks.planning_latency --budget {args.budget} --repeats {args.repeats}`: "
+        f"`python -m benchmarks.studies.planning_latency --budget {args.budget} --repeats {args.repeats}`: "
         f"`memplan.optimize(step, budget=\"{args.budget}\")` without a time limit (the whole call within "
         f"{DEFAULT_TIME_LIMIT:g} s, stopping at a {DEFAULT_GAP:.0%} gap), then one forward and backward; "
         "cold, one thread, each model planned afresh in the same process. `first step s`: from the call to "

@@ -8,7 +8,7 @@ rounds, one thread), and each plan's predicted overhead is set against its measu
 store-all's and over eager's (median of the per-round ratios). Writes
 ``benchmarks/results/time_prediction.md``.
 
-    python -m benchmarks.time_prediction [--models gpt,vit,resnet50] [--size small] [--fraction 0.5]
+    python -m benchmarks.studies.time_prediction [--models gpt,vit,resnet50] [--size small] [--fraction 0.5]
                                          [--rounds 7] [--time-limit 15]
 """
 from __future__ import annotations
@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 
 import memplan
-from benchmarks.report import markdown_table
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.report import markdown_table
 from memplan.measure import measure_peak
 from memplan.models import zoo
 
-RESULTS = Path(__file__).parent / "results" / "time_prediction.md"
+RESULTS = RESULTS_DIR / "time_prediction.md"
 
 
 def spread(pair: tuple[float, float]) -> str:

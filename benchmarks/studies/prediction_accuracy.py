@@ -1,14 +1,14 @@
 """How well memplan's predictions match measurements, per zoo model.
 
 For each zoo model, and for the library-style models of
-`benchmarks.models.library_style` (LSTM, GRU, split attention, gated MLP):
+`memplan.models.library_style` (LSTM, GRU, split attention, gated MLP):
 predicted vs measured peak of the eager step (eager autograd
 replayed on fake tensors vs the real step under the storage tracker), of the
 joint graph run in order (the simulator vs the runtime), and FLOPs against
 ``FlopCounterMode``. Then the capture of a 1.3B-parameter GPT on the meta
 device: seconds and resident memory, in a fresh process.
 
-    python -m benchmarks.prediction_accuracy [--no-1p3b]
+    python -m benchmarks.studies.prediction_accuracy [--no-1p3b]
 """
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import memplan
-from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
+from benchmarks.harness.paths import RESULTS_DIR
 from memplan.measure import measure_peak
 from memplan.models import zoo
+from memplan.models.library_style import LIBRARY_STYLE, square_loss
 
 MODELS = {"mlp": 512, "cnn": 32, "gpt": 16, "unet": 8, "vit": 16, "resnet50": 8}
 
@@ -93,7 +94,7 @@ def capture_1p3b() -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-1p3b", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/prediction_accuracy.md")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "prediction_accuracy.md")
     args = parser.parse_args(argv)
     lines = [
         "| model | ATen ops | eager predicted B | eager measured B | error | graph predicted B | graph measured B | error | FLOPs error |",

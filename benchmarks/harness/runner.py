@@ -17,7 +17,7 @@ Compiled configurations are measured with the profiler
 (``memplan.measure.profiled_peak``), the others with the dispatch-mode
 tracker; eager's step is measured both ways so the two can be compared
 (they agree to the byte on steps without convolutions; see
-``benchmarks/measure_agreement.py``).
+``benchmarks/studies/measure_agreement.py``).
 """
 from __future__ import annotations
 
@@ -28,10 +28,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.config import BenchConfig, ModelSpec
-from benchmarks.core import Candidate, Cell, ModelUnderTest
-from benchmarks.methods import DEFAULT_METHODS, EAGER, METHODS
-from benchmarks.steps import clear_grads, collect_grads, float32_noise, measure_step_peak, time_step
+from benchmarks.harness.config import BenchConfig, ModelSpec
+from benchmarks.harness.core import Candidate, Cell, ModelUnderTest
+from benchmarks.harness.methods import DEFAULT_METHODS, EAGER, METHODS
+from benchmarks.harness.steps import (
+    clear_grads,
+    collect_grads,
+    float32_noise,
+    measure_step_peak,
+    time_step,
+)
 
 
 @dataclass

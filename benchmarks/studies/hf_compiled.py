@@ -13,7 +13,7 @@ parameters whose eager gradient is zero, such as attention key biases, are left 
 over eager (median of interleaved rounds, one thread), and what was compiled. Writes
 ``benchmarks/results/hf_compiled.md``; skips when ``transformers`` is not installed.
 
-    python -m benchmarks.hf_compiled [--models gpt2,qwen2,...] [--rounds 5]
+    python -m benchmarks.studies.hf_compiled [--models gpt2,qwen2,...] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from typing import Callable
 import torch
 
 import memplan
-from benchmarks.report import markdown_table
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.report import markdown_table
 from memplan.measure import measure_peak, profiled_peak
 
-RESULTS = Path(__file__).parent / "results" / "hf_compiled.md"
+RESULTS = RESULTS_DIR / "hf_compiled.md"
 # model -> its budget as a share of its eager peak (the convolutional ones cannot go to 50%)
 MODELS = {"gpt2": 0.5, "qwen2": 0.5, "distilbert": 0.5, "vit": 0.5, "t5": 0.5, "swin": 0.6, "convnext": 0.8,
           "resnet": 0.9}
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "compiled"]
     text = (
         "# Hugging Face models, planned with and without compile=True\n\n"
-        f"`python -m benchmarks.hf_compiled --models {args.models} --rounds {args.rounds}` (method in the "
+        f"`python -m benchmarks.studies.hf_compiled --models {args.models} --rounds {args.rounds}` (method in the "
         "module's docstring): small configurations, random weights, each step the model's own loss; budget a "
         "share of the eager peak measured by the CPU allocator's events; `grad error`: the largest gradient "
         "difference from eager over the parameter's largest eager gradient; `time x eager`: median (spread) of "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.runner import ModelResult
+from benchmarks.harness.runner import ModelResult
 
 _MARKERS = "osD^vP*X"
 

@@ -17,11 +17,10 @@ import time
 from typing import Callable
 
 import memplan
-
-from benchmarks.checkpointing import checkpoint_blocks, checkpoint_chain
-from benchmarks.compile_budget import AOT_EAGER, INDUCTOR, FractionSearch, Peer
-from benchmarks.core import Candidate, Cell, ModelUnderTest
-from benchmarks.steps import clear_grads
+from benchmarks.harness.checkpointing import checkpoint_blocks, checkpoint_chain
+from benchmarks.harness.compile_budget import AOT_EAGER, INDUCTOR, FractionSearch, Peer
+from benchmarks.harness.core import Candidate, Cell, ModelUnderTest
+from benchmarks.harness.steps import clear_grads
 
 EAGER = "eager"
 CKPT_BLOCKS = "checkpoint per block"

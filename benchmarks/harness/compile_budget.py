@@ -32,8 +32,8 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from benchmarks.core import Candidate, ModelUnderTest
-from benchmarks.steps import clear_grads
+from benchmarks.harness.core import Candidate, ModelUnderTest
+from benchmarks.harness.steps import clear_grads
 
 _TAGS = itertools.count()
 

@@ -6,33 +6,27 @@ and on small random training graphs, and "auto" (whose local search runs
 on the clock) gives costs within a tolerance. This records them through the
 public API only, so the same script runs on both sides of the change:
 
-    python -m benchmarks.same_plans --save before.json     # on the old tree
-    python -m benchmarks.same_plans --compare before.json  # on the new tree
+    python -m benchmarks.tools.same_plans --save before.json     # on the old tree
+    python -m benchmarks.tools.same_plans --compare before.json  # on the new tree
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import time
 from pathlib import Path
 
 import solvers
+from benchmarks.harness.exported import load
 from solvers.core import generators
 
-GRAPHS_DIR = Path(__file__).resolve().parent / "graphs"
 GRAPHS = ("gpt12", "resnet50", "unet", "gpt48")
 FRACTIONS = (0.5, 0.3)
 DETERMINISTIC = ("store_all", "recompute_all", "sqrt_n", "greedy", "select", "rotor", "revolve")
 SMALL_EXACT = ("checkmate", "exhaustive")
 AUTO_LIMIT = {"gpt12": 40.0, "resnet50": 40.0, "unet": 40.0, "gpt48": 90.0}
 AUTO_TOLERANCE = 0.01
-
-
-def _graph(name: str) -> solvers.Problem:
-    with gzip.open(GRAPHS_DIR / f"{name}.json.gz", "rt") as f:
-        return solvers.Problem.from_json(f.read())
 
 
 def _budget(problem: solvers.Problem, fraction: float) -> int:
@@ -65,7 +59,7 @@ def _run(problem: solvers.Problem, method: str, limit) -> dict:
 def record(with_auto: bool, graphs: tuple[str, ...] = GRAPHS, small: bool = True) -> dict:
     rows: dict[str, dict] = {}
     for name in graphs:
-        problem = _graph(name)
+        problem = load(name)
         for fraction in FRACTIONS:
             p = problem.with_budget(_budget(problem, fraction))
             key = f"{name}@{fraction}"

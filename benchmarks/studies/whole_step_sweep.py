@@ -17,7 +17,7 @@ measures a step after two warm-up steps by two witnesses:
 
 Models: the zoo's GPT and CNN (the loss inside, `memplan.WithLoss`) and causal LMs from
 Hugging Face ``transformers`` built small (2 layers, hidden 128, vocabulary 1000, batch
-2 x 64 tokens, fp32). ``python -m benchmarks.whole_step_sweep`` writes
+2 x 64 tokens, fp32). ``python -m benchmarks.studies.whole_step_sweep`` writes
 ``benchmarks/results/whole_step_sweep.md``.
 """
 from __future__ import annotations
@@ -31,10 +31,11 @@ from typing import Any, Callable
 import torch
 
 import memplan
+from benchmarks.harness.paths import RESULTS_DIR
 from memplan.measure import is_host, measure_peak, profiled_peak
 from memplan.models import zoo
 
-RESULTS = Path(__file__).parent / "results" / "whole_step_sweep.md"
+RESULTS = RESULTS_DIR / "whole_step_sweep.md"
 MODES = {
     "in backward": {},
     "after backward": {"updates_after_backward": True},
@@ -162,7 +163,7 @@ def main() -> None:
     lines = [
         "# The whole step's peak against its budget and prediction",
         "",
-        f"`python -m benchmarks.whole_step_sweep` (torch {torch.__version__}, one thread, `time_limit` "
+        f"`python -m benchmarks.studies.whole_step_sweep` (torch {torch.__version__}, one thread, `time_limit` "
         f"{args.time_limit:g} s). AdamW (torch defaults), the loop keeps only the loss; the third step by the "
         "tracker (host-marked storages apart), the fourth by the allocator's events. Budgets: shares of eager's "
         "whole-step peak (the same loop, tracker) and the smallest budget memplan reports (`min`). 'holds': "

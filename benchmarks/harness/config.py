@@ -9,14 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from benchmarks.harness.paths import RESULTS_DIR
+
 # The five models of the comparison, in table order.
 DEFAULT_MODELS: tuple[str, ...] = ("gpt", "resnet50", "unet", "vit", "mlp")
 
 # Budgets as fractions of the eager step's measured peak.
 DEFAULT_FRACTIONS: tuple[float, ...] = (1.0, 0.7, 0.5, 0.35)
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class BenchConfig:
     # user's first compile, not a hit on kernels an earlier run (or method) built.
     cold_compile: bool = True
     plots: bool = True
-    methods: tuple[str, ...] = field(default_factory=tuple)  # empty: benchmarks.methods.DEFAULT_METHODS
+    methods: tuple[str, ...] = field(default_factory=tuple)  # empty: benchmarks.harness.methods.DEFAULT_METHODS
 
     def with_(self, **changes) -> "BenchConfig":
         return replace(self, **changes)

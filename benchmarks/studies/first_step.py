@@ -5,7 +5,7 @@ boolean mask, trained for a few steps at shares of its eager peak through
 ``torch.compile(model, backend=memplan.backend(budget=...))``. Each step's peak is read off
 the allocator's events (`memplan.measure.profiled_peak`: a dispatch-mode tracker cannot
 watch a compiled frame), its gradients compared with eager's, and what the backend said
-(warnings, errors) recorded. ``python -m benchmarks.first_step`` writes
+(warnings, errors) recorded. ``python -m benchmarks.studies.first_step`` writes
 ``benchmarks/results/first_step.md``.
 """
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import memplan
+from benchmarks.harness.paths import RESULTS_DIR
 from memplan.measure import measure_peak, profiled_peak
 
 MiB = 2**20
-RESULTS = Path(__file__).parent / "results" / "first_step.md"
+RESULTS = RESULTS_DIR / "first_step.md"
 
 
 class Block(nn.Module):
@@ -104,7 +105,7 @@ def main() -> None:
     lines = [
         "# The first step through the backend, with graph breaks",
         "",
-        f"`python -m benchmarks.first_step` (torch {torch.__version__}, one thread): {SplitByPython.__doc__}",
+        f"`python -m benchmarks.studies.first_step` (torch {torch.__version__}, one thread): {SplitByPython.__doc__}",
         f"Eager peak {results[0]['eager'] / MiB:.2f} MiB. Peaks by the allocator's events (`profiled_peak`), "
         f"MiB; {args.steps} steps per budget.",
         "",
