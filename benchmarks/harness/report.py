@@ -8,7 +8,7 @@
 * :func:`minimum_table`: each method's own minimum, as a share of eager's peak.
 
 :func:`to_json` and :func:`from_json` write and read ``results.json``, so the
-Markdown can be regenerated from a finished run (``python -m benchmarks.harness.readme``).
+Markdown can be regenerated from a finished run (``python -m benchmarks --from-results``).
 """
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def markdown_table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -
     lines = [_row(list(header)), _row(["---"] * len(header))]
     lines += [_row(r) for r in rows]
     return "\n".join(lines)
+
+
+def spread(pair: tuple[float, float]) -> str:
+    """A min-max spread of ratios, as the tables print it."""
+    return f"{pair[0]:.2f}-{pair[1]:.2f}"
 
 
 def met_text(cell: Cell) -> str:

@@ -23,8 +23,7 @@ import torch
 
 import memplan
 from benchmarks.harness.paths import RESULTS_DIR
-from benchmarks.harness.report import markdown_table
-from benchmarks.studies.time_prediction import spread
+from benchmarks.harness.report import markdown_table, spread
 from memplan.measure import measure_peak, profiled_peak
 from memplan.models import zoo
 

@@ -38,8 +38,8 @@ import torch
 
 import memplan
 from benchmarks.harness.paths import RESULTS_DIR
-from benchmarks.harness.report import markdown_table
-from benchmarks.studies.time_prediction import spread, zoo_arguments
+from benchmarks.harness.report import markdown_table, spread
+from benchmarks.harness.zoo_options import zoo_arguments
 from memplan.measure import measure_peak, profiled_peak
 from memplan.models import zoo
 

@@ -13,26 +13,20 @@ store-all's and over eager's (median of the per-round ratios). Writes
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
 import memplan
 from benchmarks.harness.paths import RESULTS_DIR
-from benchmarks.harness.report import markdown_table
+from benchmarks.harness.report import markdown_table, spread
+from benchmarks.harness.zoo_options import zoo_arguments
 from memplan.measure import measure_peak
 from memplan.models import zoo
 
 RESULTS = RESULTS_DIR / "time_prediction.md"
-
-
-def spread(pair: tuple[float, float]) -> str:
-    """A min-max spread of ratios, as the tables print it."""
-    return f"{pair[0]:.2f}-{pair[1]:.2f}"
 
 
 def compare(name: str, size: str, fraction: float, rounds: int, time_limit: float) -> list[dict]:
@@ -78,18 +72,6 @@ def compare(name: str, size: str, fraction: float, rounds: int, time_limit: floa
             "eager_ms": statistics.median(times["eager"]) * 1e3,
         })
     return rows
-
-
-def zoo_arguments(doc: str, models: str, fraction: float, rounds: int, out: Path) -> argparse.ArgumentParser:
-    """The options of a benchmark that plans zoo models at a share of eager's peak and times rounds."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=models)
-    parser.add_argument("--size", default="small")
-    parser.add_argument("--fraction", type=float, default=fraction)
-    parser.add_argument("--rounds", type=int, default=rounds)
-    parser.add_argument("--time-limit", type=float, default=15.0)
-    parser.add_argument("--out", type=Path, default=out)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
