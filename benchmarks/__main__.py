@@ -1,4 +1,4 @@
-"""``python -m benchmarks`` (= ``make bench``); see :mod:`benchmarks.cli`."""
-from benchmarks.cli import main
+"""``python -m benchmarks`` (= ``make bench``); see :mod:`benchmarks.harness.cli`."""
+from benchmarks.harness.cli import main
 
 raise SystemExit(main())

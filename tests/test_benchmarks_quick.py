@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from benchmarks import cli
-from benchmarks.methods import DEFAULT_METHODS, MEMPLAN_COMPILED
-from benchmarks.readme import END, START, splice
-from benchmarks.report import COLUMNS
+from benchmarks.harness import cli
+from benchmarks.harness.methods import DEFAULT_METHODS, MEMPLAN_COMPILED
+from benchmarks.harness.readme import END, START, splice
+from benchmarks.harness.report import COLUMNS
 
 # The run compiles with Inductor (the peer, memplan compiled): minutes on a shared 2-core machine.
 pytestmark = pytest.mark.timeout(600)
@@ -119,7 +119,7 @@ def test_memplan_compiled_is_skipped_with_a_note_while_optimize_refuses_compile(
     """A memplan without the compiled runtime: the row says so instead of failing the run."""
     from types import SimpleNamespace
 
-    from benchmarks import methods
+    from benchmarks.harness import methods
 
     def old_optimize(*args, **options):
         if "compile" in options:

@@ -41,7 +41,7 @@ class DeviceProfile:
     allocation_granularity: int = 1  # allocator rounding of each storage, bytes
     # Kinds of op (`op_kind`) whose time the roofline misjudges on this device, with the factor
     # measured over roofline: work the FLOP counter leaves out (random numbers, normalizations,
-    # softmax, pooling), or kernels well below peak (`benchmarks.calibrate_cpu` fits them).
+    # softmax, pooling), or kernels well below peak (`benchmarks.tools.calibrate_cpu` fits them).
     op_factors: tuple[tuple[str, float], ...] = ()
 
     @functools.cached_property
@@ -60,7 +60,7 @@ class DeviceProfile:
 # Published peak figures (dense, no sparsity). The CPU profile describes a
 # small 2-core x86 VM (Sapphire Rapids, AVX-512 and AMX), one thread, fitted
 # to its measured op times on Hugging Face GPT-2, ViT and ResNet steps
-# (`python -m benchmarks.calibrate_cpu`). Refitted on 2026-12-05 once the
+# (`python -m benchmarks.tools.calibrate_cpu`). Refitted on 2026-12-05 once the
 # capture split CPU dropouts into their mask's draw and a multiply
 # (`memplan.passes.dropout_split`): three runs gave 128, 131 and 130 GFLOP/s, 16.1,
 # 19.1 and 20.5 GB/s (the third is this profile); a fit earlier the same day,

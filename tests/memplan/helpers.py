@@ -96,3 +96,38 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+class HFLossStep(nn.Module):
+    """A Hugging Face model's training step: the model's own loss of ``labels`` for ``inputs``,
+    passed to it as ``input_name`` (``input_ids``, ``pixel_values``)."""
+
+    def __init__(self, model: nn.Module, input_name: str):
+        super().__init__()
+        self.model, self.input_name = model, input_name
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.input_name: inputs, "labels": labels}).loss
+
+
+def hf_step(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A small Hugging Face model's training step (seeded random weights) and its inputs: "distilbert"
+    (a 3-layer sequence classifier, 4 x 128 tokens) or "resnet" (bottleneck blocks, 8 images of
+    64 x 64). Needs ``transformers``."""
+    import transformers
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    if name == "distilbert":
+        config = transformers.DistilBertConfig(n_layers=3, dim=128, hidden_dim=512, n_heads=4, vocab_size=1000,
+                                               num_labels=3)
+        step = HFLossStep(transformers.DistilBertForSequenceClassification(config), "input_ids")
+        return step, (torch.randint(0, 1000, (4, 128), generator=g), torch.randint(0, 3, (4,), generator=g))
+    if name == "resnet":
+        config = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
+                                           layer_type="bottleneck", num_labels=10)
+        step = HFLossStep(transformers.ResNetForImageClassification(config), "pixel_values")
+        return step, (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))
+    raise ValueError(f"no Hugging Face step named {name!r}")

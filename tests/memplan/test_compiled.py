@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import memplan
-from benchmarks import hf_compiled
 from memplan.runtime.inductor.reports import CompileWarning
 from memplan.core.config import TUNABLES, Tunables, override
 from memplan.measure.tracker import measure_peak, profiled_peak
 
-from .helpers import build_step, clear_grads, fresh_dynamo  # noqa: F401 - autouse: dynamo's caches reset
+from .helpers import HFLossStep, build_step, clear_grads, fresh_dynamo, hf_step  # noqa: F401 - autouse: dynamo's caches reset
 from .test_dynamo import Branchy
 
 FUSED = dict(rtol=1e-4, atol=1e-6)
@@ -425,7 +424,7 @@ def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its
     # go of them saw that run 34 KB under its eager twin, and the step measured 359 KB over its
     # eager twin's and 185 KB over the budget.
     pytest.importorskip("transformers")
-    module, args = hf_compiled.build("distilbert")
+    module, args = hf_step("distilbert")
     _compiled_step_within_budget(module, args, 0.5, time_limit=10)
 
 
@@ -556,7 +555,7 @@ def test_a_run_whose_decomposition_a_recorded_view_cannot_take_still_compiles():
     g = torch.Generator().manual_seed(0)
     ids, labels = torch.randint(0, 200, (2, 32), generator=g), torch.randint(0, 200, (2, 16), generator=g)
 
-    module = hf_compiled.LossStep(model, "input_ids")
+    module = HFLossStep(model, "input_ids")
     reference = copy.deepcopy(module)
     budget = _budget(module, (ids, labels), {}, 0.8)
     opt = memplan.optimize(module, budget, compile=True, time_limit=5)
@@ -604,7 +603,7 @@ def test_a_compiled_resnet_whose_refused_runs_read_channels_last_values_holds_it
     # their traced layout for the eager code, 769 KB over. Later compile passes have them made in their
     # traced layout instead.
     pytest.importorskip("transformers")
-    module, args = hf_compiled.build("resnet")
+    module, args = hf_step("resnet")
     _compiled_step_within_budget(module, args, 0.9)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import memplan
-from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
+from memplan.models.library_style import LIBRARY_STYLE, square_loss
 from memplan.capture.trace import capture
 from memplan.costs.cost_model import PROFILES, annotate, get_profile
 from memplan.measure.timing import measure_op_times
@@ -32,7 +32,7 @@ def test_roofline_is_compute_or_memory_bound():
 
 
 def test_op_factors_scale_the_roofline_of_their_kind_only():
-    # The CPU profile's factors come from measured op times (`benchmarks.calibrate_cpu`): dropout's
+    # The CPU profile's factors come from measured op times (`benchmarks.tools.calibrate_cpu`): dropout's
     # random numbers cost far more than the bytes it moves, which the roofline alone sees.
     p = PROFILES["cpu"]
     factors = dict(p.op_factors)

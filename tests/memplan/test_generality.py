@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import memplan
-from benchmarks.models.library_style import LIBRARY_STYLE, square_loss
+from memplan.models.library_style import LIBRARY_STYLE, square_loss
 from memplan.measure.tracker import measure_peak
 from memplan.pipeline.sweep import min_budget
 
@@ -108,7 +108,7 @@ def test_bf16_autocast_step_matches_eager_autocast():
 def test_library_style_models_are_predicted_as_measured(name):
     torch.manual_seed(0)
     # Views of one storage kept after the op that made it (unbind, split, chunk) and
-    # slice assignment (functional copy and scatter ops): see benchmarks.models.library_style.
+    # slice assignment (functional copy and scatter ops): see memplan.models.library_style.
     model, args = LIBRARY_STYLE[name]()
     module = memplan.WithLoss(model, square_loss)
     reference = copy.deepcopy(module)

@@ -1,9 +1,16 @@
-"""Small graph builders shared by the solvers tests (no torch here)."""
+"""Small graph builders shared by the solvers tests, and the exported real-model graphs (no torch here)."""
 from __future__ import annotations
+
+import gzip
+from pathlib import Path
 
 import networkx as nx
 
-from solvers import Problem
+from solvers import METHODS, Problem
+from solvers.core.memory import memory_of
+
+# Joint graphs of real models, exported once as Problem JSON (`python -m benchmarks.tools.export_graphs`).
+EXPORTED_GRAPHS = Path(__file__).resolve().parents[2] / "benchmarks" / "graphs"
 
 
 def graph(nodes: dict, edges: list[tuple], **attrs_by_node) -> nx.DiGraph:
@@ -55,3 +62,16 @@ def skip_chain(budget: int) -> Problem:
     G.add_node("c", mem=1, cost=1.0)
     G.add_edges_from([("s", "c"), ("a", "c")])
     return Problem.from_networkx(G, budget, host_bandwidth=8.0)
+
+
+def exported_graph(name: str) -> Problem:
+    """The exported graph ``name`` (gpt12, gpt48, resnet50, unet); its budget is unconstrained."""
+    with gzip.open(EXPORTED_GRAPHS / f"{name}.json.gz", "rt") as f:
+        return Problem.from_json(f.read())
+
+
+def with_fraction(problem: Problem, fraction: float) -> Problem:
+    """``problem`` with its budget at the sources plus ``fraction`` of store-all's activation memory."""
+    peak = METHODS["store_all"](problem, None).peak
+    base = memory_of(problem, [])
+    return problem.with_budget(int(base + fraction * (peak - base)))

@@ -6,12 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scale_bench import with_fraction
 from solvers.core.generators import training_like
 from solvers.core.problem import Problem
 from solvers.methods.lower_bounds import lower_bound
 from solvers.strategies.background import BackgroundBound, best_printed, usable_cores
 from solvers.strategies.hierarchical import solve_hierarchical
+
+from .helpers import with_fraction
 
 
 def _at(fraction: float, seed: int = 0) -> Problem:

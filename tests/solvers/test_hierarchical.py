@@ -2,9 +2,6 @@
 (and against the exhaustive optimum on tiny graphs)."""
 from __future__ import annotations
 
-import gzip
-from pathlib import Path
-
 import networkx as nx
 import numpy as np
 import pytest
@@ -30,21 +27,7 @@ from solvers.strategies.min_budget import min_budget
 from solvers.strategies.offload import solve_offload
 from solvers.transforms.coarsen import coarsen
 
-from .helpers import graph
-
-GRAPHS = Path(__file__).resolve().parents[2] / "benchmarks" / "graphs"
-
-
-def _load(name: str) -> Problem:
-    with gzip.open(GRAPHS / f"{name}.json.gz", "rt") as f:
-        return Problem.from_json(f.read())
-
-
-def _fraction_budget(problem: Problem, fraction: float) -> Problem:
-    """Budget = sources + ``fraction`` of store-all's activation memory."""
-    peak = METHODS["store_all"](problem, None).peak
-    base = memory_of(problem, [])
-    return problem.with_budget(int(base + fraction * (peak - base)))
+from .helpers import exported_graph, graph, with_fraction
 
 
 def _graphs_with_views():
@@ -72,7 +55,7 @@ def test_coarse_schedules_expand_to_valid_fine_schedules(k):
 
 
 def test_coarsening_shrinks_real_graphs():
-    problem = _load("gpt12")
+    problem = exported_graph("gpt12")
     c = coarsen(problem)
     assert c.coarse.n_compute < problem.n_compute / 2
     sol = METHODS["store_all"](c.coarse, None)
@@ -106,7 +89,7 @@ def test_hierarchical_fits_training_graphs(seed, base):
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_hierarchical_on_unet(fraction):
-    p = _fraction_budget(_load("unet"), fraction)
+    p = with_fraction(exported_graph("unet"), fraction)
     sol = solve_hierarchical(p, 5.0)
     validate(p, sol.schedule)
     assert sol.fits and sol.status == "feasible"
@@ -282,7 +265,7 @@ def test_a_drop_search_goes_past_its_deadline_until_its_first_fit_and_no_further
 
     from solvers.strategies.hierarchical.search import SearchLog, drop_search
 
-    p = _fraction_budget(Problem.from_networkx(training_like(120, seed=3, base="transformer"), 10**12), 0.4)
+    p = with_fraction(Problem.from_networkx(training_like(120, seed=3, base="transformer"), 10**12), 0.4)
     c = coarsen(p)
     now = time.perf_counter()
     assert drop_search(DropPlanner(c, 2), p.budget, now, SearchLog(), chains=False) is None

@@ -13,7 +13,7 @@ from solvers.methods.store_all import solve_store_all
 from solvers.strategies.min_budget import min_budget
 from solvers.transforms.repair import add_recomputations, recompute_down
 
-from .helpers import graph
+from .helpers import exported_graph, graph, with_fraction
 
 
 def _store_all(G) -> tuple[Problem, Schedule]:
@@ -162,9 +162,7 @@ def test_inputs_gone_by_the_next_read_are_recomputed_as_a_chain():
 @functools.lru_cache(maxsize=None)
 def _real(name: str) -> Problem:
     pytest.importorskip("solvers.methods.rotor")  # an optional method
-    from benchmarks.scale_bench import load, with_fraction
-
-    return with_fraction(load(name), 0.3)
+    return with_fraction(exported_graph(name), 0.3)
 
 
 @pytest.mark.slow

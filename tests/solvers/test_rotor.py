@@ -23,7 +23,7 @@ from solvers.methods.chain import extract_chain
 from solvers.methods.revolve import binomial_table, griewank_advances, solve_revolve
 from solvers.methods.rotor import solve_rotor
 
-from .helpers import graph
+from .helpers import exported_graph, graph
 
 
 def check(p: Problem, sol: Solution, where) -> None:
@@ -192,10 +192,7 @@ def test_chain_extraction_on_a_training_chain():
 
 @functools.lru_cache(maxsize=None)
 def real(name: str) -> Problem:
-    pytest.importorskip("gzip")
-    from benchmarks.export_graphs import load
-
-    return load(name)
+    return exported_graph(name)
 
 
 @pytest.mark.slow
