@@ -35,7 +35,7 @@ from memplan.runtime.inductor.reports import CompileWarning
 from memplan.costs.cost_model import PROFILES, DeviceProfile
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
 from memplan.measure.tracker import measure_peak
-from memplan.updates.optimizer import UnsupportedOptimizer
+from memplan.updates.probe import UnsupportedOptimizer
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
 from memplan.pipeline.saved import PlanMismatchError, SavedPlan, load_plan

@@ -301,7 +301,7 @@ def whole_step(name: str, size: str, batch: int | None, dl: Deadline, time_limit
 
 def _without_overlap(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with each host update joined as soon as it is submitted (no overlap)."""
-    from memplan.updates.optimizer import HostUpdates
+    from memplan.updates.runner import HostUpdates
 
     def serial() -> None:
         submit = HostUpdates.submit

@@ -82,7 +82,7 @@ class Tunables:
     """Kernel scratch under this many bytes is the allocator's rounding or a scalar, not worth a node of
     the Problem (memplan.measure.timing)."""
 
-    # ---- the optimizer's probe (memplan.updates.optimizer) ----
+    # ---- the optimizer's probe (memplan.updates.probe) ----
     probe_numels: tuple[int, int] = (1024, 4096)
     """Numels of the two probe parameters each (group, dtype, device) is stepped with."""
     timing_numels: tuple[int, int] = (1 << 14, 1 << 18)

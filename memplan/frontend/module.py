@@ -28,7 +28,8 @@ from memplan.frontend.distributed import (process_group_size, refuse_distributed
 from memplan.core.storage import storages_of
 from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
 from memplan.measure.tracker import unmeasured
-from memplan.updates.optimizer import Accumulation, check_optimizer
+from memplan.updates.probe import check_optimizer
+from memplan.updates.runner import Accumulation
 from memplan.passes.output_use import OutputUse
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, make_plan

@@ -1,7 +1,7 @@
 """Copies between a device and host memory, on side streams: the one place they are made.
 
 The planned step's offload / prefetch / arrive (`memplan.runtime.program`) and the optimizer's host
-updates (`memplan.updates.optimizer`) both copy here. On CUDA a copy runs on one of two side streams per
+updates (`memplan.updates.probe`) both copy here. On CUDA a copy runs on one of two side streams per
 device (device-to-host, host-to-device) into or out of pinned host memory, ordered against the
 compute stream by events, so that it overlaps compute; the device buffer it reads is recorded on
 the copy stream, so the caching allocator does not hand its memory out before the copy has read

@@ -20,7 +20,8 @@ import solvers
 from solvers.core.sequence import tighten_frees
 from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile
-from memplan.updates.optimizer import Accumulation, UpdatePlacement, host_updates
+from memplan.updates.probe import UpdatePlacement, host_updates
+from memplan.updates.runner import Accumulation
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
@@ -368,7 +369,7 @@ def make_plan(
     ``offload``: let the plan page values to host memory over the profile's host link.
     ``output_use``: what the step is known to do with the outputs (:mod:`memplan.passes.output_use`).
     ``optimizer``: the step also applies this optimizer's updates, in backward, with its state
-    in the budget (:mod:`memplan.updates.optimizer`); ``grad_norm``: keep the norm of the gradients it applies;
+    in the budget (:mod:`memplan.updates.probe`); ``grad_norm``: keep the norm of the gradients it applies;
     ``updates_after_backward``: every update after backward, not as soon as its gradient is final
     (which is tried first otherwise, and left for this where it does not fit); ``max_grad_norm``:
     clip the gradients' global norm to it before the updates (which then come after backward);
@@ -457,7 +458,7 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
        (``norm_pass``) holds the gradients first, and then tries a first backward pass that
        computes only the norm (each gradient freed at once), the updates in the second;
     3. with ``may_move_state``, the optimizer state of more parameters in host memory, the
-       largest first (`memplan.updates.optimizer.host_updates`), as many bytes as the last attempt's
+       largest first (`memplan.updates.probe.host_updates`), as many bytes as the last attempt's
        smallest plan was over the budget, then 1 and 2 again; until all state is there.
 
     ``solve_for(placement)`` solves the step in one placement (raising `InfeasibleBudgetError`).

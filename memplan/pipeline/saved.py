@@ -18,7 +18,8 @@ from memplan.planning.analysis import Analysis
 from memplan.capture.signature import Capture
 from memplan.costs.cost_model import DeviceProfile
 from memplan.passes.output_use import OutputUse
-from memplan.updates.optimizer import Accumulation, UpdatePlacement
+from memplan.updates.probe import UpdatePlacement
+from memplan.updates.runner import Accumulation
 from memplan.pipeline.plan import Plan, plan_from_schedule
 from memplan.pipeline.stages import analyze_step, build_step, prepare_step
 from memplan.planning.lowering import SCRATCH_PREFIX

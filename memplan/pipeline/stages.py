@@ -24,7 +24,8 @@ from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile, GraphCosts, get_profile
 from memplan.passes.output_use import OutputUse
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
-from memplan.updates.optimizer import Accumulation, ParamUpdate, UpdatePlacement, UpdateRunner, learn_updates
+from memplan.updates.probe import ParamUpdate, UpdatePlacement, learn_updates
+from memplan.updates.runner import Accumulation, UpdateRunner
 from memplan.runtime.program import Program, build_program
 
 Stage = Callable[[str, str], ContextManager[Any]]

@@ -29,7 +29,8 @@ from memplan.capture.signature import Capture, flatten_output, swapped_state
 from memplan.capture.patches import eager_resampling, traced_as_compiling
 from memplan.capture.trace import fakeify
 from memplan.costs.cost_model import DeviceProfile, GraphCosts, annotate
-from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX, ParamUpdate, UpdatePlacement
+from memplan.updates.names import ACCUM_PREFIX, STATE_PREFIX
+from memplan.updates.probe import ParamUpdate, UpdatePlacement
 from memplan.passes.output_use import OutputUse
 from memplan.planning.lowering import BACKWARD, Lowered, lower, updated_after_reads
 
@@ -177,7 +178,7 @@ def analyze_capture(
 ) -> Analysis:
     """Costs, Problem and store-all baseline for a capture; ``measure_on`` times every op there;
     ``scratch_on`` measures there what the kernels that allocate for themselves take (`memplan.measure.timing.measure_op_scratch`);
-    ``updates``: the optimizer updates the step applies (`memplan.updates.optimizer`), placed as
+    ``updates``: the optimizer updates the step applies (`memplan.updates.probe`), placed as
     ``placement`` says. ``costs``: the capture's costs when they are already known (another
     lowering of the same step). ``carry_limit``: `memplan.planning.lowering.lower`'s."""
     if costs is None:

@@ -47,18 +47,8 @@ import solvers
 from solvers.transforms.ordering import after_last_reads
 from memplan.capture.signature import Capture
 from memplan.costs.cost_model import GraphCosts
-from memplan.updates.optimizer import (
-    ACCUM_PREFIX,
-    GRADS_FINAL,
-    NORM_FINAL,
-    NORM_PASS_PREFIX,
-    SQUARE_PREFIX,
-    STATE_PREFIX,
-    UPDATE_PREFIX,
-    UPDATED_SUFFIX,
-    ParamUpdate,
-    UpdatePlacement,
-)
+from memplan.updates.names import ACCUM_PREFIX, GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, STATE_PREFIX, UPDATE_PREFIX, UPDATED_SUFFIX
+from memplan.updates.probe import ParamUpdate, UpdatePlacement
 from memplan.core.storage import value_device
 
 BACKWARD = "__backward__"
@@ -88,11 +78,11 @@ class Lowered:
     tangents: list[str]  # tangent placeholder names, in order
     sources: list[str]  # primal placeholder names, in order
     rng_of: dict[str, str]  # random op -> the Problem node of its generator state
-    # Per parameter the optimizer updates (`memplan.updates.optimizer`): (its update node, the gradient that
+    # Per parameter the optimizer updates (`memplan.updates.probe`): (its update node, the gradient that
     # update applies, the parameter's name in the model); an update's slot is its position here.
     updates: list[tuple[str, str, str]] = field(default_factory=list)
     placement: UpdatePlacement = UpdatePlacement()  # where the updates run, where their state lives
-    # A norm pass's values (`memplan.updates.optimizer.NORM_PASS_PREFIX`): copy -> the backward value it recomputes.
+    # A norm pass's values (`memplan.updates.names.NORM_PASS_PREFIX`): copy -> the backward value it recomputes.
     norm_pass: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -174,7 +164,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
           updates: Sequence[ParamUpdate] = (), placement: UpdatePlacement = UpdatePlacement(),
           carry_limit: tuple[int, int] | None = None) -> Lowered:
     """Build the Problem for ``cap`` with the per-value costs in ``costs``; ``updates``: the
-    optimizer updates the step applies (`memplan.updates.optimizer`), with the state they keep, placed
+    optimizer updates the step applies (`memplan.updates`), with the state they keep, placed
     as ``placement`` says (each as soon as its gradient is final, or once all are; state on
     the device or in host memory). ``carry_limit=(limit, budget)``: a plan under ``budget``
     carries at most ``limit`` bytes beyond its sources into the backward (``CUT_RESERVE``)."""

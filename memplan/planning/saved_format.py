@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 import solvers
-from memplan.updates.optimizer import UpdatePlacement
+from memplan.updates.probe import UpdatePlacement
 from memplan.passes.output_use import OutputUse
 
 if TYPE_CHECKING:

@@ -38,7 +38,8 @@ import solvers
 from solvers.transforms.ordering import storage_readers
 from memplan.capture.signature import Capture
 from memplan.ops.kernels import eager_kernel, use_stand_ins
-from memplan.updates.optimizer import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, GradClip, UpdateRunner
+from memplan.updates.names import GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX
+from memplan.updates.runner import GradClip, UpdateRunner
 from memplan.planning.lowering import BACKWARD, RNG_PREFIX, Lowered, is_reference
 from memplan.core.storage import value_device
 from memplan.ops.transfer import arrive, offload, prefetch
@@ -77,7 +78,7 @@ class Program:
     # Called at each backward with the user outputs (indices) that got no gradient and those
     # the caller no longer held: how memplan.frontend.module learns how the step uses the outputs.
     observer: Callable[[frozenset[int], frozenset[int]], None] | None = None
-    # The optimizer updates backward applies (memplan.updates.optimizer): the runner the backward segment
+    # The optimizer updates backward applies (memplan.updates.probe): the runner the backward segment
     # calls, and per update slot the tangent indices its gradient depends on (as grad_tangents).
     updater: UpdateRunner | None = None
     update_tangents: list[frozenset[int]] = field(default_factory=list)
@@ -318,7 +319,7 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
 def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
                   updater: UpdateRunner | None = None, timeline: Any = None) -> Program:
     """Turn a validated schedule into a :class:`Program`; ``updater`` applies the optimizer
-    updates of ``low`` (`memplan.updates.optimizer`) where the schedule computes them; ``timeline`` (the
+    updates of ``low`` (`memplan.updates.probe`) where the schedule computes them; ``timeline`` (the
     simulator's memory at each step) keeps the step's peak the one predicted (`memplan.ops.kernels`):
     without it, every op whose input dies there may run in place."""
     fw_steps, bw_steps = _split(schedule)

@@ -35,7 +35,7 @@ import numpy as np
 import solvers
 from memplan.planning.analysis import Analysis
 from memplan.capture.patches import module_path
-from memplan.updates.optimizer import ACCUM_PREFIX, STATE_PREFIX
+from memplan.updates.names import ACCUM_PREFIX, STATE_PREFIX
 from memplan.pipeline.plan import Plan, problem_for
 from memplan.planning.lowering import BACKWARD, is_reference, value_name
 from memplan.core.units import format_bytes

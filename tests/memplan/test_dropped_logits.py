@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import memplan
 from memplan.measure.tracker import measure_peak
-from memplan.updates.optimizer import ParamUpdate, UpdatePlacement
+from memplan.updates.probe import ParamUpdate, UpdatePlacement
 from memplan.passes.output_use import OutputUse
 from memplan.pipeline.plan import InfeasibleBudgetError, whole_step_plan
 

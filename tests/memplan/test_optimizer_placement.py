@@ -198,7 +198,7 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     from memplan.planning.analysis import analyze_capture
     from memplan.capture.trace import capture
     from memplan.costs.cost_model import get_profile
-    from memplan.updates.optimizer import UpdatePlacement, learn_updates
+    from memplan.updates.probe import UpdatePlacement, learn_updates
 
     module, args, kwargs = build_step("gpt", batch_size=1)
     reference = copy.deepcopy(module)
@@ -234,7 +234,7 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
 
 
 def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_once_per_parameter():
-    # Host updates step a view of the optimizer on a worker thread (memplan.updates.optimizer.HostUpdates):
+    # Host updates step a view of the optimizer on a worker thread (memplan.updates.runner.HostUpdates):
     # an LR scheduler's change between steps must reach them, and the optimizer's own hooks run.
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
@@ -285,7 +285,7 @@ def test_profile_times_the_updates_and_the_plan_trains_as_eager(state):
     """``profile=True`` times the optimizer's own updates (on the device and on the host) instead of
     a roofline of their traffic; the plan made with those times trains as eager."""
     from memplan.costs.cost_model import PROFILES
-    from memplan.updates.optimizer import learn_updates
+    from memplan.updates.probe import learn_updates
 
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import memplan
 from memplan.measure.tracker import measure_peak
-from memplan.updates.optimizer import UnsupportedOptimizer, UpdatePlacement
+from memplan.updates.probe import UnsupportedOptimizer, UpdatePlacement
 from memplan.pipeline.sweep import min_budget
 
 from .helpers import build_step
@@ -209,7 +209,7 @@ def test_updates_in_backward_lower_the_whole_step_minimum_by_about_the_gradients
     from memplan.planning.analysis import analyze_capture
     from memplan.capture.trace import capture
     from memplan.costs.cost_model import get_profile
-    from memplan.updates.optimizer import learn_updates
+    from memplan.updates.probe import learn_updates
 
     module, args, kwargs = build_step("cnn")
     optimizer = torch.optim.AdamW(module.parameters(), foreach=True)

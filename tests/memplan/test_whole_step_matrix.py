@@ -28,7 +28,7 @@ from torch import nn
 
 import memplan
 from memplan.measure.tracker import measure_peak
-from memplan.updates.optimizer import UnsupportedOptimizer
+from memplan.updates.probe import UnsupportedOptimizer
 
 from .helpers import build_step
 
