@@ -296,7 +296,7 @@ class _Segmenting:
                 entry.reason = f"compiled, it hands out {', '.join(moved[:3])} laid out otherwise than traced"
                 self.report.refused += 1
                 return None
-            # The plan runs this stretch beside `planned - eager_peak` bytes; compiled, it must still fit.
+            # The plan runs this run beside `planned - eager_peak` bytes; compiled, it must still fit.
             planned = self.planned_bytes(members) + entry.compiled_peak - entry.eager_peak
             if not why and planned > self.budget:
                 why = (f"peak {entry.compiled_peak} B against eager's {entry.eager_peak} B, "
