@@ -317,7 +317,14 @@ class Problem:
 
     @classmethod
     def load(cls, path: str | Path) -> "Problem":
-        return cls.from_json(Path(path).read_text())
+        """A Problem saved as JSON, gzipped when the name ends in ``.gz`` (the exported graphs)."""
+        path = Path(path)
+        if path.suffix == ".gz":
+            import gzip
+
+            with gzip.open(path, "rt") as f:
+                return cls.from_json(f.read())
+        return cls.from_json(path.read_text())
 
     # --------------------------------------------------------------- helpers
     def _pinned_to_device(self, i: int) -> bool:

@@ -15,6 +15,7 @@ from ..core.method import (
     SolveFn,
     portfolio,
 )
+from ..core.memory import memory_of
 from ..core.problem import Problem
 from ..core.solution import MethodFailed, Solution
 from .greedy import solve_greedy
@@ -56,3 +57,11 @@ def best_baseline(problem: Problem) -> Solution:
     if fitting:
         return min(fitting, key=lambda s: (s.cost, s.peak))
     return min(solutions, key=lambda s: (s.peak, s.cost))
+
+
+def with_budget_fraction(problem: Problem, fraction: float) -> Problem:
+    """``problem`` with its budget at its sources' memory plus ``fraction`` of store-all's activation
+    memory (0: the sources alone, 1: store-all's peak)."""
+    peak = solve_store_all(problem, None).peak
+    base = memory_of(problem, [])
+    return problem.with_budget(int(base + fraction * (peak - base)))

@@ -1,13 +1,11 @@
 """Small graph builders shared by the solvers tests, and the exported real-model graphs (no torch here)."""
 from __future__ import annotations
 
-import gzip
 from pathlib import Path
 
 import networkx as nx
 
-from solvers import METHODS, Problem
-from solvers.core.memory import memory_of
+from solvers import Problem
 
 # Joint graphs of real models, exported once as Problem JSON (`python -m benchmarks.tools.export_graphs`).
 EXPORTED_GRAPHS = Path(__file__).resolve().parents[2] / "benchmarks" / "graphs"
@@ -66,12 +64,4 @@ def skip_chain(budget: int) -> Problem:
 
 def exported_graph(name: str) -> Problem:
     """The exported graph ``name`` (gpt12, gpt48, resnet50, unet); its budget is unconstrained."""
-    with gzip.open(EXPORTED_GRAPHS / f"{name}.json.gz", "rt") as f:
-        return Problem.from_json(f.read())
-
-
-def with_fraction(problem: Problem, fraction: float) -> Problem:
-    """``problem`` with its budget at the sources plus ``fraction`` of store-all's activation memory."""
-    peak = METHODS["store_all"](problem, None).peak
-    base = memory_of(problem, [])
-    return problem.with_budget(int(base + fraction * (peak - base)))
+    return Problem.load(EXPORTED_GRAPHS / f"{name}.json.gz")

@@ -11,13 +11,13 @@ from solvers.core.problem import Problem
 from solvers.methods.lower_bounds import lower_bound
 from solvers.strategies.background import BackgroundBound, best_printed, usable_cores
 from solvers.strategies.hierarchical import solve_hierarchical
+from solvers.methods.baselines import with_budget_fraction
 
-from .helpers import with_fraction
 
 
 def _at(fraction: float, seed: int = 0) -> Problem:
     """A transformer-like training graph at ``fraction`` of the way from its sources to store-all's peak."""
-    return with_fraction(Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62), fraction)
+    return with_budget_fraction(Problem.from_networkx(training_like(100, seed, base="transformer"), 2**62), fraction)
 
 
 @pytest.mark.slow
@@ -62,7 +62,7 @@ def test_small_graphs_start_no_child():
         BACKGROUND_MIN_VALUES,
     )
 
-    p = with_fraction(Problem.from_networkx(training_like(12, 0, base="transformer"), 2**62), 0.5)
+    p = with_budget_fraction(Problem.from_networkx(training_like(12, 0, base="transformer"), 2**62), 0.5)
     assert 8 < p.n_compute <= BACKGROUND_MIN_VALUES
     sol = solve_hierarchical(p, BACKGROUND_MIN_LIMIT)
     assert sol.fits and not sol.info["bound_in_background"]

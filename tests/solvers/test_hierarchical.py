@@ -26,10 +26,9 @@ from solvers.strategies.hierarchical.strategy import _Incumbent
 from solvers.strategies.min_budget import min_budget
 from solvers.strategies.offload import solve_offload
 from solvers.transforms.coarsen import coarsen
+from solvers.methods.baselines import with_budget_fraction
 
-from .helpers import exported_graph, graph, with_fraction
-
-
+from .helpers import exported_graph, graph
 def _graphs_with_views():
     for seed in range(6):
         yield Problem.from_networkx(random_dag(14, seed=seed, view_prob=0.4, n_sources=2), 10**9)
@@ -89,7 +88,7 @@ def test_hierarchical_fits_training_graphs(seed, base):
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.5, 0.3])
 def test_hierarchical_on_unet(fraction):
-    p = with_fraction(exported_graph("unet"), fraction)
+    p = with_budget_fraction(exported_graph("unet"), fraction)
     sol = solve_hierarchical(p, 5.0)
     validate(p, sol.schedule)
     assert sol.fits and sol.status == "feasible"
@@ -265,7 +264,7 @@ def test_a_drop_search_goes_past_its_deadline_until_its_first_fit_and_no_further
 
     from solvers.strategies.hierarchical.search import SearchLog, drop_search
 
-    p = with_fraction(Problem.from_networkx(training_like(120, seed=3, base="transformer"), 10**12), 0.4)
+    p = with_budget_fraction(Problem.from_networkx(training_like(120, seed=3, base="transformer"), 10**12), 0.4)
     c = coarsen(p)
     now = time.perf_counter()
     assert drop_search(DropPlanner(c, 2), p.budget, now, SearchLog(), chains=False) is None

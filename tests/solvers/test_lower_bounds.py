@@ -19,9 +19,9 @@ from solvers.methods.lower_bounds import INTERVAL_MOMENTS, lower_bound, lp_lower
 from solvers.strategies.auto import solve_auto
 from solvers.strategies.min_budget import min_budget
 from solvers.transforms.pin_search import pin_search
+from solvers.methods.baselines import with_budget_fraction
 
-from .helpers import exported_graph, graph, with_fraction
-
+from .helpers import exported_graph, graph
 TOL = 1e-9
 
 
@@ -110,7 +110,7 @@ def test_infeasible_budget_gives_infinity():
 
 @pytest.mark.slow
 def test_real_graph_is_fast_and_below_the_greedy_cost():
-    q = with_fraction(exported_graph("unet"), 0.3)
+    q = with_budget_fraction(exported_graph("unet"), 0.3)
     lb = lower_bound(q)
     sol = METHODS["greedy"](q, None)
     assert q.total_cost() < lb
@@ -123,7 +123,7 @@ def test_real_graph_is_fast_and_below_the_greedy_cost():
 def test_interval_milp_and_autos_bound_stay_below_a_pin_searched_plan_on_a_real_graph():
     # unet at 30%, briefly: the interval model as a MILP on the moments auto's bound starts from,
     # and the bound auto reports, both below the cost of auto's plan after a pin search.
-    problem = with_fraction(exported_graph("unet"), 0.3)
+    problem = with_budget_fraction(exported_graph("unet"), 0.3)
     total = problem.total_cost()
     ctx = BoundContext(problem)
     by_node = {m.node: m for m in moments(problem, ctx=ctx)}

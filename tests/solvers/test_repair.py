@@ -12,10 +12,9 @@ from solvers.methods.memory_bounds import store_all_peak
 from solvers.methods.store_all import solve_store_all
 from solvers.strategies.min_budget import min_budget
 from solvers.transforms.repair import add_recomputations, recompute_down
+from solvers.methods.baselines import with_budget_fraction
 
-from .helpers import exported_graph, graph, with_fraction
-
-
+from .helpers import exported_graph, graph
 def _store_all(G) -> tuple[Problem, Schedule]:
     p = Problem.from_networkx(G, 2**62)
     return p, solve_store_all(p, None).schedule
@@ -162,7 +161,7 @@ def test_inputs_gone_by_the_next_read_are_recomputed_as_a_chain():
 @functools.lru_cache(maxsize=None)
 def _real(name: str) -> Problem:
     pytest.importorskip("solvers.methods.rotor")  # an optional method
-    return with_fraction(exported_graph(name), 0.3)
+    return with_budget_fraction(exported_graph(name), 0.3)
 
 
 @pytest.mark.slow
