@@ -3,8 +3,8 @@
 Writes ``benchmarks/results/``: ``README.md`` (summary and one table per
 model), ``<model>.md``, ``<model>.png`` (time ratio against measured peak)
 and ``results.json``. ``--quick`` runs tiny models with fewer repetitions;
-``--update-readme`` copies the summary into the project README between
-``<!-- bench:start -->`` and ``<!-- bench:end -->``. ``--from-results
+``--update-readme`` writes the summary table, with links to these files, into the
+project README between ``<!-- bench:start -->`` and ``<!-- bench:end -->``. ``--from-results
 results.json`` runs nothing: it writes the Markdown (and the README summary)
 again from a finished run.
 
@@ -39,6 +39,7 @@ from benchmarks.harness.report import (
     from_json,
     full_report,
     model_section,
+    readme_summary,
     summary_markdown,
 )
 from benchmarks.harness.runner import ModelResult, run
@@ -115,6 +116,14 @@ def regenerate(source: Path, out: Path, plots: bool) -> tuple[list[ModelResult],
     return results, total, env
 
 
+def _link(readme: Path, out: Path) -> str:
+    """``out`` as the README links it: relative to the README's folder where it lies below it."""
+    try:
+        return out.resolve().relative_to(readme.resolve().parent).as_posix()
+    except ValueError:
+        return out.resolve().as_posix()
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     cfg = build_config(ns)
@@ -130,6 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     summary = summary_markdown(results, total, env)
     print(summary)
     if ns.update_readme:
-        update_readme(ns.readme, summary)
+        update_readme(ns.readme, readme_summary(results, total, env, _link(ns.readme, cfg.out_dir)))
     print(f"results in {cfg.out_dir} ({total:.0f} s)")
     return 0
