@@ -3,25 +3,19 @@
 ``memplan.optimize(model, budget="16GB")`` returns a module that trains to the
 same gradients with a peak device memory under the budget.
 
-The modules, in pipeline order (a stage imports only from the stages above it;
-``tests/test_layers.py`` checks there are no import cycles):
+The subpackages, lowest first (each imports only from those before it;
+``tests/test_layers.py`` checks it, and ARCHITECTURE.md draws the tree):
 
-* leaves: ``storage`` (which storages hold a value), ``units`` (byte counts for people),
-  ``distributed`` (what memplan refuses under DDP and FSDP until it plans them);
-* ``capture``: the joint graph, with its graph passes ``compaction`` and ``output_use``;
-* ``costs`` (bytes, FLOPs, time per value), with ``measure`` (the memory tracker)
-  and ``profiling`` (timings on the device) beside it; ``options`` (the typed options of
-  ``optimize``, the backend and the CLI) above it;
-* ``problem``: the lowering to the torch-free ``solvers.Problem``;
-* ``analysis``: costs, Problem and store-all baseline of one step;
-* ``runtime``: a schedule as straight-line code;
-* ``planformat`` (the saved-plan file), ``plan`` (solve and predict), ``planio`` (reuse saved plans);
-* ``api``: ``OptimizedModule``; ``dynamo`` (the ``torch.compile`` backend: one plan per dynamo
-  graph, the step's budget shared); ``front``: ``optimize``, which picks between them;
-  then ``viz`` and ``cli`` on top.
-
-``memplan.models`` (the built-in model zoo and ``make demo``) is no part of the
-pipeline: nothing above imports it but the CLI.
+* ``models`` (model definitions), ``core`` (storages, units, host marks, the tunables),
+  ``ops`` (how one node runs), ``measure`` (the memory tracker, op timings);
+* the stages: ``passes`` and ``capture`` (the joint graph), ``costs`` (bytes and seconds
+  per node), ``updates`` (the optimizer's step in the plan), ``planning`` (lowering to the
+  torch-free ``solvers.Problem``; stage 4 is ``solvers``), ``runtime`` (running a plan,
+  eagerly or compiled);
+* ``pipeline``: the stages called in order once for every caller, ``Plan``, saved plans,
+  the typed options;
+* ``frontend``: ``optimize``, ``OptimizedModule``, the ``torch.compile`` backend;
+* ``tools``: the CLI, reports and plots, the demo.
 """
 from memplan.planning.analysis import Analysis
 from memplan.pipeline.stages import analyze
