@@ -157,9 +157,9 @@ class MemplanBackend:
                 carried = 0
                 if not graph.unplanned:
                     try:
-                        module, over = graph._plan_call(ledger.allowance(call), ledger.carry_limit(call), record.args)
+                        module, over = graph.plan_call(ledger.allowance(call), ledger.carry_limit(call), record.args)
                     except CaptureError as exc:
-                        graph._mark_unplanned(exc)
+                        graph.mark_unplanned(exc)
                         module, over = None, 0
                     if over:
                         short[call.position] = over

@@ -56,7 +56,7 @@ class PlannedGraph:
         if self.unplanned or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return self.gm(*args)  # nothing is saved for a backward: nothing to plan
         if self.changes_inputs:
-            self._mark_unplanned(CaptureError("it changes its inputs in place"), stacklevel=3)
+            self.mark_unplanned(CaptureError("it changes its inputs in place"), stacklevel=3)
             return self.gm(*args)
         ledger = self.backend.ledger
         # One pass over the arguments (this runs every call): parameters and buffers are resident,
@@ -93,7 +93,7 @@ class PlannedGraph:
         limit = ledger.carry_limit(call)
         args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
         try:
-            module, over = self._plan_call(allowance, limit, args)
+            module, over = self.plan_call(allowance, limit, args)
         except CaptureError as exc:
             return self._run_unplanned(exc, args)
         if over:
@@ -131,7 +131,7 @@ class PlannedGraph:
                 weakref.finalize(node, ledger.release, record.token)
         return list(out) if record.returns_list else out
 
-    def _plan_call(self, allowance: int, limit: int | None, args: tuple) -> tuple[OptimizedModule | None, int]:
+    def plan_call(self, allowance: int, limit: int | None, args: tuple) -> tuple[OptimizedModule | None, int]:
         """The module for a call given ``allowance`` and carry ``limit``, and how many bytes its
         plan is over the allowance (0 where it fits): planned for both; where the limit asks more
         than the graph can give, for the least carry that fits (the limit raised by what the
@@ -183,7 +183,7 @@ class PlannedGraph:
                 if not fits(module):
                     self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) - allowance)
         except CaptureError as exc:
-            self._mark_unplanned(exc)
+            self.mark_unplanned(exc)
             return None
         return module
 
@@ -196,10 +196,10 @@ class PlannedGraph:
     def _run_unplanned(self, exc: CaptureError, args: tuple) -> Any:
         """This graph cannot be planned: from now on it runs as dynamo handed it over (its memory
         outside every plan, said once unless there is simply no backward through it)."""
-        self._mark_unplanned(exc)
+        self.mark_unplanned(exc)
         return self.stateful(*args)
 
-    def _mark_unplanned(self, exc: CaptureError, stacklevel: int = 4) -> None:
+    def mark_unplanned(self, exc: CaptureError, stacklevel: int = 4) -> None:
         self.unplanned = True
         if not isinstance(exc, NothingToDifferentiate):
             warnings.warn(f"memplan backend: graph {self.index} runs unplanned, outside the budget: {exc}",
@@ -223,7 +223,7 @@ class PlannedGraph:
         if module is None:
             module = OptimizedModule(self.stateful, budget, self.backend.plan_options, carry_limit=limit)
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
-            module._warned_loss_outside = True
+            module.warn_loss_outside = False
             self.levels[key] = module
             while len(self.levels) > TUNABLES.max_levels:
                 dropped, _ = self.levels.popitem(last=False)

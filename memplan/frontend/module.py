@@ -128,7 +128,9 @@ class OptimizedModule(nn.Module):
         # assumes; or None once a step broke such an assumption: the use varies, and these
         # inputs keep the plan that assumes nothing.
         self._output_use: dict[InputSignature, OutputUse | None] = {}
-        self._warned_loss_outside = False
+        # Whether a loss computed outside this module is worth a warning (once); a graph of the backend
+        # gets its gradients from the graphs after it by design, and turns it off.
+        self.warn_loss_outside = True
         self._warned_hooks = False
         self._warned_distributed = False
         self.training = model.training
@@ -344,7 +346,7 @@ class OptimizedModule(nn.Module):
         significant share of the budget (``TUNABLES.loss_outside_fraction``): the caller's graph between
         them and the loss is not in the plan. A cross-entropy over logits saves a log-softmax
         as large as the logits, so the step can exceed the budget by about the outputs' bytes."""
-        if self._warned_loss_outside:
+        if not self.warn_loss_outside:
             return
         cap = plan.analysis.capture
         sizes = output_bytes(cap, plan.analysis.costs)
@@ -352,7 +354,7 @@ class OptimizedModule(nn.Module):
         outside = sum(sizes[i] for i in given)
         if outside < TUNABLES.loss_outside_fraction * plan.budget:
             return
-        self._warned_loss_outside = True
+        self.warn_loss_outside = False
         warnings.warn(
             f"memplan: backward came from outside the optimized module, through {format_bytes(outside)} of its "
             f"outputs ({outside / plan.budget:.0%} of the {format_bytes(plan.budget)} budget). What the caller "
