@@ -23,6 +23,7 @@ import collections
 import enum
 import traceback
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -385,8 +386,9 @@ def _capture_error(model: torch.nn.Module, exc: BaseException) -> CaptureError:
     """Turn a tracing failure into one message naming the module and op where it happened."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = ""
+    ours = str(Path(__file__).resolve().parent)  # the capture package's own frames (trace, patches) are no site
     for fr in reversed(frames):
-        if "site-packages/torch" not in fr.filename and "memplan/capture/trace.py" not in fr.filename:
+        if "site-packages/torch" not in fr.filename and not str(Path(fr.filename).resolve()).startswith(ours):
             where = f" at {fr.filename}:{fr.lineno} ({fr.name}: {fr.line})"
             break
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
