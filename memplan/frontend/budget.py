@@ -22,10 +22,10 @@ _BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?\s*$", re.IG
 def parse_budget(budget: int | str) -> int:
     """Bytes from ``16GB``, ``16GiB``, ``800MB``, ``1.5 TB`` or an int."""
     if isinstance(budget, bool):
-        raise ValueError(budget_help(budget))
+        raise ValueError(_budget_help(budget))
     if isinstance(budget, int):
         if budget <= 0:
-            raise ValueError(budget_help(budget))
+            raise ValueError(_budget_help(budget))
         return budget
     if isinstance(budget, str):
         m = _BUDGET_RE.match(budget)
@@ -33,7 +33,7 @@ def parse_budget(budget: int | str) -> int:
             value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
             if value >= 1:
                 return int(value)
-    raise ValueError(budget_help(budget))
+    raise ValueError(_budget_help(budget))
 
 
 def budget_fraction(budget: Any) -> float | None:
@@ -43,13 +43,13 @@ def budget_fraction(budget: Any) -> float | None:
     try:
         percent = float(budget.strip()[:-1])
     except ValueError:
-        raise ValueError(budget_help(budget)) from None
+        raise ValueError(_budget_help(budget)) from None
     if not percent > 0:
         raise ValueError(f"cannot read budget {budget!r}: a percentage of the eager peak must be above 0%")
     return percent / 100
 
 
-def budget_help(budget: Any) -> str:
+def _budget_help(budget: Any) -> str:
     return (
         f"cannot read budget {budget!r}: give a positive int of bytes or a string like "
         "'16GB', '16GiB', '800MB', '512 kB', '1.5 TB' (units B, kB, MB, GB, TB decimal; KiB, MiB, GiB, TiB binary), "

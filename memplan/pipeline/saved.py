@@ -21,7 +21,7 @@ from memplan.passes.output_use import OutputUse
 from memplan.updates.probe import UpdatePlacement
 from memplan.updates.runner import Accumulation
 from memplan.pipeline.plan import Plan, plan_from_schedule
-from memplan.pipeline.stages import analyze_step, build_step, prepare_step
+from memplan.pipeline.stages import analyze_step, build_step, capture_step, prepare_step
 from memplan.planning.lowering import SCRATCH_PREFIX
 from memplan.core.storage import SCRATCH_BYTES
 from memplan.planning.saved_format import (
@@ -160,13 +160,12 @@ def make_plan_from_saved(
     where = saved.path or "the saved plan"
     _check_whole_step(saved, where, optimizer, max_grad_norm, accumulation)
     try:
-        prepared = prepare_step(model, args, kwargs, profile=profile, output_use=saved.output_use, optimizer=optimizer,
-                                measure_on=measure_on, check_capture=saved.check)  # checked before the eager replay
+        cap = capture_step(model, args, kwargs, output_use=saved.output_use)
     except ValueError as exc:  # those outputs' gradients are more than addends in this model
-        if isinstance(exc, PlanMismatchError):
-            raise
         raise PlanMismatchError(f"{where} was made for a different model: {exc}") from None
-    cap = prepared.capture
+    saved.check(cap)  # before the eager replay: a mismatch should fail fast
+    prepared = prepare_step(model, args, kwargs, profile=profile, optimizer=optimizer, measure_on=measure_on,
+                            captured=cap)
     # (scratch a graph pass declared on its node is not measured: every plan counts it)
     declared = {SCRATCH_PREFIX + n.name for n in cap.graph_module.graph.nodes if SCRATCH_BYTES in n.meta}
     with_scratch = any(str(name).startswith(SCRATCH_PREFIX) and name not in declared for _, name in saved.schedule)

@@ -21,7 +21,7 @@ import torch
 
 from memplan.capture.signature import Capture
 from memplan.capture.trace import capture
-from memplan.costs.cost_model import DeviceProfile, GraphCosts, get_profile
+from memplan.costs.cost_model import DeviceProfile, get_profile
 from memplan.passes.output_use import OutputUse
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, learn_updates
@@ -46,6 +46,13 @@ class PreparedStep:
     eager_peak: int
 
 
+def capture_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, output_use: OutputUse = OutputUse(),
+                 stage: Stage = no_stage) -> Capture:
+    """The first stage alone: the step's joint graph (`memplan.capture.trace.capture`)."""
+    with stage("capture", "capturing forward+backward on fake tensors"):
+        return capture(model, args, kwargs, output_use=output_use)
+
+
 def prepare_step(
     model: torch.nn.Module,
     args: tuple,
@@ -56,18 +63,15 @@ def prepare_step(
     optimizer: torch.optim.Optimizer | None = None,
     measure_on: torch.device | None = None,
     eager_peak: int | None = None,
-    check_capture: Callable[[Capture], None] | None = None,
+    captured: Capture | None = None,
     stage: Stage = no_stage,
 ) -> PreparedStep:
     """Capture the step, learn its optimizer's updates and replay it eagerly on fake tensors.
 
     ``eager_peak``: the eager step's peak when the caller has replayed it already for this output
-    use. ``check_capture`` runs on the capture before anything else (a saved plan's check: a
-    mismatch fails before the replay). ``measure_on``: the optimizer's update is timed there."""
-    with stage("capture", "capturing forward+backward on fake tensors"):
-        cap = capture(model, args, kwargs, output_use=output_use)
-    if check_capture is not None:
-        check_capture(cap)
+    use. ``captured``: the step's capture when the caller made it already (`capture_step`; a saved
+    plan checks it before anything else runs). ``measure_on``: the optimizer's update is timed there."""
+    cap = captured if captured is not None else capture_step(model, args, kwargs, output_use=output_use, stage=stage)
     updates: list[ParamUpdate] = []
     if optimizer is not None:
         with stage("optimizer", f"learning what {type(optimizer).__name__} keeps and allocates"):
@@ -94,11 +98,10 @@ def analyze_step(
                            carry_limit=carry_limit, scratch_on=scratch_on)
 
 
-def analyze_placement(analysis: Analysis, placement: UpdatePlacement, carry_limit: tuple[int, int] | None = None,
-                      costs: GraphCosts | None = None) -> Analysis:
+def analyze_placement(analysis: Analysis, placement: UpdatePlacement) -> Analysis:
     """The same step lowered again with its updates placed otherwise; its costs are reused."""
     return analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
-                           placement, costs=costs if costs is not None else analysis.costs, carry_limit=carry_limit)
+                           placement, costs=analysis.costs)
 
 
 def build_step(
