@@ -89,6 +89,17 @@ class Tunables:
     """Numels of the two parameters an update is timed on with ``profile=True``: large enough that the
     per-element time shows above the fixed cost of one optimizer call (which the fit keeps)."""
 
+    # ---- update buckets (memplan.updates.buckets) ----
+    bucket_bytes: int = 25 << 20
+    """A bucket of optimizer updates (one ``step()`` call) holds at most this many parameter bytes at
+    first: DDP's default bucket (25 MB), so that a bucket nests in the unit a distributed engine
+    reduces, and what a bucket holds longer (its early gradients, one call's temporaries) stays a
+    small share of a large model's step. A plan that does not fit so is made with one call per
+    parameter."""
+    min_buckets: int = 4
+    """...and at most this share (1/n) of all the updated bytes, so that a small model's updates still
+    come in several calls that overlap the rest of backward rather than one at its end."""
+
     # ---- plots (memplan.tools.viz) ----
     budget_shown_above_peak: float = 1.5
     """A budget more than this many times both peaks is left off plot_memory's scale."""

@@ -11,6 +11,7 @@ import functools
 import time
 import warnings
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import solvers
 from solvers.core.sequence import tighten_frees
 from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile
-from memplan.updates.probe import UpdatePlacement, host_updates
+from memplan.updates.buckets import bucket_caps
+from memplan.updates.probe import ParamUpdate, UpdatePlacement, host_updates
 from memplan.updates.runner import Accumulation
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
@@ -403,7 +405,8 @@ def make_plan(
     forced_pass = clipping and clip_by == "norm_pass" and not updates_after_backward and steps == 1
     first = UpdatePlacement(after_backward=(updates_after_backward or clipping) and not forced_pass,
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
-                            accumulate_steps=steps, norm_pass=forced_pass)
+                            accumulate_steps=steps, norm_pass=forced_pass,
+                            bucket_bytes=_caps(updates)[0] if updates else 0)
     analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
                             carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
     phases.lap("analysis")
@@ -442,16 +445,26 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         return solve_plan(again, budget, **options())
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
-                           norm_pass)
+                           norm_pass, _caps(analysis.updates))
+
+
+def _caps(updates: Sequence[ParamUpdate]) -> list[int]:
+    """The bucket caps a whole step's plan tries, largest first (`memplan.updates.buckets.bucket_caps`)."""
+    return bucket_caps([u.grad_bytes for u in updates], TUNABLES.bucket_bytes, TUNABLES.min_buckets)
 
 
 
 
 def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
-                    may_move_state: bool, norm_pass: bool = False) -> Plan:
+                    may_move_state: bool, norm_pass: bool = False, caps: Sequence[int] = (0,)) -> Plan:
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
+    Each placement is tried with each bucket cap of ``caps`` in turn (`memplan.updates.buckets.bucket_caps`:
+    the largest buckets, the fewest optimizer calls, first; one call per parameter last): the
+    first plan that recomputes and moves nothing is taken, else the fastest that fits (the
+    predicted time counts each bucket's call).
+
     2. the same with every update after backward: updates in backward that do not fit bring
        their temporaries while activations are alive; after backward the gradients are held
        to its end instead, as ``optimizer.step()`` after ``backward()``. A clipping step
@@ -480,10 +493,18 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
                 tries = [placement, dataclasses.replace(placement, after_backward=True)]
             errors = []
             for attempt in tries:
-                try:
-                    return solve_for(attempt)
-                except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
-                    errors.append(exc)
+                fitting: list[Plan] = []
+                for cap in caps:
+                    try:
+                        plan = solve_for(dataclasses.replace(attempt, bucket_bytes=cap))
+                    except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
+                        errors.append(exc)
+                        continue
+                    if plan.predicted_time <= plan.store_all_time * (1 + 1e-9):
+                        return plan  # nothing recomputed or moved for these buckets: the fewest calls win
+                    fitting.append(plan)
+                if fitting:  # each fits by recomputing or moving: the fastest, bucket calls and all
+                    return min(fitting, key=lambda p: p.predicted_time)
             infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
             if not infeasible:
                 raise errors[-1]

@@ -48,7 +48,8 @@ from solvers.transforms.ordering import after_last_reads
 from memplan.capture.signature import Capture
 from memplan.costs.cost_model import GraphCosts
 from memplan.updates.names import ACCUM_PREFIX, GRADS_FINAL, NORM_FINAL, NORM_PASS_PREFIX, SQUARE_PREFIX, STATE_PREFIX, UPDATE_PREFIX, UPDATED_SUFFIX
-from memplan.updates.probe import ParamUpdate, UpdatePlacement
+from memplan.updates.buckets import BucketMember, bucket_updates
+from memplan.updates.probe import ParamUpdate, UpdatePlacement, bucket_temp_bytes, bucket_time, host_bucket_time
 from memplan.core.storage import value_device
 
 BACKWARD = "__backward__"
@@ -78,8 +79,9 @@ class Lowered:
     tangents: list[str]  # tangent placeholder names, in order
     sources: list[str]  # primal placeholder names, in order
     rng_of: dict[str, str]  # random op -> the Problem node of its generator state
-    # Per parameter the optimizer updates (`memplan.updates.probe`): (its update node, the gradient that
-    # update applies, the parameter's name in the model); an update's slot is its position here.
+    # Per parameter the optimizer updates (`memplan.updates.probe`): (the update node of its bucket,
+    # the gradient it applies, the parameter's name in the model); its slot is its position here,
+    # and a bucket's slots are consecutive (`memplan.updates.buckets`).
     updates: list[tuple[str, str, str]] = field(default_factory=list)
     placement: UpdatePlacement = UpdatePlacement()  # where the updates run, where their state lives
     # A norm pass's values (`memplan.updates.names.NORM_PASS_PREFIX`): copy -> the backward value it recomputes.
@@ -95,9 +97,20 @@ class Lowered:
         return self.placement.host if self.updates else frozenset()
 
     @property
-    def parameter_writes(self) -> dict[str, str]:
-        """Update node -> the parameter placeholder it overwrites in place."""
-        return {update: update[len(UPDATE_PREFIX):] for update, _, _ in self.updates}
+    def buckets(self) -> dict[str, tuple[int, ...]]:
+        """Update node -> the slots it updates (one optimizer call), in the order of the updates."""
+        out: dict[str, tuple[int, ...]] = {}
+        for slot, (update, _, _) in enumerate(self.updates):
+            out[update] = out.get(update, ()) + (slot,)
+        return out
+
+    @property
+    def parameter_writes(self) -> dict[str, tuple[str, ...]]:
+        """Update node -> the parameter placeholders it overwrites in place."""
+        return {update: tuple(self.param_nodes[slot] for slot in slots) for update, slots in self.buckets.items()}
+
+    # Per update slot, the parameter's placeholder in the Problem.
+    param_nodes: list[str] = field(default_factory=list)
 
     host_variants: dict[float, "solvers.Problem"] = field(default_factory=dict, repr=False)
 
@@ -297,7 +310,7 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
             G.add_edge(name + RETURNED_SUFFIX, BACKWARD)
     for t in tangent_nodes:
         fx_map[t.name] = t
-    G, update_nodes = _add_updates(G, cap, primal_nodes, updates, placement)
+    G, update_nodes, param_nodes = _add_updates(G, cap, primal_nodes, updates, placement)
     norm_pass: dict[str, str] = {}
     if placement.norm_pass:
         G, norm_pass = _add_norm_pass(G, update_nodes, tangent_names, updates)
@@ -315,83 +328,100 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
         sources=[n.name for n in primal_nodes],
         rng_of=rng_of,
         updates=update_nodes,
+        param_nodes=param_nodes,
         placement=placement,
         norm_pass=norm_pass,
     )
 
 
 def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updates: Sequence[ParamUpdate],
-                 placement: UpdatePlacement) -> tuple[nx.DiGraph, list[tuple[str, str, str]]]:
-    """``G`` with the optimizer's state and updates; and (update node, gradient, parameter name)
-    per update.
+                 placement: UpdatePlacement) -> tuple[nx.DiGraph, list[tuple[str, str, str]], list[str]]:
+    """``G`` with the optimizer's state and updates; (update node, gradient, parameter name) per
+    updated parameter; and each one's parameter placeholder.
 
-    Device state is a source (resident all step, as across steps). An update reads its gradient,
-    the parameter and the state; its value is the temporaries it allocates on the device, read at
-    once by a zero-byte sink so that every update runs. A parameter whose state is in host
-    memory has no state node and an update with no device temporaries; its host work (copies and
-    the host's step) runs beside compute, as `UpdateRunner` runs it.
-    With accumulation, each parameter's accumulated gradient is a source the update reads: held
-    all step, as from the second micro-step on (less is held before it, and after the update).
-    An update overwrites its parameter, which no computation may read after it. With
+    The parameters are updated in buckets (`memplan.updates.buckets`: consecutive in the order their
+    gradients are final in the Problem's order, up to ``placement.bucket_bytes``), one update node
+    each: it reads every gradient, parameter and state of its bucket, and its value is the
+    temporaries one optimizer call over the bucket allocates (`bucket_temp_bytes`), read at once
+    by a zero-byte sink so that every update runs. Device state is a source (resident all step, as
+    across steps). A bucket whose state is in host memory has no state nodes and no device
+    temporaries; its host work (copies and the host's step) runs beside compute, as `UpdateRunner`
+    runs it. With accumulation, each parameter's accumulated gradient is a source the update reads:
+    held all step, as from the second micro-step on (less is held before it, and after the update).
+    An update overwrites its parameters, which no computation may read after it. With
     ``after_backward`` every update waits for ``GRADS_FINAL``, which reads every sink of the
-    step, so nothing can. Otherwise each update comes right after its gradient in the Problem's
-    order, and `updated_after_reads` moves the ones a schedule places too early.
+    step, so nothing can. Otherwise each update comes right after its bucket's last gradient in
+    the Problem's order, and `updated_after_reads` moves the ones a schedule places too early.
     """
-    if not updates:
-        return G, []
-    after_backward = placement.after_backward
     grad_of = {info.index: node.name for info, node in zip(cap.outputs, cap.output_nodes())
                if info.kind == "grad" and isinstance(node, fx.Node)}
+    # No gradient reaches a parameter: eager's optimizer skips it too.
+    updates = [u for u in updates if u.primal in grad_of]
+    if not updates:
+        return G, [], []
+    after_backward = placement.after_backward
     if after_backward:
         sinks = [v for v in G.nodes if G.out_degree(v) == 0 and G.in_degree(v) > 0]
         G.add_node(GRADS_FINAL, mem=0, cost=0.0, recomputable=False)
         G.add_edges_from((v, GRADS_FINAL) for v in sinks)
+    position = {v: k for k, v in enumerate(G.nodes)}
+    ready = sorted(updates, key=lambda u: (position[grad_of[u.primal]], u.primal))
+    by_name = {u.name: u for u in ready}
+    members = [BucketMember(u.name, u.grad_bytes, u.name in placement.host) for u in ready]
     out: list[tuple[str, str, str]] = []
+    param_nodes: list[str] = []
     follows: dict[str, list[str]] = {}  # gradient -> the update and sink that follow it in the order
-    for u in updates:
-        grad = grad_of.get(u.primal)
-        if grad is None:
-            continue  # no gradient reaches this parameter: eager's optimizer skips it too
-        param = primal_nodes[u.primal].name
-        update = UPDATE_PREFIX + param
-        on_host = u.name in placement.host
-        if on_host:  # the host's work overlaps compute, on a stream of its own (solvers.Problem.host_work)
-            G.add_node(update, mem=0, cost=u.host_launch, host_work=u.host_time, recomputable=False)
+    for bucket in bucket_updates(members, placement.bucket_bytes):
+        group = [by_name[name] for name in bucket]
+        params = [primal_nodes[u.primal].name for u in group]
+        grads = [grad_of[u.primal] for u in group]
+        update = UPDATE_PREFIX + params[0] + (f"+{len(params) - 1}" if len(params) > 1 else "")
+        if group[0].name in placement.host:
+            # The host's work overlaps compute, on a stream of its own (solvers.Problem.host_work).
+            G.add_node(update, mem=0, cost=sum(u.host_launch for u in group), host_work=host_bucket_time(group),
+                       recomputable=False)
         else:
-            G.add_node(update, mem=u.temp_bytes, cost=u.time, recomputable=False)
-        G.add_edges_from([(grad, update), (param, update)])
-        if not on_host:
-            G.add_node(STATE_PREFIX + param, mem=u.state_bytes, cost=0.0, recomputable=False)
-            G.add_edge(STATE_PREFIX + param, update)
-        if placement.accumulate_steps > 1:
-            G.add_node(ACCUM_PREFIX + param, mem=u.grad_bytes, cost=0.0, recomputable=False)
-            G.add_edge(ACCUM_PREFIX + param, update)
+            G.add_node(update, mem=bucket_temp_bytes(group), cost=bucket_time(group), recomputable=False)
+            for u, param in zip(group, params):
+                G.add_node(STATE_PREFIX + param, mem=u.state_bytes, cost=0.0, recomputable=False)
+                G.add_edge(STATE_PREFIX + param, update)
+        for u, param, grad in zip(group, params, grads):
+            G.add_edges_from([(grad, update), (param, update)])
+            if placement.accumulate_steps > 1:
+                G.add_node(ACCUM_PREFIX + param, mem=u.grad_bytes, cost=0.0, recomputable=False)
+                G.add_edge(ACCUM_PREFIX + param, update)
+            out.append((update, grad, u.name))
+            param_nodes.append(param)
         if after_backward:
             G.add_edge(GRADS_FINAL, update)
         G.add_node(update + UPDATED_SUFFIX, mem=0, cost=0.0, recomputable=False)
         G.add_edge(update, update + UPDATED_SUFFIX)
-        follows.setdefault(grad, []).extend([update, update + UPDATED_SUFFIX])
-        out.append((update, grad, u.name))
+        follows.setdefault(grads[-1], []).extend([update, update + UPDATED_SUFFIX])
     if after_backward:
-        return G, out
-    for reader, tokens in _add_read_tokens(G, out).items():
+        return G, out, param_nodes
+    buckets = {}
+    for (update, _, _), param in zip(out, param_nodes):
+        buckets.setdefault(update, []).append(param)
+    for reader, tokens in _add_read_tokens(G, buckets).items():
         follows.setdefault(reader, []).extend(tokens)  # each token right after its reader
     # The Problem's order is G's insertion order: the states first, with the other sources (the
-    # coarsening takes every source to come before what reads it), each update right after its gradient.
+    # coarsening takes every source to come before what reads it), each update right after its
+    # bucket's last gradient.
     states = [v for v in G.nodes if v.startswith((STATE_PREFIX, ACCUM_PREFIX))]
     moved = set(states).union(*follows.values())
     order = states + [w for v in G.nodes if v not in moved for w in (v, *follows.get(v, ()))]
     H = nx.DiGraph()
     H.add_nodes_from((v, G.nodes[v]) for v in order)
     H.add_edges_from(G.edges)
-    return H, out
+    return H, out, param_nodes
 
 
 READ_PREFIX = "read:"  # a zero-byte token: this backward read of a parameter is done
 
 
-def _add_read_tokens(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]]) -> dict[str, list[str]]:
-    """Make each update in backward wait (in ``G``, in place) for the backward reads of its parameter.
+def _add_read_tokens(G: nx.DiGraph, buckets: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Make each update in backward wait (in ``G``, in place) for the backward reads of its
+    parameters (``buckets``: update node -> the parameter placeholders it overwrites).
 
     An update overwrites its parameter, but it does not read what the parameter's other readers
     compute (``dX = dY @ W`` next to ``dW``), so no edge says it must come after them: a solver
@@ -403,10 +433,9 @@ def _add_read_tokens(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]]) ->
     keep that case exact. Returns each reader's tokens."""
     backward = nx.descendants(G, BACKWARD)
     tokens: dict[str, list[str]] = {}
-    for update, _, _ in update_nodes:
-        param = update[len(UPDATE_PREFIX):]
-        views, stack = {param}, [param]
-        while stack:  # the parameter and every view of it
+    for update, params in buckets.items():
+        views, stack = set(params), list(params)
+        while stack:  # the parameters and every view of them
             v = stack.pop()
             for s in G.successors(v):
                 if G.nodes[s].get("alias_of") == v and s not in views:
@@ -415,7 +444,7 @@ def _add_read_tokens(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]]) ->
         readers = {s for v in views for s in G.successors(v)
                    if s in backward and s not in views and s != update and not s.startswith(READ_PREFIX)}
         for reader in sorted(readers):
-            token = f"{READ_PREFIX}{reader}>{param}"
+            token = f"{READ_PREFIX}{reader}>{update[len(UPDATE_PREFIX):]}"
             G.add_node(token, mem=0, cost=0.0, recomputable=False)
             G.add_edges_from([(reader, token), (token, update)])
             tokens.setdefault(reader, []).append(token)
@@ -452,15 +481,19 @@ def _add_norm_pass(G: nx.DiGraph, update_nodes: list[tuple[str, str, str]], tang
                          for u in G.predecessors(v) if not u.startswith(NORM_PASS_PREFIX))
     time_of = {u.name: u.time for u in updates}
     G.add_node(NORM_FINAL, mem=0, cost=0.0, recomputable=False)
+    squares: list[str] = []
     for update, grad, name in update_nodes:
-        square = SQUARE_PREFIX + update
+        square = SQUARE_PREFIX + update  # one per bucket: its gradients' norms in one call
+        if square not in G:
+            G.add_node(square, mem=0, cost=0.0, recomputable=False)
+            G.add_edges_from([(square, NORM_FINAL), (NORM_FINAL, update)])
+            squares.append(square)
         # Reading one gradient, about a fifth of an update's traffic (which reads and writes five).
-        G.add_node(square, mem=0, cost=time_of[name] / 5, recomputable=False)
+        G.nodes[square]["cost"] += time_of[name] / 5
         source = NORM_PASS_PREFIX + grad if grad in in_pass else grad  # one no tangent reaches: as it is
-        G.add_edges_from([(source, square), (square, NORM_FINAL)])
-        G.add_edge(NORM_FINAL, update)
+        G.add_edge(source, square)
     # The Problem's order is G's: the pass right before the first backward value it repeats.
-    block = [NORM_PASS_PREFIX + v for v in copied] + [SQUARE_PREFIX + u for u, _, _ in update_nodes] + [NORM_FINAL]
+    block = [NORM_PASS_PREFIX + v for v in copied] + squares + [NORM_FINAL]
     in_block = set(block)
     rest = [v for v in G.nodes if v not in in_block]
     at = rest.index(copied[0]) if copied else len(rest)

@@ -126,6 +126,7 @@ def record_to_json(record: dict[str, Any]) -> str:
             "host": sorted(placement.host),
             "accumulate_steps": placement.accumulate_steps,
             "norm_pass": placement.norm_pass,
+            "bucket_bytes": placement.bucket_bytes,
         }
     return json.dumps(data, indent=1)
 
@@ -176,6 +177,8 @@ def _optimizer_fields(data: dict | None) -> dict[str, Any]:
         placement=UpdatePlacement(after_backward=bool(data["after_backward"]),
                                   host=frozenset(str(n) for n in data.get("host", [])),
                                   accumulate_steps=int(data.get("accumulate_steps", 1)),
-                                  norm_pass=bool(data.get("norm_pass", False))),
+                                  norm_pass=bool(data.get("norm_pass", False)),
+                                  # a plan saved before buckets: one call per parameter
+                                  bucket_bytes=int(data.get("bucket_bytes", 0))),
         optimizer_state_bytes=int(data["state_bytes"]),
     )

@@ -178,7 +178,8 @@ def _build_segment(
     graph.call_function(clear_box, (box,))
 
     arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
-    update_slot = {update: (slot, grad) for slot, (update, grad, _) in enumerate(low.updates)}
+    # Update node -> the slots of its bucket and their gradients: one optimizer call each.
+    update_slot = {update: (slots, [low.updates[slot][1] for slot in slots]) for update, slots in low.buckets.items()}
     if update_slot and updater is not None:
         root.updater = updater
         if updater.max_norm is not None:
@@ -200,9 +201,11 @@ def _build_segment(
         copy = NORM_PASS_PREFIX + n.name
         return value(copy) if copy in low.norm_pass else arg(n)
 
-    square_of = {SQUARE_PREFIX + update: (slot, NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass
-                                          else grad)
-                 for slot, (update, grad, _) in enumerate(low.updates)} if low.norm_pass else {}
+    def pass_grad(grad: str) -> str:
+        return NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad
+
+    square_of = {SQUARE_PREFIX + update: (slots, [pass_grad(g) for g in grads])
+                 for update, (slots, grads) in update_slot.items()} if low.norm_pass else {}
 
     for k, (op, name) in enumerate(steps, start=first_step):
         _mark_step(graph, k)
@@ -218,16 +221,16 @@ def _build_segment(
                                                      name=_identifier(f"arriving_{name}"))
             continue
         if op == "compute" and name in update_slot:
-            slot, grad = update_slot[name]
-            graph.call_module("updater", (slot, value(grad)))
+            slots, grads = update_slot[name]
+            graph.call_module("updater", (slots, [value(g) for g in grads]))
             continue
         if op == "compute" and name == GRADS_FINAL and hasattr(root, "clip"):
             # every gradient is final: the global norm, and the clip, before the first update
             graph.call_module("clip", ([value(grad) for _, grad, _ in low.updates],))
             continue
         if op == "compute" and name in square_of:  # a norm pass's gradient: its square joins the norm
-            slot, grad = square_of[name]
-            graph.call_method("square", (graph.get_attr("clip"), slot, value(grad)))
+            slots, grads = square_of[name]
+            graph.call_method("square", (graph.get_attr("clip"), slots, [value(g) for g in grads]))
             continue
         if op == "compute" and name == NORM_FINAL:
             graph.call_method("by_norm", (graph.get_attr("clip"),))
@@ -290,7 +293,9 @@ def _identifier(name: str) -> str:
 
 def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
-    grad_of_update = {update: grad for update, grad, _ in low.updates}
+    grads_of_update: dict[str, list[str]] = {}
+    for update, grad, _ in low.updates:
+        grads_of_update.setdefault(update, []).append(grad)
     for op, name in steps:
         if op == "compute" and name in low.norm_pass:
             inputs = [NORM_PASS_PREFIX + i.name if NORM_PASS_PREFIX + i.name in low.norm_pass else i.name
@@ -298,13 +303,13 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
             reads.update(inputs)
             continue
         if op == "compute" and name.startswith(SQUARE_PREFIX):
-            grad = grad_of_update[name[len(SQUARE_PREFIX):]]
-            reads.add(NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad)
+            for grad in grads_of_update[name[len(SQUARE_PREFIX):]]:
+                reads.add(NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad)
             continue
-        if op == "compute" and name in grad_of_update:
-            reads.add(grad_of_update[name])
+        if op == "compute" and name in grads_of_update:
+            reads.update(grads_of_update[name])
         elif op == "compute" and name == GRADS_FINAL:  # a clipping step reads every applied gradient
-            reads.update(grad_of_update.values())
+            reads.update(grad for _, grad, _ in low.updates)
         if op == "prefetch":
             reads.add(host_name(name))
         elif op == "offload":
@@ -388,8 +393,8 @@ def _check_no_read_after_update(low: Lowered, bw_steps: list[tuple[str, str]]) -
     (`memplan.planning.lowering.updated_after_reads`); this refuses a schedule where that does not hold."""
     problem, names = low.problem, low.problem.names
     # A view of a parameter (its transpose) shares the parameter's storage: reading it reads the parameter.
-    readers = {update: {str(names[v]) for v in storage_readers(problem, problem.index[param])}
-               for update, param in low.parameter_writes.items()}
+    readers = {update: {str(names[v]) for param in params for v in storage_readers(problem, problem.index[param])}
+               for update, params in low.parameter_writes.items()}
     overwritten: set[str] = set()
     for op, name in bw_steps:
         if op != "compute":

@@ -30,13 +30,25 @@ class ParamUpdate:
     name: str  # the parameter's name in the model
     state_bytes: int  # optimizer state kept for it, on its device
     temp_bytes: int  # allocated while its update runs, freed when it ends
-    time: float  # seconds: the update's memory traffic at the device's bandwidth, or timed (profile=True)
+    # seconds of its share of an update: its memory traffic at the device's bandwidth, or timed
+    # (profile=True); the fixed cost of the optimizer call that updates its bucket is ``call_time``
+    time: float
     grad_bytes: int = 0  # its gradient (parameter-shaped): what accumulating it holds between micro-steps
     # seconds to update it on the host instead: gradient and parameter copied out, the host
     # optimizer's traffic, the parameter copied back; off the compute stream, which spends only
     # ``host_launch`` seconds starting the copies out (`UpdateRunner._step_on_host`)
     host_time: float = 0.0
     host_launch: float = 0.0
+    # One optimizer call's fixed seconds (its Python, hooks and per-call launches): paid once per
+    # bucket (`memplan.updates.buckets`), on the device's host and on the host worker alike.
+    call_time: float = 0.0
+    # How one call's temporaries over a bucket add up (`bucket_temp_bytes`): the share of each
+    # earlier parameter's still alive while a later one's peak (1 for ``foreach``, whose ops make
+    # lists), and the share of the one just before it alone (a for-loop optimizer's last
+    # ``denom``, held by its Python variable until the next parameter's is made); learned by
+    # stepping two and three parameters in one call.
+    temp_share: float = 1.0
+    temp_carry: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,9 @@ class UpdatePlacement:
     after_backward: bool = False  # every update waits for all gradients (else each for its own)
     host: frozenset[str] = frozenset()  # parameters whose state is in host memory, updated there
     accumulate_steps: int = 1  # micro-steps per update; > 1 holds an accumulated gradient each
+    # A bucket of updates (one optimizer call, `memplan.updates.buckets`) holds at most this many
+    # parameter bytes (one parameter always fits); 0: one call per parameter.
+    bucket_bytes: int = 0
     # Clipping (max_grad_norm=) without holding every gradient: a first backward pass computes the
     # global norm only, freeing each gradient once its square is added; the second pass applies
     # the clipped updates as each gradient is final (LOMO). Without it, clipping holds the gradients
@@ -84,47 +99,87 @@ def _make_like(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], gro
 
 
 def _time_update(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,
-                 numel: int, on_host: bool, repeats: int = 5) -> float:
-    """Median seconds of one update of a fresh optimizer on a parameter of ``numel`` elements, its
-    state made by a first update: on ``device`` as the planned backward runs it (`UpdateRunner`,
-    one optimizer call for the parameter), or ``on_host``, the step the host worker runs."""
+                 numels: tuple[int, ...], on_host: bool, repeats: int = 5) -> float:
+    """Median seconds of one update of a fresh optimizer on parameters of ``numels`` elements in one
+    call, their state made by a first update: on ``device`` as the planned backward runs a bucket
+    (`UpdateRunner`), or ``on_host``, the step the host worker runs."""
     from memplan.measure.timing import median_seconds
 
     where = torch.device("cpu") if on_host else device
-    p = nn.Parameter(torch.zeros(numel, dtype=dtype, device=where))
-    grad = torch.full_like(p, 1e-3)
-    fresh = _make_like(optimizer, [p], group)
-    runner = UpdateRunner(fresh, [p])
+    ps = [nn.Parameter(torch.zeros(n, dtype=dtype, device=where)) for n in numels]
+    grads = [torch.full_like(p, 1e-3) for p in ps]
+    fresh = _make_like(optimizer, ps, group)
+    runner = UpdateRunner(fresh, ps)
     runner.begin(frozenset())
+    slots = tuple(range(len(ps)))
 
     def once() -> None:
         if on_host:
-            p.grad = grad
+            for p, g in zip(ps, grads):
+                p.grad = g
             fresh.step()
-            p.grad = None
+            for p in ps:
+                p.grad = None
         else:
-            runner(0, grad)
+            runner(slots, grads)
 
     once()  # the state is made by the first update
     return median_seconds(once, where, repeats)
 
 
 def _probe(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype, device: torch.device,
-           numel: int) -> tuple[int, int]:
-    """(state bytes, temporary bytes) of one update of a fresh optimizer on a parameter of ``numel``
-    elements, run as the planned backward runs it (`UpdateRunner`)."""
-    p = nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
-    p.grad = torch.full_like(p, 1e-3)
-    fresh = _make_like(optimizer, [p], group)
-    runner = UpdateRunner(fresh, [p])
+           numels: tuple[int, ...]) -> tuple[int, int]:
+    """(state bytes, temporary bytes) of one update of a fresh optimizer on parameters of ``numels``
+    elements in one call, run as the planned backward runs a bucket (`UpdateRunner`)."""
+    ps = [nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) for n in numels]
+    grads = [torch.full_like(p, 1e-3) for p in ps]
+    fresh = _make_like(optimizer, ps, group)
+    runner = UpdateRunner(fresh, ps)
     runner.begin(frozenset())
-    grad = p.grad
-    with MemoryTracker(device, record_timeline=False, resident=[p, grad]) as tracker:
-        runner(0, grad)
-    state = sum(t.untyped_storage().nbytes() for t in fresh.state[p].values()
+    with MemoryTracker(device, record_timeline=False, resident=[*ps, *grads]) as tracker:
+        runner(tuple(range(len(ps))), grads)
+    state = sum(t.untyped_storage().nbytes() for p in ps for t in fresh.state[p].values()
                 if isinstance(t, torch.Tensor) and t.device == p.device)
-    held = p.untyped_storage().nbytes() + grad.untyped_storage().nbytes() + state
+    held = sum(t.untyped_storage().nbytes() for t in (*ps, *grads)) + state
     return state, max(0, tracker.peak - held)
+
+
+def _temp_overlap(small: int, large: int, small_then_large: int, two_small_then_large: int) -> tuple[float, float]:
+    """(share, carry) of `ParamUpdate`: how earlier parameters' temporaries outlive their update in
+    one call, from a small parameter's temporaries alone (``small``), a large one's (``large``),
+    and the peaks over a call on (small, large) and (small, small, large). The large one peaks
+    last: (small, large) adds ``(carry + share) * small`` to ``large``, and (small, small, large)
+    ``(carry + 2 * share) * small``. (0, 0) where the small one allocates nothing."""
+    if small <= 0:
+        return 0.0, 0.0
+    one, two = (small_then_large - large) / small, (two_small_then_large - large) / small
+    share = min(1.0, max(0.0, two - one))
+    return share, min(1.0, max(0.0, one - share))
+
+
+def bucket_temp_bytes(updates: list[ParamUpdate]) -> int:
+    """Bytes one optimizer call over ``updates`` (a bucket, in its order) allocates while it runs: at
+    each parameter's update, its own temporaries, the share of every earlier one's still alive
+    (`ParamUpdate.temp_share`) and the share of the one just before (`ParamUpdate.temp_carry`)."""
+    share = max((u.temp_share for u in updates), default=0.0)
+    carry = max((u.temp_carry for u in updates), default=0.0)
+    most, before, previous = 0.0, 0, 0
+    for u in updates:
+        most = max(most, u.temp_bytes + carry * previous + share * before)
+        before += u.temp_bytes
+        previous = u.temp_bytes
+    return int(round(most))
+
+
+def bucket_time(updates: list[ParamUpdate]) -> float:
+    """Seconds of one optimizer call over ``updates`` on the device: one call's fixed cost and each
+    parameter's share."""
+    return max(u.call_time for u in updates) + sum(u.time for u in updates)
+
+
+def host_bucket_time(updates: list[ParamUpdate]) -> float:
+    """Seconds of one host update of ``updates``: their copies and host steps, one call's fixed cost."""
+    return max(u.call_time for u in updates) + sum(u.host_time for u in updates)
 
 
 def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_names: list[str],
@@ -139,8 +194,8 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
     of one optimizer call per parameter."""
     names = {id(p): n for n, p in model.named_parameters()}
     primal_of = {n: i for i, n in enumerate(primal_names)}
-    learned: dict[tuple, tuple[_Linear, _Linear]] = {}
-    timed: dict[tuple, tuple[_Linear, _Linear]] = {}
+    learned: dict[tuple, tuple[_Linear, _Linear, tuple[float, float]]] = {}
+    timed: dict[tuple, tuple[_Linear, _Linear, float]] = {}
     out: list[ParamUpdate] = []
     with unmeasured():
         for gi, group in enumerate(optimizer.param_groups):
@@ -151,18 +206,8 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 device = torch.device("cpu") if p.device.type == "meta" else p.device
                 key = (gi, p.dtype, device)
                 if key not in learned:
-                    try:
-                        points = [_probe(optimizer, group, p.dtype, device, n) for n in TUNABLES.probe_numels]
-                    except Exception as exc:  # the optimizer's own error says what it needs
-                        raise UnsupportedOptimizer(
-                            f"memplan cannot learn what {type(optimizer).__name__} holds and allocates: stepping a "
-                            f"fresh instance on a small parameter failed ({type(exc).__name__}: {exc}). "
-                            "memplan.optimize(..., optimizer=) needs an optimizer whose class can be built over "
-                            "new parameters with its param group's hyperparameters and stepped."
-                        ) from exc
-                    learned[key] = (_fit([(n, s) for n, (s, _) in zip(TUNABLES.probe_numels, points)]),
-                                    _fit([(n, t) for n, (_, t) in zip(TUNABLES.probe_numels, points)]))
-                state_fit, temp_fit = learned[key]
+                    learned[key] = _learn_bytes(optimizer, group, p.dtype, device)
+                state_fit, temp_fit, (share, carry) = learned[key]
                 numel = p.numel()
                 state, temp = state_fit.at(numel), temp_fit.at(numel)
                 param_bytes = numel * p.element_size()
@@ -170,20 +215,56 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                 moved = 3 * param_bytes + 2 * state
                 if measure_times and p.device.type != "meta":
                     if key not in timed:
-                        timed[key] = tuple(  # type: ignore[assignment]
-                            _fit([(n, _time_update(optimizer, group, p.dtype, device, n, on_host))
-                                  for n in TUNABLES.timing_numels])
-                            for on_host in (False, True))
-                    device_fit, host_fit = timed[key]
-                    on_device, host_step = device_fit.seconds_at(numel), host_fit.seconds_at(numel)
+                        timed[key] = _learn_times(optimizer, group, p.dtype, device)
+                    device_fit, host_fit, call = timed[key]
+                    on_device, host_step = device_fit.seconds_at(numel) - call, host_fit.seconds_at(numel) - call
                 else:
+                    # The roofline's launch overhead is counted once per parameter, as each
+                    # parameter's ops are; one call's Python is the profile's ``optimizer_call``.
                     on_device = profile.op_time(10.0 * numel, moved)
                     host_step = HOST_PROFILE.op_time(10.0 * numel, moved)
+                    call = profile.optimizer_call
                 # The gradient and the parameter copied out, the parameter copied back.
-                on_host = profile.transfer_time(3 * param_bytes) + host_step
+                on_host = profile.transfer_time(3 * param_bytes) + max(0.0, host_step)
                 out.append(ParamUpdate(primal_of[names[id(p)]], names[id(p)], state, temp,
-                                       on_device, param_bytes, on_host, 2 * profile.op_overhead))
+                                       max(0.0, on_device), param_bytes, on_host, 2 * profile.op_overhead,
+                                       call_time=call, temp_share=share, temp_carry=carry))
     return out
+
+
+def _learn_bytes(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+                 device: torch.device) -> tuple[_Linear, _Linear, tuple[float, float]]:
+    """State and temporary bytes of one parameter's update as ``fixed + per_element * numel``, and how
+    a bucket's temporaries add up (`ParamUpdate.temp_share`, ``temp_carry``), from probes on small
+    parameters."""
+    n1, n2 = TUNABLES.probe_numels
+    try:
+        (s1, t1), (s2, t2) = (_probe(optimizer, group, dtype, device, (n,)) for n in (n1, n2))
+        _, pair = _probe(optimizer, group, dtype, device, (n1, n2))
+        _, triple = _probe(optimizer, group, dtype, device, (n1, n1, n2))
+    except Exception as exc:  # the optimizer's own error says what it needs
+        raise UnsupportedOptimizer(
+            f"memplan cannot learn what {type(optimizer).__name__} holds and allocates: stepping a "
+            f"fresh instance on a small parameter failed ({type(exc).__name__}: {exc}). "
+            "memplan.optimize(..., optimizer=) needs an optimizer whose class can be built over "
+            "new parameters with its param group's hyperparameters and stepped."
+        ) from exc
+    return _fit([(n1, s1), (n2, s2)]), _fit([(n1, t1), (n2, t2)]), _temp_overlap(t1, t2, pair, triple)
+
+
+def _learn_times(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
+                 device: torch.device) -> tuple[_Linear, _Linear, float]:
+    """One parameter's update time on the device and on the host as ``fixed + per_element * numel``,
+    and one call's fixed seconds: what two parameters updated in one call save over two calls."""
+    n1, n2 = TUNABLES.timing_numels
+    fits = []
+    calls = []
+    for on_host in (False, True):
+        t1, t2 = (_time_update(optimizer, group, dtype, device, (n,), on_host) for n in (n1, n2))
+        together = _time_update(optimizer, group, dtype, device, (n1, n2), on_host)
+        fits.append(_fit([(n1, t1), (n2, t2)]))
+        calls.append(max(0.0, t1 + t2 - together))
+    return fits[0], fits[1], min(calls[0], max(0.0, fits[0].fixed))
 
 
 # The host's throughput for updates computed there (optimizer_state="host") where they are not

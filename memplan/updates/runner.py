@@ -2,6 +2,8 @@
 is final (`UpdateRunner`), state kept in host memory updated on a host thread (`HostUpdates`),
 gradient clipping (`GradClip`), and accumulation over micro-steps (`Accumulation`)."""
 from __future__ import annotations
+import itertools
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,11 @@ class UpdateRunner(nn.Module):
         self._group_of: dict[int, int] = {}
         self.grad_norm: torch.Tensor | None = None
         self._host_updates = HostUpdates()
+        self._token = next(_RUNNER_TOKENS)  # names this runner in an optimizer's `_PlacementMark`
+
+    def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) places its state itself
+        super().__setstate__(state)
+        self._token = next(_RUNNER_TOKENS)
 
     def begin(self, skipped: frozenset[int]) -> None:
         """A step starts; the slots in ``skipped`` get no gradient in it (eager autograd leaves
@@ -72,8 +79,13 @@ class UpdateRunner(nn.Module):
 
         ``optimizer.load_state_dict`` casts all state to its parameter's device, and another
         input signature's plan may have placed a parameter's state elsewhere: either would break
-        this plan's budget, so the placement is restored before each step's forward (a check
-        per parameter when nothing moved)."""
+        this plan's budget, so the placement is restored before a step's forward when either may
+        have happened: when the optimizer's state is another object than when this runner last
+        placed it (``load_state_dict`` replaces it), or another runner placed it since. (The
+        state an update creates is created where its update runs.)"""
+        mark = _placement_mark(self.optimizer)
+        if mark.runner == self._token:
+            return
         state = self.optimizer.state
         for slot, p in enumerate(self.params):
             held = state.get(p)
@@ -89,6 +101,7 @@ class UpdateRunner(nn.Module):
                     # Per-element state only: scalars such as Adam's ``step`` stay where the
                     # optimizer itself keeps them (on the CPU unless capturable or fused).
                     held[key] = value.to(p.device, copy=True)
+        mark.runner = self._token
 
     def finish(self) -> None:
         """The step's updates are done: with ``track_norm``, `grad_norm` is the norm of the gradients
@@ -101,9 +114,13 @@ class UpdateRunner(nn.Module):
         self._clip_coef = None
         self.accumulation.advance()
 
-    def _add_square(self, grad: torch.Tensor) -> None:
-        """Add the squared L2 norm of ``grad`` to the step's running sum (one device scalar)."""
-        square = torch.linalg.vector_norm(grad.detach(), dtype=torch.float32).square()
+    def _add_squares(self, grads: list[torch.Tensor]) -> None:
+        """Add the squared L2 norms of ``grads`` to the step's running sum (one device scalar), with
+        one ``foreach`` norm per bucket (and per dtype) rather than a norm per gradient."""
+        if not grads:
+            return
+        norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float32)
+        square = torch.stack(norms).square().sum()
         self._square_sum = square if self._square_sum is None else self._square_sum.add_(square)
 
     def _accumulated(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
@@ -122,11 +139,10 @@ class UpdateRunner(nn.Module):
         total, p.grad = p.grad, None
         return total
 
-    def add_norm_square(self, slot: int, grad: torch.Tensor) -> None:
-        """First backward pass of a norm-pass clip: add this gradient's square to the norm (it is
-        dropped afterwards; the second pass computes it again to apply it)."""
-        if slot not in self.skipped:
-            self._add_square(grad)
+    def add_norm_squares(self, slots: tuple[int, ...], grads: list[torch.Tensor]) -> None:
+        """First backward pass of a norm-pass clip: add a bucket's gradients' squares to the norm
+        (they are dropped afterwards; the second pass computes them again to apply them)."""
+        self._add_squares([g for slot, g in zip(slots, grads) if slot not in self.skipped])
 
     def clip_by_norm(self) -> None:
         """End of the first pass: the global norm is known; the second pass's updates clip by it."""
@@ -149,63 +165,83 @@ class UpdateRunner(nn.Module):
             self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
                             if slot not in self.skipped and grad is not None}
             grads = [self._totals.get(slot) for slot in range(len(grads))]
-        for slot, grad in enumerate(grads):
-            if slot not in self.skipped and grad is not None:
-                self._add_square(grad)
+        self._add_squares([g for slot, g in enumerate(grads) if slot not in self.skipped and g is not None])
         self.clip_by_norm()
 
-    def forward(self, slot: int, grad: torch.Tensor) -> None:
-        if slot in self.skipped:
+    def forward(self, slots: tuple[int, ...], grads: list[torch.Tensor]) -> None:
+        """Update one bucket (`memplan.updates.buckets`): the parameters in ``slots``, whose gradients
+        ``grads`` are final, by one call of the optimizer (on the host for a bucket of host slots)."""
+        params: list[nn.Parameter] = []
+        final: list[torch.Tensor] = []
+        for slot, grad in zip(slots, grads):
+            grad = self._applied(slot, grad)
+            if grad is not None:
+                params.append(self.params[slot])
+                final.append(grad)
+        if not params:
             return
-        p = self.params[slot]
+        if self._clip_coef is not None:
+            torch._foreach_mul_(final, self._clip_coef)
+        elif self.track_norm:
+            self._add_squares(final)
+        if slots[0] in self.host_slots:
+            self._step_on_host(params, final)
+        else:
+            self._step(params, final)
+
+    def _applied(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the update of ``slot`` applies this step, or None when it updates nothing."""
+        if slot in self.skipped:
+            return None
         # With accumulation, or a step that started with gradients held in .grad (eager would
         # step with their sum), the gradient is added into .grad first.
-        if self.accumulation.steps > 1 or p.grad is not None or slot in self._totals:
+        if self.accumulation.steps > 1 or self.params[slot].grad is not None or slot in self._totals:
             if slot in self._totals:  # folded in already, by `clip`
-                grad = self._totals.pop(slot)
-            else:
-                total = self._accumulated(slot, grad)
-                if total is None:
-                    return
-                grad = total
-        if self._clip_coef is not None:
-            grad = grad.mul_(self._clip_coef.to(grad.dtype))
-        elif self.track_norm:
-            self._add_square(grad)
-        if slot in self.host_slots:
-            self._step_on_host(p, grad)
-        else:
-            self._step(p, grad)
+                return self._totals.pop(slot)
+            return self._accumulated(slot, grad)
+        return grad
 
-    def _step(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Step the optimizer on ``p`` alone, with ``grad``; its group's hyperparameters, read now.
-        (A host update steps a view of the optimizer instead, on another thread: `_host_view`.)"""
+    def _step(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """Step the optimizer once on ``params`` alone, with ``grads``; each group's hyperparameters,
+        read now. (A host update steps a view of the optimizer instead, on another thread:
+        `_host_view`.)"""
         groups = self.optimizer.param_groups
         held = [g["params"] for g in groups]
-        own = self._group_of.get(id(p))
-        p.grad = grad
+        own = self._members(params)
+        for p, grad in zip(params, grads):
+            p.grad = grad
         try:
-            # Only this parameter's group sees it: the others step over nothing.
+            # Each group sees the bucket's parameters it holds; the others step over nothing.
             for gi, g in enumerate(groups):
-                g["params"] = [p] if gi == own else []
+                g["params"] = own.get(gi, [])
             self.optimizer.step()
         finally:
             for g, ps in zip(groups, held):
                 g["params"] = ps
-            p.grad = None
+            for p in params:
+                p.grad = None
 
-    def _step_on_host(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Update ``p`` with its state in host memory, overlapped with the rest of backward as
-        ZeRO-Offload overlaps it: the gradient and the parameter start copying out now (CUDA:
-        on the device-to-host stream), and the host step and the copy back run on a worker
-        thread (`HostUpdates`), which `finish` joins. The step runs on a host copy of the
-        parameter under its key in ``optimizer.state`` for the moment, so the optimizer finds
-        and creates the state there, through `_host_view` of the optimizer."""
-        grad_out = offload_tensor(grad.detach())
-        param_out = offload_tensor(p.detach())
+    def _members(self, params: list[nn.Parameter]) -> dict[int, list[nn.Parameter]]:
+        """``params`` by the index of the optimizer group holding each (in the bucket's order)."""
+        own: dict[int, list[nn.Parameter]] = {}
+        for p in params:
+            gi = self._group_of.get(id(p))
+            if gi is not None:
+                own.setdefault(gi, []).append(p)
+        return own
+
+    def _step_on_host(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """Update a bucket whose state is in host memory, overlapped with the rest of backward as
+        ZeRO-Offload overlaps it: the gradients and the parameters start copying out now (CUDA:
+        on the device-to-host stream), and one host step for the bucket and the copies back run
+        on a worker thread (`HostUpdates`), which `finish` joins. The step runs on host copies of
+        the parameters under their keys in ``optimizer.state`` for the moment, so the optimizer
+        finds and creates the state there, through `_host_view` of the optimizer."""
+        grads_out = [offload_tensor(g.detach()) for g in grads]
+        params_out = [offload_tensor(p.detach()) for p in params]
         view = self._host_view()  # the groups' hyperparameters as they are now
-        own = self._group_of.get(id(p))
-        self._host_updates.submit(self._host_step, p, view, own, param_out, grad_out)
+        groups = [self._group_of.get(id(p)) for p in params]
+        self._host_updates.submit(self._host_step, params, view, groups, params_out, grads_out)
 
     def _host_view(self) -> torch.optim.Optimizer:
         """The user's optimizer with groups of its own, holding no parameters; its state,
@@ -220,26 +256,33 @@ class UpdateRunner(nn.Module):
         view.param_groups = [{**g, "params": []} for g in self.optimizer.param_groups]
         return view
 
-    def _host_step(self, p: nn.Parameter, view: torch.optim.Optimizer, group: int | None, param_out: HostCopy,
-                   grad_out: HostCopy) -> Any:
-        """On the worker thread: one host update, then the parameter's copy back; returns the
-        event compute waits for before reading ``p`` again (`transfer.copy_back`)."""
+    def _host_step(self, params: list[nn.Parameter], view: torch.optim.Optimizer, groups: list[int | None],
+                   params_out: list[HostCopy], grads_out: list[HostCopy]) -> Any:
+        """On the worker thread: one host update of a bucket, then its parameters' copies back;
+        returns the event compute waits for before reading them again (`transfer.copy_back`)."""
         state = self.optimizer.state
         with host_storage(), torch.no_grad():
-            work = wait_host_copy(param_out)
-            work.grad = wait_host_copy(grad_out)
-            if group is not None:
-                view.param_groups[group]["params"] = [work]
-            if p in state:
-                state[work] = state.pop(p)
+            works = [wait_host_copy(out) for out in params_out]
+            for work, out in zip(works, grads_out):
+                work.grad = wait_host_copy(out)
+            for work, gi in zip(works, groups):
+                if gi is not None:
+                    view.param_groups[gi]["params"].append(work)
+            for p, work in zip(params, works):
+                if p in state:
+                    state[work] = state.pop(p)
             try:
                 view.step()
             finally:
-                if work in state:
-                    state[p] = state.pop(work)
-                work.grad = None
+                for p, work in zip(params, works):
+                    if work in state:
+                        state[p] = state.pop(work)
+                    work.grad = None
         with torch.no_grad():
-            return copy_back(p.detach(), work)
+            landed = None
+            for p, work in zip(params, works):
+                landed = copy_back(p.detach(), work)
+            return landed
 
 
 class HostUpdates:
@@ -274,6 +317,29 @@ class HostUpdates:
                 torch.cuda.current_stream().wait_event(landed)
 
 
+class _PlacementMark:
+    """Which runner last placed an optimizer's state (`UpdateRunner.place_state`); forgotten when
+    the optimizer loads a state dict, which puts all state on its parameters' devices."""
+
+    def __init__(self) -> None:
+        self.runner: int | None = None
+
+    def loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self.runner = None
+
+
+_PLACEMENT_MARKS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _PlacementMark]" = weakref.WeakKeyDictionary()
+_RUNNER_TOKENS = itertools.count()
+
+
+def _placement_mark(optimizer: torch.optim.Optimizer) -> _PlacementMark:
+    mark = _PLACEMENT_MARKS.get(optimizer)
+    if mark is None:
+        mark = _PLACEMENT_MARKS[optimizer] = _PlacementMark()
+        optimizer.register_load_state_dict_post_hook(mark.loaded)
+    return mark
+
+
 def _in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether optimizer state ``t`` of parameter ``p`` is in host memory: on the CPU beside a
     device parameter, or (a CPU "device", in tests) in a storage marked as host."""
@@ -297,8 +363,8 @@ class GradClip(nn.Module):
     def forward(self, grads: list[torch.Tensor]) -> None:
         self.runner.clip(grads)
 
-    def square(self, slot: int, grad: torch.Tensor) -> None:
-        self.runner.add_norm_square(slot, grad)
+    def square(self, slots: tuple[int, ...], grads: list[torch.Tensor]) -> None:
+        self.runner.add_norm_squares(slots, grads)
 
     def by_norm(self) -> None:
         self.runner.clip_by_norm()

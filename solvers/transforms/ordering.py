@@ -62,17 +62,21 @@ def _belonging(problem: Problem, steps: list[Step], at: int) -> list[int]:
     return owned
 
 
-def after_last_reads(problem: Problem, schedule: Schedule, writes: Mapping[Hashable, Hashable]) -> Schedule:
-    """``schedule`` with each writer (a key of ``writes``, naming the source it overwrites) moved
-    after the last compute that reads that source or a view of it, with the steps that belong to it."""
+def after_last_reads(problem: Problem, schedule: Schedule,
+                     writes: Mapping[Hashable, Hashable | tuple[Hashable, ...]]) -> Schedule:
+    """``schedule`` with each writer (a key of ``writes``, naming the source it overwrites, or a
+    tuple of the sources) moved after the last compute that reads one of those sources or a view
+    of one, with the steps that belong to it."""
     index = problem.index
     steps = list(schedule.steps)
-    for writer_name, target_name in writes.items():
-        writer, target = index[writer_name], index[target_name]
+    for writer_name, targets in writes.items():
+        writer = index[writer_name]
         at = next((k for k, (op, node) in enumerate(steps) if op is Op.COMPUTE and index[node] == writer), None)
         if at is None:
             continue
-        last = _last_read(problem, steps, storage_readers(problem, target), writer)
+        readers = frozenset().union(*(storage_readers(problem, index[t])
+                                for t in (targets if isinstance(targets, tuple) else (targets,))))
+        last = _last_read(problem, steps, readers, writer)
         if last < at:
             continue
         owned = _belonging(problem, steps, at)
