@@ -8,12 +8,15 @@ and a storage is counted once and lives while any alias of it lives.
 
 Runtime is a roofline over a :class:`DeviceProfile`: the larger of FLOPs over
 peak FLOP/s and bytes moved over memory bandwidth, plus a per-op launch
-overhead. ``profile=True`` in the higher layers replaces it by measurements.
+overhead; and the host's work per op beside it (`DeviceProfile.with_host`:
+added on a CPU, the larger of the two on a GPU, whose host runs ahead).
+``profile=True`` in the higher layers replaces it by measurements.
 """
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +47,12 @@ class DeviceProfile:
     # project's CPU machine, torch 2.13, one thread: AdamW on one small parameter 49-53 us
     # for-loop, 30 us fused, 84 us foreach; SGD 16 us. ``profile=True`` times the real one.
     optimizer_call: float = 50e-6
+    # Seconds of host work per op the planned program runs beyond ``op_overhead`` (its line of
+    # generated Python, the dispatcher, the launch call), and whether the host waits for each op
+    # (``synchronous``: a CPU, where host and device work add up) or runs ahead of the device (a
+    # GPU, where an op costs the larger of the two: a step of small ops is bound by its host).
+    host_op_time: float = 0.0
+    synchronous: bool = True
     # Kinds of op (`op_kind`) whose time the roofline misjudges on this device, with the factor
     # measured over roofline: work the FLOP counter leaves out (random numbers, normalizations,
     # softmax, pooling), or kernels well below peak (`benchmarks.tools.calibrate_cpu` fits them).
@@ -60,6 +69,12 @@ class DeviceProfile:
 
     def transfer_time(self, nbytes: int) -> float:
         return nbytes / self.host_bandwidth
+
+    def with_host(self, device_time: float, host_time: float) -> float:
+        """An op's time given its device's work and its host's: their sum where the host waits for
+        the device, else the larger (the host launches ahead while the device is busy). Per op,
+        this takes a stretch of ops to be as host-bound as each of its ops."""
+        return device_time + host_time if self.synchronous else max(device_time, host_time)
 
 
 # Published peak figures (dense, no sparsity). The CPU profile describes a
@@ -87,9 +102,12 @@ CPU_OP_FACTORS = (
 )
 PROFILES: dict[str, DeviceProfile] = {
     "cpu": DeviceProfile("cpu", 130e9, 65e9, 20.5e9, 12e9, 4e-6, op_factors=CPU_OP_FACTORS),
-    "a100": DeviceProfile("a100", 19.5e12, 312e12, 2.0e12, 25e9, 6e-6, 512),
-    "h100": DeviceProfile("h100", 67e12, 989e12, 3.35e12, 50e9, 5e-6, 512),
-    "h200": DeviceProfile("h200", 67e12, 989e12, 4.8e12, 50e9, 5e-6, 512),
+    # The GPUs' host work per op: a planned op's line of Python and PyTorch's dispatch and launch,
+    # about 10 us a op on a server CPU (the H200 run of benchmarks/results/cuda.md: gpt small at
+    # batch 32, a 6.5 ms eager step of about 650 ops a step, waits on its host).
+    "a100": DeviceProfile("a100", 19.5e12, 312e12, 2.0e12, 25e9, 6e-6, 512, host_op_time=10e-6, synchronous=False),
+    "h100": DeviceProfile("h100", 67e12, 989e12, 3.35e12, 50e9, 5e-6, 512, host_op_time=10e-6, synchronous=False),
+    "h200": DeviceProfile("h200", 67e12, 989e12, 4.8e12, 50e9, 5e-6, 512, host_op_time=10e-6, synchronous=False),
 }
 
 
@@ -256,7 +274,9 @@ def annotate(
             # the view is its argument's storage all the same
             base = values[node.args[0].name]
             values[node.name] = ValueCost(storages=base.storages, nbytes=base.nbytes, new_bytes=0,
-                                          alias_of=node.args[0].name, flops=0.0, time=0.0, is_random=False)
+                                          alias_of=node.args[0].name, flops=0.0,
+                                          time=measured_times.get(node.name, profile.with_host(0.0, profile.host_op_time)),
+                                          is_random=False)
             continue
         tensors = dense_tensors(node.meta.get("val"))
         keys: list[int] = []
@@ -285,8 +305,11 @@ def annotate(
         if node.op == "call_function":
             flops = node_flops(node)
             moved = new_bytes + sum(values[i.name].nbytes for i in node.all_input_nodes if alias_of is None)
-            time = profile.op_time(flops, moved, low_precision, op_kind(node)) if new_bytes or flops else 0.0
-            time = measured_times.get(node.name, time)
+            device = profile.op_time(flops, moved, low_precision, op_kind(node)) if new_bytes or flops else 0.0
+            # A view launches nothing, but the host still runs it (`DeviceProfile.host_op_time`);
+            # taking an output of a multi-output op is a Python index.
+            host = 0.0 if node.target is operator.getitem else profile.host_op_time
+            time = measured_times.get(node.name, profile.with_host(device, host))
         else:
             flops, time, moved = 0.0, 0.0, 0
         values[node.name] = ValueCost(

@@ -256,7 +256,11 @@ class Plan:
                     else "in a second backward pass, clipped by the norm a first pass computed, as soon as its "
                          "gradient is final and its last read done" if low.placement.norm_pass
                     else "as soon as its gradient is final and its last read done")
-            lines.append(f"  optimizer        {len(low.updates)} parameters updated in backward, each {when}, "
+            calls = len(low.buckets)
+            lines.append(f"  optimizer        {len(low.updates)} parameters updated in backward in {calls} optimizer "
+                         f"call{'s' if calls != 1 else ''} ("
+                         + (f"buckets of at most {format_bytes(low.placement.bucket_bytes)}"
+                            if low.placement.bucket_bytes else "one per parameter") + f"), each {when}, "
                          f"its gradient freed; {format_bytes(a.optimizer_state_bytes)} of optimizer state on the "
                          "device, in the budget")
             if low.host_states:

@@ -58,6 +58,7 @@ class UpdateRunner(nn.Module):
         self.grad_norm: torch.Tensor | None = None
         self._host_updates = HostUpdates()
         self._token = next(_RUNNER_TOKENS)  # names this runner in an optimizer's `_PlacementMark`
+        self._states_at_begin = 0
 
     def __setstate__(self, state: dict) -> None:  # a copy (deepcopy, pickle) places its state itself
         super().__setstate__(state)
@@ -73,6 +74,7 @@ class UpdateRunner(nn.Module):
         self._clip_coef = None
         self._totals = {}
         self._group_of = {id(p): gi for gi, g in enumerate(self.optimizer.param_groups) for p in g["params"]}
+        self._states_at_begin = len(self.optimizer.state)
 
     def place_state(self) -> None:
         """Move each parameter's optimizer state to the memory this plan keeps it in.
@@ -108,6 +110,10 @@ class UpdateRunner(nn.Module):
         (before clipping, as ``clip_grad_norm_`` returns it). Host updates still in flight are
         joined first: the parameters are final when backward returns."""
         self._host_updates.join()
+        if len(self.optimizer.state) != self._states_at_begin:
+            # State made by this step's updates (the first): placed before the next step, as the
+            # optimizer may make some of it where it keeps scalars rather than where it updates.
+            _placement_mark(self.optimizer).runner = None
         if self.track_norm and self.max_norm is None and self.accumulation.final:
             self.grad_norm = None if self._square_sum is None else self._square_sum.sqrt()
         self._square_sum = None

@@ -119,12 +119,18 @@ _UPDATES = [ParamUpdate(primal=0, name="big", state_bytes=800, temp_bytes=0, tim
             ParamUpdate(primal=1, name="small", state_bytes=200, temp_bytes=0, time=0.0)]
 
 
+class _FoundPlan:
+    """Stands for the plan `whole_step_plan` returns: it recomputes nothing."""
+
+    predicted_time = store_all_time = 1.0
+
+
 def _solve_with_state_on_host(needed: frozenset[str]):
     """A `whole_step_plan` solver: no placement fits until ``needed`` is in host memory."""
     def solve_for(placement: UpdatePlacement):
         if not needed <= placement.host:
             raise InfeasibleBudgetError(1000, 1000 + 100 * len(needed - placement.host))
-        return "the plan"
+        return _FoundPlan
     return solve_for
 
 
@@ -151,7 +157,7 @@ def test_placing_the_state_keeps_no_frame_of_its_caller_alive(needed):
     with _no_cyclic_collector():
         plan, out = caller()
         assert out() is None, "a cycle through the planning call holds its caller's frame"
-    assert plan == ("the plan" if needed == {"big"} else 1100)
+    assert plan == (_FoundPlan if needed == {"big"} else 1100)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import memplan
+from memplan.core.config import override
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak
 from memplan.pipeline.sweep import min_budget
@@ -81,8 +82,9 @@ def test_auto_moves_just_enough_state_to_host_under_a_budget_the_device_state_ca
     module, args, kwargs = build_step("gpt")
     reference = copy.deepcopy(module)
     optimizer, ref_optimizer = _adamw(module), _adamw(reference)
-    device_only = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module),
-                                   example_inputs=args, example_kwargs=kwargs).plan
+    with override(bucket_bytes=0):  # the least any bucketing needs on the device: one call per parameter
+        device_only = memplan.optimize(module, 10**12, solver="store_all", optimizer=_adamw(module),
+                                       example_inputs=args, example_kwargs=kwargs).plan
     smallest = min_budget(device_only.analysis)
     state = device_only.analysis.optimizer_state_bytes
     budget = smallest - state // 2
@@ -186,7 +188,8 @@ def test_a_saved_whole_step_plan_runs_as_made_and_refuses_another_optimizer(tmp_
     _loop(reference, reference, ref_optimizer, args, kwargs, 4, accumulate=2)
     assert planned.plan.analysis.lowered.placement == made.analysis.lowered.placement
     assert planned.plan.predicted_peak == made.predicted_peak
-    assert all(p <= made.predicted_peak for p in peaks), (peaks, made.predicted_peak)
+    # The loop's own loss / 2 (a 4-byte scalar the caller holds through backward) is outside the plan.
+    assert all(p <= made.predicted_peak + 4 for p in peaks), (peaks, made.predicted_peak)
     _assert_same(module, reference, optimizer, ref_optimizer)
 
 
@@ -233,7 +236,7 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     _assert_same(module, reference, optimizer, ref_optimizer)
 
 
-def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_once_per_parameter():
+def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_once_per_bucket():
     # Host updates step a view of the optimizer on a worker thread (memplan.updates.runner.HostUpdates):
     # an LR scheduler's change between steps must reach them, and the optimizer's own hooks run.
     module, args, kwargs = build_step("mlp")
@@ -257,8 +260,8 @@ def test_host_updates_read_the_groups_when_they_start_and_run_the_step_hooks_onc
         ref_optimizer.zero_grad()
         ref_scheduler.step()
     _assert_same(module, reference, optimizer, ref_optimizer)
-    updated = sum(1 for p in module.parameters() if p.requires_grad)
-    assert len(calls) == 3 * (updated + 1)  # one per parameter, plus the user's own step() call
+    buckets = len(planned.plan.analysis.lowered.buckets)
+    assert len(calls) == 3 * (buckets + 1)  # one per bucket, plus the user's own step() call
     assert all(is_host(t) for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
 
 

@@ -126,3 +126,25 @@ def test_the_zoo_gpt_updates_in_several_buckets_one_call_each_and_trains_as_eage
     for p, ref_p in zip(module.parameters(), reference.parameters()):
         for key, value in ref_optimizer.state[ref_p].items():
             torch.testing.assert_close(optimizer.state[p][key], value)
+
+
+def test_a_gpu_step_of_small_ops_is_predicted_host_bound_and_a_cpu_adds_both():
+    """Host time in the cost model: on a GPU profile (the host runs ahead) an op costs the larger
+    of its device work and its host work, so tiny ops cost the host's time and large ones the
+    device's; on the CPU (synchronous) the two add up."""
+    from memplan.costs.cost_model import annotate
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: (a @ b).relu().t())(
+        torch.randn(8, 8), torch.randn(8, 8))
+    big = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b: a @ b)(torch.randn(2048, 2048), torch.randn(2048, 2048))
+    h100, cpu = PROFILES["h100"], PROFILES["cpu"]
+    small = annotate(gm, h100).values
+    ops = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(small[name].time == pytest.approx(h100.host_op_time) for name in ops)  # the view too
+    large = annotate(big, h100).values
+    mm = next(n.name for n in big.graph.nodes if n.op == "call_function")
+    assert large[mm].time > 10 * h100.host_op_time  # device-bound: the roofline's
+    on_cpu = annotate(gm, cpu).values
+    device_only = cpu.op_time(2 * 8 * 8 * 8, 3 * 8 * 8 * 4)
+    first = ops[0]
+    assert on_cpu[first].time == pytest.approx(device_only + cpu.host_op_time)

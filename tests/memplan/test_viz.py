@@ -177,8 +177,12 @@ def _whole_step(**options):
 
 @pytest.fixture(scope="module")
 def whole_step():
-    """AdamW's state and updates in the plan, under a budget that makes the plan recompute."""
-    store_all, _ = _whole_step()
+    """AdamW's state and updates in the plan, under a budget that makes the plan recompute; one
+    optimizer call per parameter, so that the updates run along backward."""
+    from memplan.core.config import override
+
+    with override(bucket_bytes=0):
+        store_all, _ = _whole_step()
     a = store_all.analysis
     assert a.optimizer_state_bytes > 0 and a.lowered.updates
     budget = max(int(a.graph_peak - 0.4 * a.activation_bytes), memplan.min_budget(a))
