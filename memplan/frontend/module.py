@@ -9,6 +9,7 @@ import dataclasses
 import time
 import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,7 @@ from memplan.runtime.inductor.compiler import inductor_compiler
 from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
-from memplan.costs.cost_model import get_profile, output_bytes
+from memplan.costs.cost_model import get_profile
 from memplan.frontend.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
                                           warn_unplanned_engine_memory)
 from memplan.core.storage import storages_of
@@ -39,15 +40,15 @@ from memplan.runtime.program import Program, run_program
 from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
 
-def held_gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients ``model``'s trainable parameters already hold (each storage once).
+def held_gradient_bytes(params: Iterable[nn.Parameter]) -> int:
+    """Bytes of the gradients the trainable ``params`` already hold (each storage once).
 
     Between ``zero_grad()`` calls (gradient accumulation, ``set_to_none=False``)
     they stay on the device for the whole next step, and autograd adds the new
     gradients into them only when each is complete, so both are held at once.
     """
     storages: dict[tuple[str, int], int] = {}
-    for p in model.parameters():
+    for p in params:
         g = p.grad
         if p.requires_grad and g is not None:
             # a sparse gradient (nn.Embedding(sparse=True)) is held in its indices and values
@@ -337,7 +338,7 @@ class OptimizedModule(nn.Module):
         changed = (learned.no_grad ^ planned.no_grad) | (learned.dropped ^ planned.dropped)
         if not changed:
             return
-        sizes = output_bytes(plan.analysis.capture, plan.analysis.costs)
+        sizes = plan.output_bytes
         if sum(sizes[i] for i in changed) >= TUNABLES.replan_fraction * plan.predicted_peak:
             self._output_use[sig] = learned
 
@@ -349,7 +350,7 @@ class OptimizedModule(nn.Module):
         if not self.warn_loss_outside:
             return
         cap = plan.analysis.capture
-        sizes = output_bytes(cap, plan.analysis.costs)
+        sizes = plan.output_bytes
         given = [i for i, needs in enumerate(cap.user_requires_grad) if needs and i not in missing]
         outside = sum(sizes[i] for i in given)
         if outside < TUNABLES.loss_outside_fraction * plan.budget:
@@ -474,7 +475,9 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._orig_mod
         inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*model.parameters(), *inputs]):
+        # One walk of the module tree a step: on a small step each walk is a visible share of it.
+        params = dict(model.named_parameters())
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*params.values(), *inputs]):
             # Inference: nothing is saved for backward, there is nothing to plan. (A graph whose
             # parameters arrive as inputs, as torch.compile hands them over, is planned.)
             return model(*args, **kwargs)
@@ -485,7 +488,7 @@ class OptimizedModule(nn.Module):
             # a process group made after optimize(): a DDP or FSDP wrapper may now reduce the gradients
             # after memplan's updates have used them (memplan.frontend.distributed)
             refuse_distributed_updates(model)
-        held = 0 if own else held_gradient_bytes(model)
+        held = 0 if own else held_gradient_bytes(params.values())
         if self.split is None:
             try:
                 plan, program, param_names, buffer_names = self._entry(args, kwargs, held)
@@ -493,7 +496,6 @@ class OptimizedModule(nn.Module):
                 self._split_at_graph_breaks(exc)
         if self.split is not None:
             return self.split[0](*args, **kwargs)
-        params = dict(model.named_parameters())
         buffers_by_name = dict(model.named_buffers())
         buffers = [buffers_by_name[n] for n in buffer_names]
         primals = [params[n] for n in param_names] + buffers + inputs

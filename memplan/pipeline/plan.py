@@ -20,7 +20,7 @@ import torch
 import solvers
 from solvers.core.sequence import tighten_frees
 from memplan.planning.analysis import Analysis
-from memplan.costs.cost_model import DeviceProfile
+from memplan.costs.cost_model import DeviceProfile, output_bytes
 from memplan.updates.buckets import bucket_caps
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, host_updates
 from memplan.updates.runner import Accumulation
@@ -167,6 +167,11 @@ class Plan:
     def predicted_overhead(self) -> float:
         """Predicted step time over store-all's (>= 1.0)."""
         return self.predicted_time / self.store_all_time if self.store_all_time else 1.0
+
+    @functools.cached_property
+    def output_bytes(self) -> list[int]:
+        """Bytes of each output tensor of the step, by output index (read after every backward)."""
+        return output_bytes(self.analysis.capture, self.analysis.costs)
 
     @functools.cached_property
     def simulated(self) -> "solvers.SimResult":
