@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 import memplan
+from memplan.measure.tracker import profiled_peak
 
 
 @dataclass
@@ -102,15 +103,19 @@ def own_bytes(module: torch.nn.Module, inputs: Any = (), optimizer: torch.optim.
     return sum(seen.values())
 
 
-def peak(step: Callable[[], Any], own: Callable[[], int]) -> dict[str, int | None]:
+def peak(step: Callable[[], Any], own: Callable[[], int], dynamo: bool = False) -> dict[str, int | None]:
     """Device bytes at the step's peak, allocated and reserved: what the step takes above what was
     there before it, plus the step's own resident tensors (``own()``, read before the step), so that
     other models alive in this process and the libraries' workspaces are left out. The cache is
     emptied first, so that reserved counts every segment the step needs. On the CPU (dry run):
-    memplan's tracker, and no reserved figure."""
+    memplan's tracker, and no reserved figure; for a step through dynamo (``dynamo``), the
+    profiler's allocation events, since dynamo runs a frame eagerly under the tracker's dispatch
+    mode (the tracker would measure eager's step)."""
     if hasattr(step, "clear"):
         step.clear()  # the gradients the step makes are its own: none held before it
     if RUN.device != "cuda":
+        if dynamo:
+            return {"allocated": own() + profiled_peak(step), "reserved": None}
         return {"allocated": memplan.measure_peak(step, "cpu"), "reserved": None}
     resident = own()
     sync()
@@ -125,15 +130,15 @@ def peak(step: Callable[[], Any], own: Callable[[], int]) -> dict[str, int | Non
 
 
 def measure(row: dict, step: Callable[[], Any], own: Callable[[], int], n: int | None = None,
-             calls: list[int] | None = None) -> None:
+             calls: list[int] | None = None, dynamo: bool = False) -> None:
     """``n`` (`RUN.measures`) seeded steps' peaks into ``row`` (and the optimizer calls each made,
-    counted in ``calls``)."""
+    counted in ``calls``); ``dynamo``: the step runs through torch.compile (`peak`)."""
     peaks, counted = [], []
     for _ in range(n or RUN.measures):
         torch.manual_seed(0)
         if calls is not None:
             calls[0] = 0
-        peaks.append(peak(step, own))
+        peaks.append(peak(step, own, dynamo))
         if calls is not None:
             counted.append(calls[0])
     row["measured"] = [p["allocated"] for p in peaks]
