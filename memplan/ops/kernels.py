@@ -21,7 +21,8 @@ A traced graph is functional: ``relu`` where ResNet's module runs ``relu_``, ``a
 adds the skip connection in place. Each result is a fresh buffer, written while the input it
 replaces is still cached; on CPU that made ResNet-50's ReLUs 2.5x slower than eager's in-place
 ones. Where an elementwise op's first input dies at that op (no other value shares its
-storage, none reads it later, it is not a step input or output) and has the result's shape,
+storage, none reads it later, it is not a step input or output, no offload copies it to host
+memory: on CUDA that copy reads it on a side stream after the offload returns) and has the result's shape,
 dtype and strides, the op runs as its in-place variant: the same kernel, the same values, in
 the buffer that was about to be freed. Memory only drops, while that op runs (the plan counted
 both buffers there) and, for an item of a multi-output op (BatchNorm's output), until the last
@@ -46,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from memplan.ops import fused_loss
+from memplan.ops.transfer import offload
 from memplan.core.storage import dense_tensors, storage_key, value_device
 
 aten = torch.ops.aten
@@ -211,9 +213,14 @@ class _Storages:
     def __init__(self, nodes: list[fx.Node]):
         self.parent: dict[int, int] = {}
         self.last_read: dict[int, int] = {}
+        # Storages an offload copies to host memory: on CUDA the copy reads them on a side stream
+        # after the offload returns, so no op may write them in place (they count as read to the end).
+        self.copied: set[int] = set()
         for position, node in enumerate(nodes):
             for key in self.reads(node):
                 self.last_read[key] = len(nodes) if node.op == "output" else position
+            if node.op == "call_function" and node.target is offload:
+                self.copied |= self.reads(node)
 
     def find(self, key: int) -> int:
         while key in self.parent:
@@ -248,7 +255,8 @@ def _dies_into(node: fx.Node, position: int, storages: _Storages) -> bool:
         return False
     keys = storages.of(first)
     # (``add(a, a)`` may run in place: each element is read before it is written)
-    if len(keys) != 1 or any(keys & storages.of(i) for i in node.all_input_nodes if i is not first):
+    if len(keys) != 1 or keys & storages.copied or any(keys & storages.of(i) for i in node.all_input_nodes
+                                                       if i is not first):
         return False
     return storages.last_read.get(next(iter(keys))) == position
 

@@ -199,3 +199,24 @@ def test_a_compiled_dropout_on_a_strided_input_calls_the_op():
         got_out, got_mask = compiled([x])
     assert torch.equal(got_mask, mask) and torch.equal(got_out, out)
     assert "aten::native_dropout" in {e.key for e in prof.key_averages()}
+
+
+def test_no_op_runs_in_place_over_a_value_being_copied_to_host_memory():
+    """An offload's copy runs on a side stream (CUDA): an op that wrote its value in place after the
+    offload was issued could overwrite it before the copy has read it, and the value prefetched for
+    backward would be the op's result. On the CPU the copy is synchronous, so the wrong values only
+    show on a GPU; what must hold is that no offloaded value is written in place."""
+    from memplan.ops.transfer import offload
+    from memplan.ops.kernels import use_stand_ins
+
+    graph = _traced(lambda x, w: torch.relu(x @ w) + 1, torch.randn(4, 5), torch.randn(5, 6)).graph
+    product = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+    relu = next(n for n in graph.nodes if n.target is torch.ops.aten.relu.default)
+    with graph.inserting_after(product):
+        copied = graph.call_function(offload, (product,))
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((output.args[0], copied),)
+    use_stand_ins(graph)
+    assert not relu.meta.get(IN_PLACE), "the ReLU writes the product while its copy to host may still read it"
+    add = next(n for n in graph.nodes if n.meta.get(ATEN_TARGET) is torch.ops.aten.add.Tensor)
+    assert add.meta.get(IN_PLACE)  # the ReLU's own result is nobody's copy: the add still runs in place
