@@ -1,6 +1,7 @@
 """`solve`: the one entry point memplan calls."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -14,7 +15,8 @@ from .strategies.remat import from_min_budget_search
 
 
 def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = None,
-          gap: Optional[float] = None) -> Solution:
+          gap: Optional[float] = None, search_minimum: bool = True,
+          search_deadline: float = math.inf) -> Solution:
     """Solve ``problem`` with ``method`` (a key of `METHODS`) within ``time_limit`` seconds.
     ``gap``: a search may stop before ``time_limit`` once its plan is proven within this share of
     optimal (`Solution.gap`; None: the strategy's own, `hierarchical.EARLY_GAP`).
@@ -22,17 +24,23 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
     Raises `Infeasible` (with ``min_budget``) when the budget is below the
     smallest budget at which a schedule is found. Otherwise returns the
     method's solution; a method that cannot meet a feasible budget returns
-    status ``over_budget`` ("auto" never does)."""
+    status ``over_budget`` ("auto" never does). ``search_deadline`` (a ``time.perf_counter()``
+    reading) stops the minimum-budget search with the lowest peak it has found (`min_budget`). A budget below `memory_lower_bound`
+    raises at once with ``searched=False`` when not ``search_minimum`` (the bound, not a
+    searched minimum, in ``min_budget``): a caller that only needs to know the budget is too
+    small skips a search that takes minutes on a billion-parameter graph."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     lower = memory_lower_bound(problem)
     if problem.budget < lower:
-        raise Infeasible(problem.budget, min_budget_cached(problem)[0], lower)
+        if not search_minimum:
+            raise Infeasible(problem.budget, lower, lower, searched=False)
+        raise Infeasible(problem.budget, min_budget_cached(problem, search_deadline)[0], lower)
     started = time.perf_counter()
     with stopping_at(gap):
         sol = METHODS[method](problem, time_limit)
     if not sol.fits:
-        needed, schedule = min_budget_cached(problem)
+        needed, schedule = min_budget_cached(problem, search_deadline)
         if problem.budget < needed:
             raise Infeasible(problem.budget, needed, lower)
         if method == "auto":
@@ -40,3 +48,4 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
             # schedule fits (a budget set to the minimum this search reported is met).
             return from_min_budget_search(problem, schedule, sol, started)
     return sol
+

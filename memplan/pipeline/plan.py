@@ -41,9 +41,12 @@ class InfeasibleBudgetError(ValueError):
     (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
 
     def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
-                 addend_only_outputs: frozenset[int] = frozenset()):
+                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True):
         self.budget = budget
         self.min_budget = min_budget
+        # False: ``min_budget`` is only a lower bound (`solvers.solve`'s ``search_minimum=False``):
+        # a placement of the whole step that cannot fit, told apart without a search.
+        self.searched = searched
         self.held_gradient_bytes = held_gradient_bytes
         self.addend_only_outputs = addend_only_outputs
         held = (
@@ -446,12 +449,12 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
     if not analysis.updates:
         return solve_plan(analysis, budget, **options())
 
-    def solve_for(placement: UpdatePlacement) -> Plan:
+    def solve_for(placement: UpdatePlacement, search_minimum: bool = True) -> Plan:
         if placement == analysis.lowered.placement:
             again = analysis
         else:
             again = analyze_placement(analysis, placement)
-        return solve_plan(again, budget, **options())
+        return solve_plan(again, budget, search_minimum=search_minimum, **options())
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
                            norm_pass, _caps(analysis.updates))
@@ -483,7 +486,8 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
        largest first (`memplan.updates.probe.host_updates`), as many bytes as the last attempt's
        smallest plan was over the budget, then 1 and 2 again; until all state is there.
 
-    ``solve_for(placement)`` solves the step in one placement (raising `InfeasibleBudgetError`).
+    ``solve_for(placement, search_minimum)`` solves the step in one placement (raising
+    `InfeasibleBudgetError`; without ``search_minimum``, at once below the trivial bound).
     Recomputation is preferred to host updates: a host update costs a parameter's round trip
     over the host link and the host's much lower throughput on every step. The errors of the
     placements tried are let go on leaving: none outlives the call."""
@@ -501,11 +505,16 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
             else:
                 tries = [placement, dataclasses.replace(placement, after_backward=True)]
             errors = []
+            on_device = [u for u in updates if u.name not in placement.host]
+            # While state can still move to the host, a placement below the Problem's trivial bound
+            # is told apart without the minimum-budget search (minutes on a billion parameters):
+            # the bound says how much must move at least.
+            can_move = may_move_state and any(u.state_bytes > 0 for u in on_device)
             for attempt in tries:
                 fitting: list[Plan] = []
                 for cap in caps:
                     try:
-                        plan = solve_for(dataclasses.replace(attempt, bucket_bytes=cap))
+                        plan = solve_for(dataclasses.replace(attempt, bucket_bytes=cap), search_minimum=not can_move)
                     except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
                         errors.append(exc)
                         continue
@@ -520,8 +529,7 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
             closest = min(infeasible, key=lambda e: e.min_budget)
             if best is None or closest.min_budget < best.min_budget:
                 best = closest
-            on_device = [u for u in updates if u.name not in placement.host]
-            more = host_updates(on_device, closest.min_budget - budget) if may_move_state else frozenset()
+            more = host_updates(on_device, closest.min_budget - budget) if can_move else frozenset()
             if not more:
                 raise best from None
             placement = dataclasses.replace(placement, host=placement.host | more)
@@ -550,20 +558,28 @@ def problem_for(analysis: Analysis, budget: int, offload: bool) -> "solvers.Prob
 
 def solve_plan(
     analysis: Analysis, budget: int, *, solver: str = "auto", time_limit: float | None = None,
-    offload: bool = False, gap: float | None = None,
+    offload: bool = False, gap: float | None = None, search_minimum: bool = True,
 ) -> Plan:
     """Solve an analyzed step for one budget (a sweep solves one analysis many times).
 
     ``offload=True`` gives the solver the profile's host link: values may be
     paged to host memory and back as well as kept or recomputed. ``gap``: the search may stop
-    once its plan is proven within that share of optimal (`solvers.solve`)."""
+    once its plan is proven within that share of optimal (`solvers.solve`). ``search_minimum=False``:
+    a budget below the Problem's trivial lower bound raises at once, the bound as its minimum
+    (``InfeasibleBudgetError.searched`` False)."""
     problem = problem_for(analysis, budget, offload)
     start = time.perf_counter()
+    # The minimum-budget search after a failed solve stops with the lowest peak it has found by then
+    # (`solvers.strategies.min_budget`): its own time limits bound it on graphs of thousands of
+    # values, but its bisection's greedy takes minutes a probe on a billion-parameter graph.
+    search_deadline = start + max(time_limit or 0.0, TUNABLES.min_budget_search_seconds)
     try:
-        sol = solvers.solve(problem, method=solver, time_limit=time_limit, gap=gap)
+        sol = solvers.solve(problem, method=solver, time_limit=time_limit, gap=gap, search_minimum=search_minimum,
+                            search_deadline=search_deadline)
     except solvers.Infeasible as exc:
         raise InfeasibleBudgetError(budget, int(exc.min_budget),
-                                    addend_only_outputs=analysis.capture.addend_only_outputs) from None
+                                    addend_only_outputs=analysis.capture.addend_only_outputs,
+                                    searched=exc.searched) from None
     # An optimizer update overwrites its parameter: none may run before the parameter's last read.
     schedule = updated_after_reads(analysis.lowered, problem, sol.schedule)
     return plan_from_schedule(

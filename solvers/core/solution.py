@@ -31,12 +31,14 @@ class Infeasible(Exception):
     the simulator); ``memory_lower_bound`` is a trivial bound below which no
     schedule can exist."""
 
-    def __init__(self, budget: int, min_budget: int, memory_lower_bound: int) -> None:
+    def __init__(self, budget: int, min_budget: int, memory_lower_bound: int, searched: bool = True) -> None:
         super().__init__(f"budget {budget} is below the minimum {min_budget} at which a schedule was found "
-                         f"(trivial lower bound {memory_lower_bound})")
+                         f"(trivial lower bound {memory_lower_bound})" if searched else
+                         f"budget {budget} is below the trivial lower bound {memory_lower_bound}")
         self.budget = budget
         self.min_budget = min_budget
         self.memory_lower_bound = memory_lower_bound
+        self.searched = searched  # False: ``min_budget`` is the lower bound, no search ran (`solve`)
 
 
 class MethodFailed(Exception):

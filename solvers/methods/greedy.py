@@ -20,6 +20,7 @@ and the solution's status says ``over_budget``.
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -32,8 +33,9 @@ from ..core.solution import MethodFailed, Solution, finish
 
 
 class _Greedy:
-    def __init__(self, problem: Problem) -> None:
+    def __init__(self, problem: Problem, deadline: float = math.inf) -> None:
         self.p = problem
+        self.deadline = deadline
         n = problem.n
         self.res = Residency(problem)
         self.resident = self.res.resident
@@ -134,7 +136,9 @@ class _Greedy:
 
     def run(self) -> list[int]:
         p = self.p
-        for v in p.non_sources:
+        for k, v in enumerate(p.non_sources):
+            if k % 64 == 0 and time.perf_counter() >= self.deadline:
+                raise MethodFailed("greedy: out of time")
             self.materialize(v)
             for q in p.preds[v]:
                 self.rem[q] -= 1
@@ -152,8 +156,10 @@ class _Greedy:
 
 
 def solve_greedy(problem: Problem, time_limit: Optional[float] = None) -> Solution:
+    """The greedy's schedule; with ``time_limit``, `MethodFailed` once it has run that long (a budget
+    far below what it reaches has it recompute on and on: on a 1.3B-parameter GPT, 113 s)."""
     started = time.perf_counter()
-    g = _Greedy(problem)
+    g = _Greedy(problem, started + time_limit if time_limit is not None else math.inf)
     seq = g.run()
     schedule = schedule_from_sequence(problem, seq)
     return finish(problem, schedule, "greedy", started, lower_bound=problem.total_cost(),

@@ -77,7 +77,10 @@ def min_budget(problem: Problem, deadline: float = math.inf) -> tuple[int, Sched
     while hi - lo > max(1, int(hi * BISECTION_RESOLUTION)) and time.perf_counter() < deadline:
         mid = (lo + hi) // 2
         probe = problem.with_budget(mid)
-        sol = solve_greedy(probe, None)
+        try:
+            sol = solve_greedy(probe, None if deadline == math.inf else max(0.0, deadline - time.perf_counter()))
+        except MethodFailed:
+            break  # out of time: the lowest peak found so far
         if not sol.fits:
             sol = solve_select(probe, None)
         if sol.fits:

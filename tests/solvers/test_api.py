@@ -161,3 +161,32 @@ def test_solvers_never_import_torch():
     for path in list((ROOT / "solvers").rglob("*.py")) + list((ROOT / "tests" / "solvers").glob("*.py")):
         text = path.read_text()
         assert not any(b in text for b in banned), path
+
+
+def test_a_budget_below_the_trivial_bound_raises_without_a_search_when_asked():
+    """``search_minimum=False``: the bound is the answer, no minimum-budget search runs (on a
+    billion-parameter graph that search took minutes); ``searched`` says which it is."""
+    p = Problem.from_networkx(gen.training_like(60, seed=3), 0)
+    lower = memory_lower_bound(p)
+    with pytest.raises(Infeasible) as quick:
+        solve(p.with_budget(lower - 1), search_minimum=False)
+    assert not quick.value.searched and quick.value.min_budget == lower
+    with pytest.raises(Infeasible) as searched:
+        solve(p.with_budget(lower - 1))
+    assert searched.value.searched and searched.value.min_budget >= lower
+
+
+def test_the_greedy_stops_at_its_time_limit_and_the_search_at_its_deadline():
+    import time
+
+    from solvers.methods.greedy import solve_greedy
+    from solvers.strategies.min_budget import min_budget
+
+    p = Problem.from_networkx(gen.training_like(400, seed=5), 0)
+    tight = p.with_budget(memory_lower_bound(p))
+    with pytest.raises(MethodFailed, match="out of time"):
+        solve_greedy(tight, 0.0)
+    started = time.perf_counter()
+    found, schedule = min_budget(p, deadline=started)  # out of time at once: the best start it has
+    assert found >= memory_lower_bound(p)
+    assert solvers.simulate(p.with_budget(found), list(schedule)).peak == found
