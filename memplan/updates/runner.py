@@ -81,10 +81,11 @@ class UpdateRunner(nn.Module):
 
         ``optimizer.load_state_dict`` casts all state to its parameter's device, and another
         input signature's plan may have placed a parameter's state elsewhere: either would break
-        this plan's budget, so the placement is restored before a step's forward when either may
-        have happened: when the optimizer's state is another object than when this runner last
-        placed it (``load_state_dict`` replaces it), or another runner placed it since. (The
-        state an update creates is created where its update runs.)"""
+        this plan's budget, so the placement is restored before a step's forward when one of them
+        may have happened since this runner last placed it: a ``load_state_dict`` (a post-hook
+        forgets the placement, `_PlacementMark`), another runner's placement, or a step that made
+        new state (the optimizer makes some of it, such as Adam's ``step``, where it keeps scalars
+        rather than where the update runs). Otherwise it costs one comparison."""
         mark = _placement_mark(self.optimizer)
         if mark.runner == self._token:
             return
