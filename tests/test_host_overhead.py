@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 
-
-
 @pytest.mark.slow
 def test_the_study_runs_and_updates_in_backward_in_fewer_calls_than_parameters(tmp_path):
     pytest.importorskip("transformers")
