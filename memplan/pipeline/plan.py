@@ -472,11 +472,6 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
-    Each placement is tried with each bucket cap of ``caps`` in turn (`memplan.updates.buckets.bucket_caps`:
-    the largest buckets, the fewest optimizer calls, first; one call per parameter last): the
-    first plan that recomputes and moves nothing is taken, else the fastest that fits (the
-    predicted time counts each bucket's call).
-
     2. the same with every update after backward: updates in backward that do not fit bring
        their temporaries while activations are alive; after backward the gradients are held
        to its end instead, as ``optimizer.step()`` after ``backward()``. A clipping step
@@ -485,6 +480,11 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
     3. with ``may_move_state``, the optimizer state of more parameters in host memory, the
        largest first (`memplan.updates.probe.host_updates`), as many bytes as the last attempt's
        smallest plan was over the budget, then 1 and 2 again; until all state is there.
+
+    Each placement is tried with each bucket cap of ``caps`` in turn (`memplan.updates.buckets.bucket_caps`:
+    the largest buckets, the fewest optimizer calls, first; one call per parameter last): the
+    first plan that recomputes and moves nothing is taken, else the fastest that fits (the
+    predicted time counts each bucket's call).
 
     ``solve_for(placement, search_minimum)`` solves the step in one placement (raising
     `InfeasibleBudgetError`; without ``search_minimum``, at once below the trivial bound).

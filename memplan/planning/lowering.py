@@ -105,6 +105,16 @@ class Lowered:
         return out
 
     @property
+    def bucket_grads(self) -> dict[str, list[str]]:
+        """Update node -> the gradients it applies, in its slots' order."""
+        return {update: [self.updates[slot][1] for slot in slots] for update, slots in self.buckets.items()}
+
+    def norm_pass_value(self, name: str) -> str:
+        """The norm pass's copy of the value ``name`` where the pass has one, else ``name`` itself."""
+        copy = NORM_PASS_PREFIX + name
+        return copy if copy in self.norm_pass else name
+
+    @property
     def parameter_writes(self) -> dict[str, tuple[str, ...]]:
         """Update node -> the parameter placeholders it overwrites in place."""
         return {update: tuple(self.param_nodes[slot] for slot in slots) for update, slots in self.buckets.items()}
@@ -371,11 +381,13 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
     out: list[tuple[str, str, str]] = []
     param_nodes: list[str] = []
     follows: dict[str, list[str]] = {}  # gradient -> the update and sink that follow it in the order
+    written: dict[str, list[str]] = {}  # update node -> the parameter placeholders it overwrites
     for bucket in bucket_updates(members, placement.bucket_bytes):
         group = [by_name[name] for name in bucket]
         params = [primal_nodes[u.primal].name for u in group]
         grads = [grad_of[u.primal] for u in group]
         update = UPDATE_PREFIX + params[0] + (f"+{len(params) - 1}" if len(params) > 1 else "")
+        written[update] = params
         if group[0].name in placement.host:
             # The host's work overlaps compute, on a stream of its own (solvers.Problem.host_work).
             G.add_node(update, mem=0, cost=sum(u.host_launch for u in group), host_work=host_bucket_time(group),
@@ -399,10 +411,7 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         follows.setdefault(grads[-1], []).extend([update, update + UPDATED_SUFFIX])
     if after_backward:
         return G, out, param_nodes
-    buckets = {}
-    for (update, _, _), param in zip(out, param_nodes):
-        buckets.setdefault(update, []).append(param)
-    for reader, tokens in _add_read_tokens(G, buckets).items():
+    for reader, tokens in _add_read_tokens(G, written).items():
         follows.setdefault(reader, []).extend(tokens)  # each token right after its reader
     # The Problem's order is G's insertion order: the states first, with the other sources (the
     # coarsening takes every source to come before what reads it), each update right after its

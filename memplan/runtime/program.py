@@ -179,7 +179,8 @@ def _build_segment(
 
     arriving: dict[str, fx.Node] = {}  # prefetched values not read yet
     # Update node -> the slots of its bucket and their gradients: one optimizer call each.
-    update_slot = {update: (slots, [low.updates[slot][1] for slot in slots]) for update, slots in low.buckets.items()}
+    grads_of = low.bucket_grads
+    update_slot = {update: (slots, grads_of[update]) for update, slots in low.buckets.items()}
     if update_slot and updater is not None:
         root.updater = updater
         if updater.max_norm is not None:
@@ -201,10 +202,7 @@ def _build_segment(
         copy = NORM_PASS_PREFIX + n.name
         return value(copy) if copy in low.norm_pass else arg(n)
 
-    def pass_grad(grad: str) -> str:
-        return NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad
-
-    square_of = {SQUARE_PREFIX + update: (slots, [pass_grad(g) for g in grads])
+    square_of = {SQUARE_PREFIX + update: (slots, [low.norm_pass_value(g) for g in grads])
                  for update, (slots, grads) in update_slot.items()} if low.norm_pass else {}
 
     for k, (op, name) in enumerate(steps, start=first_step):
@@ -293,18 +291,13 @@ def _identifier(name: str) -> str:
 
 def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
     reads: set[str] = set()
-    grads_of_update: dict[str, list[str]] = {}
-    for update, grad, _ in low.updates:
-        grads_of_update.setdefault(update, []).append(grad)
+    grads_of_update = low.bucket_grads
     for op, name in steps:
         if op == "compute" and name in low.norm_pass:
-            inputs = [NORM_PASS_PREFIX + i.name if NORM_PASS_PREFIX + i.name in low.norm_pass else i.name
-                      for i in low.fx_nodes[name].all_input_nodes]
-            reads.update(inputs)
+            reads.update(low.norm_pass_value(i.name) for i in low.fx_nodes[name].all_input_nodes)
             continue
         if op == "compute" and name.startswith(SQUARE_PREFIX):
-            for grad in grads_of_update[name[len(SQUARE_PREFIX):]]:
-                reads.add(NORM_PASS_PREFIX + grad if NORM_PASS_PREFIX + grad in low.norm_pass else grad)
+            reads.update(low.norm_pass_value(grad) for grad in grads_of_update[name[len(SQUARE_PREFIX):]])
             continue
         if op == "compute" and name in grads_of_update:
             reads.update(grads_of_update[name])

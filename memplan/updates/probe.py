@@ -255,16 +255,14 @@ def _learn_bytes(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dty
 def _learn_times(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
                  device: torch.device) -> tuple[_Linear, _Linear, float]:
     """One parameter's update time on the device and on the host as ``fixed + per_element * numel``,
-    and one call's fixed seconds: what two parameters updated in one call save over two calls."""
+    and one call's fixed seconds: what two parameters updated in one call on the device save over
+    two calls (at most the device fit's fixed part)."""
     n1, n2 = TUNABLES.timing_numels
-    fits = []
-    calls = []
-    for on_host in (False, True):
-        t1, t2 = (_time_update(optimizer, group, dtype, device, (n,), on_host) for n in (n1, n2))
-        together = _time_update(optimizer, group, dtype, device, (n1, n2), on_host)
-        fits.append(_fit([(n1, t1), (n2, t2)]))
-        calls.append(max(0.0, t1 + t2 - together))
-    return fits[0], fits[1], min(calls[0], max(0.0, fits[0].fixed))
+    t1, t2 = (_time_update(optimizer, group, dtype, device, (n,), False) for n in (n1, n2))
+    on_device = _fit([(n1, t1), (n2, t2)])
+    on_host = _fit([(n, _time_update(optimizer, group, dtype, device, (n,), True)) for n in (n1, n2)])
+    call = max(0.0, t1 + t2 - _time_update(optimizer, group, dtype, device, (n1, n2), False))
+    return on_device, on_host, min(call, max(0.0, on_device.fixed))
 
 
 # The host's throughput for updates computed there (optimizer_state="host") where they are not
