@@ -6,6 +6,7 @@ raise `memplan.DistributedTrainingError` before a parameter changes.
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import warnings
@@ -39,65 +40,76 @@ def _refused(make, *names: str) -> None:
 
 
 def _rank(rank: int, port: int) -> None:
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
     # made and planned before the process group exists, then wrapped by DDP: refused at the first step
     early = _loss_model()
     early_opt = memplan.optimize(early, "1MB", optimizer=torch.optim.AdamW(early.parameters()),
                                  example_inputs=(x,))
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        assert process_group_size() == WORLD_SIZE
-        wrapped = DDP(early_opt)
-        before = [p.detach().clone() for p in early.parameters()]
-        _refused(lambda: wrapped(x), f"world size {WORLD_SIZE}")
-        for p, b in zip(early.parameters(), before):  # nothing was updated
-            assert torch.equal(p, b)
-
-        # in the process group, with and without an engine seen around the model
-        model = _loss_model()
-        _refused(lambda: memplan.optimize(model, "1MB", optimizer=torch.optim.AdamW(model.parameters())),
-                 "process group")
-        ddp = DDP(_loss_model())
-        assert engines_in(ddp) == ["DistributedDataParallel"]
-        _refused(lambda: memplan.optimize(ddp, "1MB", optimizer=torch.optim.AdamW(ddp.parameters())),
-                 "DistributedDataParallel")
-        sharded = _loss_model()
-        fully_shard(sharded.model[0])
-        fully_shard(sharded)
-        assert "FSDP2 (fully_shard)" in engines_in(sharded)
-        _refused(lambda: memplan.optimize(sharded, "1MB", optimizer=torch.optim.AdamW(sharded.parameters())),
-                 "FSDP2 (fully_shard)")
-
-        # an engine inside the optimized model: a clear error with the supported order, not a tracing error
-        with pytest.raises(memplan.DistributedTrainingError, match=r"DistributedDataParallel\(memplan.optimize"):
-            memplan.optimize(DDP(_loss_model()), "1MB")
-        with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
-            memplan.optimize(sharded, "1MB")
-        late = _loss_model()
-        late_opt = memplan.optimize(late, "1MB")  # sharded after optimize(): refused at its first plan
-        fully_shard(late)
-        with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
-            late_opt(x)
-
-        # without optimizer= the numbers are DDP's own; the engine's unplanned tensors are said once
-        plain = DDP(memplan.optimize(_loss_model(), "1MB"))
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            plain(x).backward()
-            plain(x).backward()
-        said = [w for w in seen if issubclass(w.category, memplan.DistributedWarning)]
-        assert len(said) == 1, [str(w.message) for w in seen]
-        reference = DDP(_loss_model())
-        reference(x).backward()
-        reference(x).backward()
-        for p, r in zip(plain.parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, r.grad)
+        _checks(x, early, early_opt)
     finally:
+        # Every DDP module of the checks holds the group (its reducer does, through reference
+        # cycles too): freed now, the group and its gloo threads end with destroy_process_group.
+        # Left to the interpreter's exit, a gloo thread could still hold tensors when Python is
+        # torn down, and the rank aborted (SIGABRT, "terminate called without an active exception").
+        del early, early_opt
+        gc.collect()
         torch.distributed.destroy_process_group()
+
+
+def _checks(x: torch.Tensor, early: nn.Module, early_opt: nn.Module) -> None:
+    """Each rank's checks, in the process group; every module they make is gone when they return."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    assert process_group_size() == WORLD_SIZE
+    wrapped = DDP(early_opt)
+    before = [p.detach().clone() for p in early.parameters()]
+    _refused(lambda: wrapped(x), f"world size {WORLD_SIZE}")
+    for p, b in zip(early.parameters(), before):  # nothing was updated
+        assert torch.equal(p, b)
+
+    # in the process group, with and without an engine seen around the model
+    model = _loss_model()
+    _refused(lambda: memplan.optimize(model, "1MB", optimizer=torch.optim.AdamW(model.parameters())),
+             "process group")
+    ddp = DDP(_loss_model())
+    assert engines_in(ddp) == ["DistributedDataParallel"]
+    _refused(lambda: memplan.optimize(ddp, "1MB", optimizer=torch.optim.AdamW(ddp.parameters())),
+             "DistributedDataParallel")
+    sharded = _loss_model()
+    fully_shard(sharded.model[0])
+    fully_shard(sharded)
+    assert "FSDP2 (fully_shard)" in engines_in(sharded)
+    _refused(lambda: memplan.optimize(sharded, "1MB", optimizer=torch.optim.AdamW(sharded.parameters())),
+             "FSDP2 (fully_shard)")
+
+    # an engine inside the optimized model: a clear error with the supported order, not a tracing error
+    with pytest.raises(memplan.DistributedTrainingError, match=r"DistributedDataParallel\(memplan.optimize"):
+        memplan.optimize(DDP(_loss_model()), "1MB")
+    with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
+        memplan.optimize(sharded, "1MB")
+    late = _loss_model()
+    late_opt = memplan.optimize(late, "1MB")  # sharded after optimize(): refused at its first plan
+    fully_shard(late)
+    with pytest.raises(memplan.DistributedTrainingError, match="does not plan FSDP"):
+        late_opt(x)
+
+    # without optimizer= the numbers are DDP's own; the engine's unplanned tensors are said once
+    plain = DDP(memplan.optimize(_loss_model(), "1MB"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        plain(x).backward()
+        plain(x).backward()
+    said = [w for w in seen if issubclass(w.category, memplan.DistributedWarning)]
+    assert len(said) == 1, [str(w.message) for w in seen]
+    reference = DDP(_loss_model())
+    reference(x).backward()
+    reference(x).backward()
+    for p, r in zip(plain.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
 
 
 def _free_port() -> int:
