@@ -1,21 +1,31 @@
-"""What memplan does not plan yet in distributed training, said before it can go wrong.
+"""memplan in distributed training: the engine it plans inside, and what it refuses.
 
-A plan with ``optimizer=`` applies each update inside the planned backward, to the
-gradient this process computed. Under DistributedDataParallel or FSDP the update must
-wait for the gradient reduced across ranks: applied earlier, every rank trains to
-different parameters, silently. Until memplan hands gradients to those engines itself,
-``optimizer=`` is refused wherever another process can take part in the step: a model
-wrapped by DDP, FSDP1 or FSDP2 (``fully_shard``), sharded parameters (DTensor), or an
-initialized default process group (a DDP wrapper may be put around the optimized module
-after it was made, where it cannot be seen).
+**DistributedDataParallel, planned.** ``memplan.optimize(DDP(model, ...), budget, ...)``
+plans ``model`` for the DDP module it is given (`DataParallel`, read from it): the plan
+counts DDP's gradient buckets (`bucket_buffer_bytes`), the planned backward hands each
+group of gradients to DDP as soon as the schedule has computed them (`GradientHandout`,
+so DDP's all-reduce overlaps the rest of backward), and with ``optimizer=`` the updates run
+after backward, on the gradients DDP has averaged. The DDP module is returned, its
+``module`` now the optimized one.
 
-Without ``optimizer=`` the numbers are right (DDP averages the gradients before the
-caller's ``opt.step()``) but the engine's own tensors (DDP's gradient buckets, FSDP's
-all-gathered parameters) are in no plan: `DistributedWarning` says so once.
+**Refused.** A plan with ``optimizer=`` applies each update inside the planned backward.
+Under an engine memplan does not plan for, the update would use the gradient this process
+computed, before the engine reduced it across ranks: every rank would train to different
+parameters, silently. So ``optimizer=`` is refused wherever another process can take part
+in the step and memplan was not given the engine: a model wrapped by FSDP1 or FSDP2
+(``fully_shard``), sharded parameters (DTensor), a DDP wrapper put around the optimized
+module, or an initialized default process group (such a wrapper cannot be seen from inside).
+
+Without ``optimizer=`` and without the engine given, the numbers are right (DDP averages
+the gradients before the caller's ``opt.step()``) but the engine's own tensors (DDP's
+gradient buckets, FSDP's all-gathered parameters) are in no plan: `DistributedWarning`
+says so once.
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -30,11 +40,76 @@ class DistributedWarning(UserWarning):
 
 
 _WHAT_TO_DO = (
-    "Use memplan.optimize(model, budget) without optimizer= and call optimizer.step() after "
-    "backward as usual: the engine then reduces the gradients before the update. (memplan does "
-    "not plan DDP's gradient buckets or FSDP's all-gathered parameters yet, so each rank can go "
-    "over its budget by about those bytes.)"
+    "Under DistributedDataParallel, give memplan the DDP module: memplan.optimize(DDP(model, ...), budget, "
+    "optimizer=opt) plans inside it. Under FSDP, use memplan.optimize(model, budget) without optimizer= and "
+    "call optimizer.step() after backward as usual (memplan does not plan FSDP's all-gathered parameters "
+    "yet, so each rank can go over its budget by about those bytes)."
 )
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """The DistributedDataParallel module a plan is made inside, as memplan reads it (`of`)."""
+
+    world_size: int
+    # DDP's bucket_cap_mb in bytes: the planned backward hands gradients out in groups of about
+    # this size (`memplan.runtime.handout`), so that a DDP bucket fills as soon as it can.
+    bucket_bytes: int
+    # DDP's gradient_as_bucket_view: .grad is a view of DDP's bucket (True) or a tensor of its own.
+    gradient_as_bucket_view: bool
+
+    @staticmethod
+    def of(ddp: nn.Module) -> "DataParallel":
+        """What memplan plans for in ``ddp`` (a ``DistributedDataParallel``)."""
+        return DataParallel(world_size=torch.distributed.get_world_size(ddp.process_group),
+                            bucket_bytes=int(ddp.bucket_bytes_cap),
+                            gradient_as_bucket_view=bool(ddp.gradient_as_bucket_view))
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """``model`` is a ``DistributedDataParallel`` (the module memplan plans inside)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def bucket_buffer_bytes(params: Iterable[nn.Parameter]) -> int:
+    """Bytes of DDP's gradient buckets for ``params``: one flat buffer per bucket, holding every
+    trainable parameter's gradient once, allocated when DDP is made and held for as long as it
+    lives (a second copy of every gradient, unless ``gradient_as_bucket_view`` makes ``.grad`` a
+    view of it)."""
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any) -> None:
+    """Raise `DistributedTrainingError` for what memplan does not plan inside DDP yet: the model
+    DDP wraps already optimized or sharded, and, with ``optimizer=``, gradient clipping or
+    accumulation (each needs the engine's reduced gradients earlier than memplan has them)."""
+    from memplan.frontend.module import OptimizedModule
+
+    inner = ddp.module
+    if isinstance(inner, OptimizedModule):
+        raise DistributedTrainingError(
+            "memplan.optimize on a DistributedDataParallel whose module is already optimized: give memplan the "
+            "DDP of the original model, memplan.optimize(DDP(model), budget)")
+    engines = engines_in(inner)
+    if engines:
+        raise DistributedTrainingError(
+            f"memplan.optimize on a DistributedDataParallel of a model under {' and '.join(engines)}: memplan plans "
+            "DDP of a model that is not sharded (tensor parallelism, FSDP and HSDP are not planned)")
+    if step.optimizer is None:
+        return
+    if step.max_grad_norm is not None or step.grad_norm:
+        raise DistributedTrainingError(
+            "memplan.optimize(DDP(model), ..., optimizer=) with max_grad_norm= or grad_norm=: memplan does not "
+            "compute the norm of DDP's reduced gradients yet. Leave out optimizer= and clip as usual "
+            "(torch.nn.utils.clip_grad_norm_ after backward, then optimizer.step()).")
+    if step.accumulate_steps > 1:
+        raise DistributedTrainingError(
+            "memplan.optimize(DDP(model), ..., optimizer=, accumulate_steps>1): accumulation under DDP (no_sync) is "
+            "not planned yet. Leave out optimizer= and accumulate as with DDP (with model.no_sync(): ...).")
 
 
 def engines_in(model: nn.Module) -> list[str]:
@@ -80,8 +155,8 @@ def refuse_engines_inside(model: nn.Module) -> None:
     if not engines:
         return
     if engines == ["DistributedDataParallel"]:
-        route = ("Optimize the model first and wrap the result: DistributedDataParallel(memplan.optimize(model, "
-                 "budget)) (without optimizer=; DDP's gradient buckets are not in the plan yet).")
+        route = ("memplan plans a DistributedDataParallel only as the outermost module: wrap the model, then "
+                 "optimize the wrapper, memplan.optimize(DDP(model, ...), budget).")
     else:
         route = "memplan does not plan FSDP or sharded (DTensor) parameters yet: train such a model without memplan."
     raise DistributedTrainingError(f"memplan.optimize on a model under {' and '.join(engines)}: {route}")

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from memplan.frontend.distributed import DataParallel, is_data_parallel, refuse_unsupported_data_parallel
 from memplan.frontend.module import OptimizedModule
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
@@ -78,16 +79,30 @@ def optimize(
     ``graph_breaks=True``: a model whose Python reads tensor values runs split at those
     places through ``torch.compile`` with memplan's backend (see :mod:`memplan.frontend.entry`);
     False: it raises :class:`memplan.CaptureError`.
+
+    ``model`` may be a ``DistributedDataParallel``: its module is planned inside it, the budget
+    per rank with DDP's gradient buckets counted, and the DDP is returned with the optimized
+    module as its ``module`` (`memplan.frontend.distributed`).
     """
     options = PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile, offload=offload,
                           profile=profile, compile=compile, kernel_scratch=kernel_scratch)
     step = StepOptions(optimizer=optimizer, grad_norm=grad_norm, updates_after_backward=updates_after_backward,
                        max_grad_norm=max_grad_norm, optimizer_state=optimizer_state,
                        accumulate_steps=accumulate_steps, clip_by=clip_by)
-    split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
-    opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)
+    ddp = model if is_data_parallel(model) else None
+    if ddp is not None:
+        # Planned inside the DDP it is given: the DDP is returned, its module the optimized one.
+        # (A graph break splits the model into graphs DDP cannot hand gradients to: refused.)
+        refuse_unsupported_data_parallel(ddp, step)
+        opt = OptimizedModule(ddp.module, budget, options, step, plan=plan, data_parallel=DataParallel.of(ddp))
+    else:
+        split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
+        opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         opt.prepare(*example_inputs, **(example_kwargs or {}))
+    if ddp is not None:
+        ddp.module = opt
+        return ddp
     return opt

@@ -24,8 +24,9 @@ from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
-from memplan.frontend.distributed import (process_group_size, refuse_distributed_updates, refuse_engines_inside,
-                                          warn_unplanned_engine_memory)
+from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
+                                         refuse_distributed_updates, refuse_engines_inside,
+                                         warn_unplanned_engine_memory)
 from memplan.core.storage import storages_of
 from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
 from memplan.measure.tracker import unmeasured
@@ -89,8 +90,15 @@ class OptimizedModule(nn.Module):
         plan: Any = None,
         graph_breaks: Callable[[], Any] | None = None,
         carry_limit: int | None = None,
+        data_parallel: DataParallel | None = None,
     ):
         super().__init__()
+        # data_parallel: the DistributedDataParallel this module runs inside (`memplan.frontend.distributed`):
+        # its buckets are in the budget, gradients go to it as backward makes them, and the updates
+        # (after backward: each needs its gradient reduced) step with the gradients it reduced.
+        self.data_parallel = data_parallel
+        if data_parallel is not None and step.optimizer is not None:
+            step = dataclasses.replace(step, updates_after_backward=True)
         self.plan_options = options
         self.step_options = step
         # graph_breaks=factory: where the forward's Python reads tensor values, the model runs as
@@ -106,7 +114,8 @@ class OptimizedModule(nn.Module):
         self.accumulation = Accumulation(step.accumulate_steps)
         if self.optimizer is not None:
             check_optimizer(self.optimizer, model)
-            refuse_distributed_updates(model)
+            if data_parallel is None:
+                refuse_distributed_updates(model)
         refuse_engines_inside(model)
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
@@ -244,7 +253,7 @@ class OptimizedModule(nn.Module):
             # any other dispatch mode of the caller is set aside for the same reason.
             self._warn_hooks()
             refuse_engines_inside(self._orig_mod)  # sharded after optimize(): seen at its first plan
-            if not self._warned_distributed:
+            if not self._warned_distributed and self.data_parallel is None:
                 self._warned_distributed = warn_unplanned_engine_memory(self._orig_mod)
             with unmeasured(), _disable_current_modes():
                 try:
@@ -375,14 +384,16 @@ class OptimizedModule(nn.Module):
         assumes about the outputs (``memplan.passes.output_use``)."""
         started = time.perf_counter()  # time_limit bounds the whole planning call, this replay included
         budget, eager = self._budget_for(args, kwargs)
+        engine = self.engine_bytes
         try:
             # the replay for the budget assumed nothing about the outputs: the plan reuses it then
-            plan, program = self._plan_graph(args, kwargs, budget - held, use, started=started,
+            plan, program = self._plan_graph(args, kwargs, budget - held - engine, use, started=started,
                                              eager_peak=None if use else eager)
         except InfeasibleBudgetError as exc:
-            if not held:
+            if not held and not engine:
                 raise
-            raise InfeasibleBudgetError(budget, exc.min_budget + held, held, exc.addend_only_outputs) from None
+            raise InfeasibleBudgetError(budget, exc.min_budget + held + engine, held, exc.addend_only_outputs,
+                                        engine_bytes=engine) from None
         except PlanMismatchError as exc:
             if not held:
                 raise
@@ -390,11 +401,18 @@ class OptimizedModule(nn.Module):
                 f"{exc} ({format_bytes(held)} of the budget are taken by gradients the parameters already hold "
                 "from an earlier step: call optimizer.zero_grad() before the step)"
             ) from None
-        if held:
-            plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + held,
-                                       held_gradient_bytes=held)
+        if held or engine:
+            plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + held + engine,
+                                       held_gradient_bytes=held, engine_bytes=engine)
         cap = plan.analysis.capture
         return plan, program, cap.param_names, cap.buffer_names
+
+    @property
+    def engine_bytes(self) -> int:
+        """Bytes a distributed engine holds on the device for the whole step (DDP's gradient buckets)."""
+        if self.data_parallel is None:
+            return 0
+        return bucket_buffer_bytes(self._orig_mod.parameters())
 
     def _compiled(self, entry: tuple[Plan, Program, list[str], list[str]]) -> tuple[Plan, Program, list[str], list[str]]:
         """``entry`` with its program compiled (``compile=``), its plan predicting the compiled step.
@@ -447,7 +465,7 @@ class OptimizedModule(nn.Module):
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
                                         measure_on=measure_on, scratch_on=device, optimizer=self.optimizer,
                                         grad_norm=self.step_options.grad_norm, max_grad_norm=self.step_options.max_grad_norm,
-                                        accumulation=self.accumulation)
+                                        accumulation=self.accumulation, handout_bytes=self._handout_bytes)
         return make_plan(
             model,
             args,
@@ -470,7 +488,13 @@ class OptimizedModule(nn.Module):
             carry_limit=self.carry_limit,
             started=started,
             eager_peak=eager_peak,
+            handout_bytes=self._handout_bytes,
         )
+
+    @property
+    def _handout_bytes(self) -> int | None:
+        """Gradients go to the distributed engine in groups of this many bytes (None: returned at backward's end)."""
+        return None if self.data_parallel is None else self.data_parallel.bucket_bytes
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self._orig_mod
@@ -484,7 +508,7 @@ class OptimizedModule(nn.Module):
         # With accumulation, the gradients .grad holds between micro-steps are the plan's own (its
         # accumulation buffers), not an earlier step's to plan around.
         own = self.optimizer is not None and self.accumulation.steps > 1
-        if self.optimizer is not None and process_group_size() is not None:
+        if self.optimizer is not None and self.data_parallel is None and process_group_size() is not None:
             # a process group made after optimize(): a DDP or FSDP wrapper may now reduce the gradients
             # after memplan's updates have used them (memplan.frontend.distributed)
             refuse_distributed_updates(model)

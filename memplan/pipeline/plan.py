@@ -41,8 +41,9 @@ class InfeasibleBudgetError(ValueError):
     (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
 
     def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
-                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True):
+                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True, engine_bytes: int = 0):
         self.budget = budget
+        self.engine_bytes = engine_bytes
         self.min_budget = min_budget
         # False: ``min_budget`` is only a lower bound (`solvers.solve`'s ``search_minimum=False``):
         # a placement of the whole step that cannot fit, told apart without a search.
@@ -54,6 +55,9 @@ class InfeasibleBudgetError(ValueError):
             "earlier step (accumulation): call optimizer.zero_grad() before the step, or raise the budget"
             if held_gradient_bytes else "; raise the budget or shrink the batch"
         )
+        if engine_bytes:
+            held += (f" (it counts {format_bytes(engine_bytes)} of the distributed engine's buffers: DDP's gradient "
+                     "buckets)")
         super().__init__(
             f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
@@ -162,6 +166,9 @@ class Plan:
     # Gradients the parameters held when the step started (accumulation): on the device all
     # step long, outside the graph; counted in predicted_peak, planned for with the rest of the budget.
     held_gradient_bytes: int = 0
+    # A distributed engine's tensors held on the device all step long, outside the graph (DDP's
+    # gradient buckets: `memplan.frontend.distributed`); counted in predicted_peak like held gradients.
+    engine_bytes: int = 0
     # Where the planning call's time went, seconds per phase in order (`PhaseTimer`; empty for a
     # plan made from a schedule, not by `make_plan`).
     planning_time: dict[str, float] = field(default_factory=dict)
@@ -246,8 +253,10 @@ class Plan:
             f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
             f"  budget           {format_bytes(self.budget)}",
             f"  planned peak     {format_bytes(self.predicted_peak)} (predicted"
-            + (f"; with {format_bytes(self.held_gradient_bytes)} of gradients held from an earlier step)"
-               if self.held_gradient_bytes else ")"),
+            + (f"; with {format_bytes(self.held_gradient_bytes)} of gradients held from an earlier step"
+               if self.held_gradient_bytes else "")
+            + (f"; with {format_bytes(self.engine_bytes)} of DDP's gradient buckets" if self.engine_bytes else "")
+            + ")",
             f"  overhead         {self.predicted_overhead:.3f}x store-all step time (predicted)",
             f"  method           {self.method} ({self.status}), solved in {self.solve_time:.2f} s"
             + (f", gap {self.gap:.1%}" if self.gap is not None else ""),
@@ -369,6 +378,7 @@ def make_plan(
     carry_limit: int | None = None,
     started: float | None = None,
     eager_peak: int | None = None,
+    handout_bytes: int | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -394,6 +404,7 @@ def make_plan(
     "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
     ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
     into its backward (`memplan.planning.lowering.CUT_RESERVE`; a graph of a step with several plans).
+    ``handout_bytes``: the program hands gradients to a distributed engine (`build_step`).
     """
     if clip_by not in CLIP_BY:
         raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
@@ -428,7 +439,7 @@ def make_plan(
                             solver=solver, clock=clock, offload=offload)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
-                         max_grad_norm, accumulation)
+                         max_grad_norm, accumulation, handout_bytes)
     phases.lap("runtime")
     return dataclasses.replace(plan, planning_time=phases.seconds), program
 

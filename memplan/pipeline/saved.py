@@ -151,6 +151,7 @@ def make_plan_from_saved(
     grad_norm: bool = False,
     max_grad_norm: float | None = None,
     accumulation: Accumulation | None = None,
+    handout_bytes: int | None = None,
 ) -> tuple[Plan, Program]:
     """The counterpart of :func:`memplan.pipeline.plan.make_plan` that reuses ``saved`` instead of solving.
 
@@ -179,7 +180,7 @@ def make_plan_from_saved(
         )
     plan = saved.bind(analysis, budget)
     return plan, build_step(analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
-                            max_grad_norm, accumulation)
+                            max_grad_norm, accumulation, handout_bytes)
 
 
 def _check_whole_step(saved: SavedPlan, where: str, optimizer: torch.optim.Optimizer | None,

@@ -113,15 +113,19 @@ def build_step(
     grad_norm: bool = False,
     max_grad_norm: float | None = None,
     accumulation: Accumulation | None = None,
+    handout_bytes: int | None = None,
 ) -> Program:
-    """The runnable program of a solved schedule, with the runner of the optimizer updates it places."""
-    return build_program(analysis.capture, analysis.lowered, schedule,
-                         update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation), timeline)
+    """The runnable program of a solved schedule, with the runner of the optimizer updates it places.
+    ``handout_bytes``: gradients go to a distributed engine in groups of about that many bytes as
+    they are made (`memplan.runtime.handout`), and the updates step with the engine's reduced ones."""
+    runner = update_runner(analysis, model, optimizer, grad_norm, max_grad_norm, accumulation,
+                           reduced_in_grad=handout_bytes is not None)
+    return build_program(analysis.capture, analysis.lowered, schedule, runner, timeline, handout_bytes)
 
 
 def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                   grad_norm: bool = False, max_grad_norm: float | None = None,
-                  accumulation: Accumulation | None = None) -> UpdateRunner | None:
+                  accumulation: Accumulation | None = None, reduced_in_grad: bool = False) -> UpdateRunner | None:
     """The runner that applies ``optimizer`` to the parameters the analysis' plan updates (None: no updates)."""
     low = analysis.lowered
     if optimizer is None or not low.updates:
@@ -129,7 +133,7 @@ def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.o
     params = dict(model.named_parameters())
     host = frozenset(slot for slot, (_, _, name) in enumerate(low.updates) if name in low.host_states)
     return UpdateRunner(optimizer, [params[name] for _, _, name in low.updates], grad_norm, max_grad_norm,
-                        host, accumulation)
+                        host, accumulation, reduced_in_grad)
 
 
 def analyze(

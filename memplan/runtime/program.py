@@ -43,6 +43,7 @@ from memplan.updates.runner import GradClip, UpdateRunner
 from memplan.planning.lowering import BACKWARD, RNG_PREFIX, Lowered, is_reference
 from memplan.core.storage import value_device
 from memplan.ops.transfer import arrive, offload, prefetch
+from memplan.runtime.handout import GradientHandout, handout_groups
 
 
 @dataclass
@@ -84,6 +85,9 @@ class Program:
     update_tangents: list[frozenset[int]] = field(default_factory=list)
     # With compile=True: what memplan.runtime.inductor.segments compiled of the two segments (its CompileReport).
     compile_report: Any = None
+    # Under a distributed engine (`memplan.runtime.handout`): what hands the parameters' gradients
+    # to autograd as backward makes them final; the primals it serves get None from backward.
+    handout: GradientHandout | None = None
 
 
 # A segment node's meta key: the name of the plan's value it makes.
@@ -150,6 +154,7 @@ def _build_segment(
     first_step: int = 0,
     replayed: frozenset[str] = frozenset(),
     timeline: Any = None,
+    handout: tuple[GradientHandout, list[tuple[int, list[str]]]] | None = None,
 ) -> Segment:
     """Generate one segment: boxed inputs ``available``, compute steps in order, return ``outputs``.
 
@@ -161,14 +166,15 @@ def _build_segment(
     for a step records that step's index in the whole schedule (``steps[0]`` is step
     ``first_step``) as ``meta["memplan_step"]``: where the simulator's timeline says how much
     memory the step runs beside (`memplan.runtime.inductor.segments`); with the plan's ``timeline``, ops below its
-    peak may run in place (`memplan.ops.kernels.use_stand_ins`).
+    peak may run in place (`memplan.ops.kernels.use_stand_ins`). ``handout``: the `GradientHandout` and, per
+    group in order, the index in ``steps`` after which its gradients (named) are all made.
     """
     fx_nodes = low.fx_nodes
     root = torch.nn.Module()
     graph = fx.Graph()
     box = graph.placeholder("args_list")
     env: dict[str, fx.Node] = {}
-    needed = _reads(steps, low) | set(outputs)
+    needed = _reads(steps, low) | set(outputs) | {g for _, grads in (handout[1] if handout else []) for g in grads}
     for i, name in enumerate(available):
         if name in needed:
             # named after the value, so the generated code reads like the joint graph
@@ -205,7 +211,18 @@ def _build_segment(
     square_of = {SQUARE_PREFIX + update: (slots, [low.norm_pass_value(g) for g in grads])
                  for update, (slots, grads) in update_slot.items()} if low.norm_pass else {}
 
+    pending = list(handout[1]) if handout is not None else []
+    if handout is not None:
+        root.handout = handout[0]
+
+    def hand_out(up_to: int) -> None:  # the groups whose last gradient is made at or before step up_to
+        while pending and pending[0][0] <= up_to:
+            _, grads = pending.pop(0)
+            group = len(handout[1]) - len(pending) - 1
+            graph.call_module("handout", (group, [value(g) for g in grads]))
+
     for k, (op, name) in enumerate(steps, start=first_step):
+        hand_out(k - first_step - 1)
         _mark_step(graph, k)
         if op in ("offload", "prefetch"):
             if name not in fx_nodes:  # bookkeeping values have no tensor to copy
@@ -256,6 +273,7 @@ def _build_segment(
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), arg)
             env[name] = _made(name, graph.call_module(replay, (env[rng], *args), kwargs))
             env[name].meta["val"] = node.meta.get("val")  # what the runs that read it are compiled for
+    hand_out(len(steps))
     _mark_step(graph, first_step + len(steps))
     graph.output(tuple(value(name) for name in outputs))
     use_stand_ins(graph, timeline)
@@ -315,11 +333,13 @@ def _reads(steps: list[tuple[str, str]], low: Lowered) -> set[str]:
 
 
 def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
-                  updater: UpdateRunner | None = None, timeline: Any = None) -> Program:
+                  updater: UpdateRunner | None = None, timeline: Any = None, handout_bytes: int | None = None) -> Program:
     """Turn a validated schedule into a :class:`Program`; ``updater`` applies the optimizer
     updates of ``low`` (`memplan.updates.probe`) where the schedule computes them; ``timeline`` (the
     simulator's memory at each step) keeps the step's peak the one predicted (`memplan.ops.kernels`):
-    without it, every op whose input dies there may run in place."""
+    without it, every op whose input dies there may run in place. ``handout_bytes``: hand the
+    parameters' gradients to autograd in groups of about that many bytes as the schedule makes
+    them final (`memplan.runtime.handout`; a distributed engine's buckets), not at backward's end."""
     fw_steps, bw_steps = _split(schedule)
     if low.updates and updater is None:
         raise ValueError("memplan runtime: the plan updates parameters, but no UpdateRunner was given")
@@ -337,6 +357,11 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
         elif info.kind == "grad":
             grad_outputs[info.index] = name
     applied = {grad for _, grad, _ in low.updates}  # gradients backward applies instead of returning
+    handout = None
+    if handout_bytes is not None:
+        handout = _handout_plan(cap, low, bw_steps, grad_outputs, handout_bytes)
+        handed = set(handout[0].primals)
+        grad_outputs = [None if i in handed else g for i, g in enumerate(grad_outputs)]
     grad_outputs = [None if g in applied else g for g in grad_outputs]
 
     # Resident at the cut: computed in forward and not freed there.
@@ -368,7 +393,7 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
                              timeline=timeline)
     bw_outputs = [g for g in grad_outputs if g is not None]
     backward = _build_segment(bw_steps, low, carried + low.tangents, bw_outputs, constants, computed, updater,
-                              first_step=len(fw_steps) + 1, replayed=replayed, timeline=timeline)
+                              first_step=len(fw_steps) + 1, replayed=replayed, timeline=timeline, handout=handout)
 
     tangent_of_output = {out_idx: t for t, out_idx in enumerate(cap.tangent_outputs)}
     user_joint_index = [i for i, info in enumerate(cap.outputs) if info.kind == "user"]
@@ -377,7 +402,32 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
     optional = frozenset(tangents_for_user[i] for i in cap.output_use.no_grad)
     update_tangents = tangents_reaching(cap.graph_module, low.tangents, [grad for _, grad, _ in low.updates])
     return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
-                   grad_tangents, optional, updater=updater if low.updates else None, update_tangents=update_tangents)
+                   grad_tangents, optional, updater=updater if low.updates else None, update_tangents=update_tangents,
+                   handout=handout[0] if handout is not None else None)
+
+
+def _handout_plan(cap: Capture, low: Lowered, bw_steps: list[tuple[str, str]], grad_outputs: list[str | None],
+                  cap_bytes: int) -> tuple[GradientHandout, list[tuple[int, list[str]]]]:
+    """The `GradientHandout` of the trainable parameters' gradients, grouped in the order
+    ``bw_steps`` makes them (`handout_groups`), and per group the step after which it goes out."""
+    made_at = {}
+    for k, (op, name) in enumerate(bw_steps):
+        if op == "compute":
+            made_at.setdefault(name, k)
+    # a gradient the backward segment does not compute (an input passed through) goes out at its end
+    order = sorted(((made_at.get(g, len(bw_steps)), i, g) for i, (info, g) in enumerate(zip(cap.primals, grad_outputs))
+                    if g is not None and info.kind == "param"))
+    nbytes = {g: _value_bytes(low, g) for _, _, g in order}
+    groups = handout_groups([(i, nbytes[g]) for _, i, g in order], cap_bytes)
+    grad_of = {i: g for _, i, g in order}
+    at = {i: k for k, i, _ in order}
+    return GradientHandout(groups), [(max(at[i] for i in group), [grad_of[i] for i in group]) for group in groups]
+
+
+def _value_bytes(low: Lowered, name: str) -> int:
+    """Bytes of the graph value ``name`` (its fake tensor's), 0 when it has none."""
+    val = low.fx_nodes[name].meta.get("val") if name in low.fx_nodes else None
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def _check_no_read_after_update(low: Lowered, bw_steps: list[tuple[str, str]]) -> None:
@@ -447,6 +497,8 @@ class PlannedStep(torch.autograd.Function):
         carried = list(results[n_out + n_upd :])
         output_ids = {id(o): i for i, o in enumerate(outputs)}
         ctx.program = program
+        # the parameters the backward hands their gradients to (the primals hold them for the call only)
+        ctx.handout_params = [primals[i] for i in program.handout.primals] if program.handout is not None else None
         ctx.carried = [v.detach() if isinstance(v, torch.Tensor) else v for v in carried]
         # (position in carried, version) of each carried user output: the caller may change one in place
         ctx.output_versions = [(k, v._version) for k, v in enumerate(carried) if id(v) in output_ids]
@@ -493,7 +545,11 @@ class PlannedStep(torch.autograd.Function):
         if program.updater is not None:
             program.updater.begin(frozenset(slot for slot, needs in enumerate(program.update_tangents)
                                             if needs and not needs & given))
+        if program.handout is not None:
+            program.handout.begin(ctx.handout_params)
         results = program.backward(box)
+        if program.handout is not None:
+            program.handout.finish()
         if program.updater is not None:
             program.updater.finish()
         grads = [None if needs and not needs & given else g

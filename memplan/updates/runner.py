@@ -38,13 +38,17 @@ class UpdateRunner(nn.Module):
     With ``max_norm`` the backward calls `clip` first, at ``GRADS_FINAL``, with every gradient.
     ``host_slots``: the parameters whose optimizer state lives in host memory; their update runs
     there (gradient and parameter copied out, the parameter copied back), ZeRO-Offload style.
-    ``accumulation``: update only at the last of its micro-steps (`Accumulation`)."""
+    ``accumulation``: update only at the last of its micro-steps (`Accumulation`).
+    ``reduced_in_grad``: a distributed engine reduced the gradients into the parameters' ``.grad``
+    (`memplan.runtime.handout`): each update steps with that gradient, not the one the backward
+    computed, and clears ``.grad`` after it, as the step owns the gradients."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter], track_norm: bool = False,
                  max_norm: float | None = None, host_slots: frozenset[int] = frozenset(),
-                 accumulation: Accumulation | None = None) -> None:
+                 accumulation: Accumulation | None = None, reduced_in_grad: bool = False) -> None:
         super().__init__()
         self.optimizer = optimizer
+        self.reduced_in_grad = reduced_in_grad
         object.__setattr__(self, "params", params)  # not registered: the model owns them
         self.track_norm = track_norm or max_norm is not None
         self.max_norm = max_norm
@@ -180,8 +184,10 @@ class UpdateRunner(nn.Module):
         ``grads`` are final, by one call of the optimizer (on the host for a bucket of host slots)."""
         params: list[nn.Parameter] = []
         final: list[torch.Tensor] = []
+        if self.reduced_in_grad:
+            grads = [self._reduced(slot) for slot in slots]
         for slot, grad in zip(slots, grads):
-            grad = self._applied(slot, grad)
+            grad = grad if self.reduced_in_grad else self._applied(slot, grad)
             if grad is not None:
                 params.append(self.params[slot])
                 final.append(grad)
@@ -195,6 +201,14 @@ class UpdateRunner(nn.Module):
             self._step_on_host(params, final)
         else:
             self._step(params, final)
+
+    def _reduced(self, slot: int) -> torch.Tensor | None:
+        """The reduced gradient of ``slot`` (``reduced_in_grad``), taken out of ``.grad``."""
+        p = self.params[slot]
+        grad, p.grad = p.grad, None
+        if grad is None and slot not in self.skipped:
+            raise RuntimeError("memplan runtime: an update ran before the engine reduced its parameter's gradient")
+        return None if slot in self.skipped else grad
 
     def _applied(self, slot: int, grad: torch.Tensor) -> torch.Tensor | None:
         """The gradient the update of ``slot`` applies this step, or None when it updates nothing."""

@@ -431,7 +431,8 @@ def compile_program(program: Any, plan: Any, device: torch.device, compiler: Com
     timeline = plan.simulated.timeline
     step_cost = [float(problem.cost[problem.index[node]]) if op == "compute" and node in problem.index else 0.0
                  for op, node in steps]
-    held = plan.held_gradient_bytes  # outside the graph's plan: its timeline and budget are without them
+    # outside the graph's plan: its timeline and budget are without them
+    held = plan.held_gradient_bytes + getattr(plan, "engine_bytes", 0)
     budget = plan.budget - held
     # The forward returns outputs, buffer updates, then what it carries to the backward, which
     # the backward takes first, in that order (by position: a segment names its values itself).
