@@ -126,6 +126,13 @@ SCRATCH_OPS: frozenset[str] = frozenset({
     "aten.native_dropout.default",
     "aten.native_dropout_backward.default",
     "aten._safe_softmax.default",
+    # attention kernels keep per-thread or per-block buffers of their own (the CPU flash
+    # attention backward: 16 KB on the zoo GPT, beside the gradients it returns)
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten._scaled_dot_product_flash_attention_backward.default",
+    "aten._scaled_dot_product_efficient_attention_backward.default",
+    "aten._scaled_dot_product_cudnn_attention_backward.default",
 })
 
 

@@ -410,10 +410,9 @@ def _handout_plan(cap: Capture, low: Lowered, bw_steps: list[tuple[str, str]], g
                   cap_bytes: int) -> tuple[GradientHandout, list[tuple[int, list[str]]]]:
     """The `GradientHandout` of the trainable parameters' gradients, grouped in the order
     ``bw_steps`` makes them (`handout_groups`), and per group the step after which it goes out."""
-    made_at = {}
-    for k, (op, name) in enumerate(bw_steps):
-        if op == "compute":
-            made_at.setdefault(name, k)
+    # A gradient the plan frees and computes again (cheaper than holding it through the peak)
+    # goes out after its last computation: the one the plan holds.
+    made_at = {name: k for k, (op, name) in enumerate(bw_steps) if op == "compute"}
     # a gradient the backward segment does not compute (an input passed through) goes out at its end
     order = sorted(((made_at.get(g, len(bw_steps)), i, g) for i, (info, g) in enumerate(zip(cap.primals, grad_outputs))
                     if g is not None and info.kind == "param"))
