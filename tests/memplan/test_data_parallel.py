@@ -210,3 +210,38 @@ def test_handout_groups_follow_the_order_and_cut_at_the_cap():
     assert handout_groups(order, 80) == [(5, 2), (7,), (1, 0)]
     assert handout_groups(order, 0) == [(5,), (2,), (7,), (1,), (0,)]
     assert handout_groups([], 80) == []
+
+
+def test_gradients_handed_out_as_made_leave_the_plan_and_the_numbers_unchanged():
+    """In one process (no DDP to reduce anything): the planned backward hands its gradients to
+    autograd in groups as it makes them, the updates step with what ``.grad`` then holds, and
+    the step trains as eager does, its measured peak the plan's (less DDP's buckets, which do
+    not exist here). The budget makes the plan free two gradients through the peak and compute
+    them again: they go out after the second computation, not held from the first."""
+    from memplan.frontend.distributed import DataParallel
+    from memplan.frontend.module import OptimizedModule
+    from memplan.pipeline.options import PlanOptions, StepOptions
+
+    zm = zoo.build("gpt", size="tiny", batch_size=4, overrides={"dropout": 0.0})
+    model = memplan.WithLoss(zm.model, zm.loss_fn)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    engine = sum(p.numel() * p.element_size() for p in model.parameters())
+    planned = OptimizedModule(model, 1_219_910 + engine, PlanOptions(time_limit=10),
+                              StepOptions(optimizer=opt, updates_after_backward=True),
+                              data_parallel=DataParallel(world_size=1, bucket_bytes=20_000,
+                                                         gradient_as_bucket_view=False))
+    for _ in range(STEPS):
+        measured = measure_peak(lambda: planned(*zm.example_inputs).backward())
+        ref_opt.zero_grad()
+        reference(*zm.example_inputs).backward()
+        ref_opt.step()
+    plan = planned.plan
+    program = planned._plans[planned._last_signature][1]
+    assert len(program.handout.groups) >= 3
+    assert plan.engine_bytes == engine
+    assert measured == plan.predicted_peak - engine <= plan.budget - engine
+    assert all(p.grad is None for p in model.parameters())  # the step owns the gradients
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r)
