@@ -83,14 +83,12 @@ def bucket_buffer_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
-def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any) -> None:
+def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool) -> None:
     """Raise `DistributedTrainingError` for what memplan does not plan inside DDP yet: the model
-    DDP wraps already optimized or sharded, and, with ``optimizer=``, gradient clipping or
-    accumulation (each needs the engine's reduced gradients earlier than memplan has them)."""
-    from memplan.frontend.module import OptimizedModule
-
+    DDP wraps already optimized (``optimized``) or sharded, and, with ``optimizer=``, gradient
+    clipping or accumulation (each needs the engine's reduced gradients earlier than memplan has them)."""
     inner = ddp.module
-    if isinstance(inner, OptimizedModule):
+    if optimized:
         raise DistributedTrainingError(
             "memplan.optimize on a DistributedDataParallel whose module is already optimized: give memplan the "
             "DDP of the original model, memplan.optimize(DDP(model), budget)")

@@ -93,7 +93,7 @@ def optimize(
     if ddp is not None:
         # Planned inside the DDP it is given: the DDP is returned, its module the optimized one.
         # (A graph break splits the model into graphs DDP cannot hand gradients to: refused.)
-        refuse_unsupported_data_parallel(ddp, step)
+        refuse_unsupported_data_parallel(ddp, step, optimized=isinstance(ddp.module, OptimizedModule))
         opt = OptimizedModule(ddp.module, budget, options, step, plan=plan, data_parallel=DataParallel.of(ddp))
     else:
         split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None

@@ -1,0 +1,205 @@
+"""memplan inside DistributedDataParallel against DDP's usual ways to fit a rank's step in memory.
+
+Two processes (gloo, CPU, one thread each), each rank its own batch, the zoo GPT at the size
+given, AdamW. Per rank, three methods of the whole step (forward, backward, update):
+
+* ``DDP eager``: ``DDP(model)``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad``;
+* ``DDP + checkpoint per block``: the same with every transformer block under non-reentrant
+  activation checkpointing;
+* ``DDP + memplan``: ``memplan.optimize(DDP(model), budget, optimizer=opt)``.
+
+Budgets are shares of DDP eager's measured whole-step peak on rank 0 (100/80/65/50%). A method
+meets a budget when each rank's measured peak (memplan's tracker, the same witness for all) is at
+or under it; memplan meets it when it plans within it (each plan is then measured too). Reported
+per method: the lowest budget met, the step time there over DDP eager's (median of interleaved
+rounds), and the time from the last gradient made to the end of communication (the tail that an
+all-reduce overlapped with backward hides), measured with a communication hook and a clock.
+
+    python -m benchmarks.studies.data_parallel [--size tiny] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import memplan
+from benchmarks.harness.checkpointing import checkpoint_blocks
+from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.models.layouts import LAYOUTS
+from memplan.measure.tracker import measure_peak
+from memplan.models import zoo
+
+SHARES = (100, 80, 65, 50)
+WORLD_SIZE = 2
+
+
+class Tail:
+    """The communication hook: all-reduces as DDP does, and records when the last collective of a
+    backward completed, beside the moment its last gradient was handed over."""
+
+    def __init__(self) -> None:
+        self.last_issued = 0.0
+        self.last_done = 0.0
+
+    def hook(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.last_issued = time.perf_counter()
+
+        def done(fut):
+            self.last_done = time.perf_counter()
+            return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
+
+        return allreduce_hook(state, bucket).then(done)
+
+
+def _build(size: str, rank: int, checkpointed: bool) -> tuple[nn.Module, tuple]:
+    zm = zoo.build("gpt", size=size, overrides={"dropout": 0.0})
+    if checkpointed:
+        checkpoint_blocks(zm.model, LAYOUTS["gpt"])
+    tokens, *rest = zm.example_inputs
+    batch = torch.randint(0, 64, tokens.shape, generator=torch.Generator().manual_seed(100 + rank))
+    return memplan.WithLoss(zm.model, zm.loss_fn), (batch, *rest)
+
+
+def _method(name: str, size: str, rank: int, budget: int | None):
+    """(step function, DDP, its Tail) for one method; None where memplan finds no plan."""
+    model, args = _build(size, rank, checkpointed=name == "DDP + checkpoint per block")
+    ddp = DDP(model)
+    tail = Tail()
+    ddp.register_comm_hook(None, tail.hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    if name == "DDP + memplan":
+        try:
+            ddp = memplan.optimize(ddp, budget, optimizer=opt, time_limit=20, example_inputs=args)
+        except memplan.InfeasibleBudgetError:
+            return None
+
+        def step():
+            ddp(*args).backward()
+    else:
+        def step():
+            ddp(*args).backward()
+            opt.step()
+            opt.zero_grad()
+    return step, ddp, tail
+
+
+def _measure(step) -> int:
+    step()  # the first step makes the optimizer's state and DDP's rebuilt buckets
+    step()
+    return measure_peak(step)
+
+
+def _agreed_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _rank(rank: int, port: int, size: str, rounds: int, queue) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        eager = _method("DDP eager", size, rank, None)
+        eager_peak = int(_agreed_max(_measure(eager[0])))
+        rows = {}
+        for name in ("DDP eager", "DDP + checkpoint per block", "DDP + memplan"):
+            met = None
+            for share in SHARES:
+                budget = eager_peak * share // 100
+                made = _method(name, size, rank, budget)
+                ok = made is not None
+                # every rank plans alone: a budget is met only where all of them planned and measured under it
+                ok = _agreed_max(0.0 if ok else 1.0) == 0.0
+                if not ok:
+                    break
+                peak = _agreed_max(_measure(made[0]))
+                if peak > budget:
+                    break
+                met = (share, made, peak)
+            rows[name] = met
+        times: dict[str, list[float]] = {name: [] for name, met in rows.items() if met}
+        tails: dict[str, list[float]] = {name: [] for name in times}
+        for _ in range(rounds):  # interleaved rounds
+            for name in times:
+                step, _, tail = rows[name][1]
+                dist.barrier()
+                start = time.perf_counter()
+                step()
+                elapsed = time.perf_counter() - start
+                times[name].append(_agreed_max(elapsed))
+                tails[name].append(max(0.0, tail.last_done - tail.last_issued))
+        if rank == 0:
+            base = statistics.median(times["DDP eager"])
+            queue.put({name: (rows[name][0], rows[name][2], statistics.median(times[name]) / base,
+                              statistics.median(tails[name]) * 1e3) if rows[name] else None
+                       for name in rows} | {"eager_peak": eager_peak})
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(size: str, rounds: int) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_rank, args=(_free_port(), size, rounds, queue), nprocs=WORLD_SIZE, join=True)
+    return queue.get()
+
+
+def table(result: dict, size: str, rounds: int, seconds: float) -> str:
+    lines = [
+        f"# memplan inside DDP (2 ranks, gloo, CPU), zoo GPT `{size}`, AdamW",
+        "",
+        f"Budgets are shares of DDP eager's measured whole-step peak per rank ({result['eager_peak']:,} B). "
+        "Each cell is what every rank met: the lowest budget, the peak measured there (memplan's tracker), "
+        f"the step time over DDP eager's (median of {rounds} interleaved rounds), and the last collective's "
+        "time from issue to completion (the communication left after backward's last gradient).",
+        "",
+        "| method | lowest budget met | measured peak | step time / DDP eager | last all-reduce (ms) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, row in result.items():
+        if name == "eager_peak":
+            continue
+        if row is None:
+            lines.append(f"| {name} | none of {SHARES} | — | — | — |")
+            continue
+        share, peak, ratio, tail_ms = row
+        lines.append(f"| {name} | {share}% | {peak:,} B | {ratio:.2f}x | {tail_ms:.2f} |")
+    lines += ["", f"`python -m benchmarks.studies.data_parallel --size {size} --rounds {rounds}`, "
+                  f"{seconds:.0f} s, torch {torch.__version__}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="tiny")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=str(RESULTS_DIR / "data_parallel.md"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    result = run(args.size, args.rounds)
+    text = table(result, args.size, args.rounds, time.perf_counter() - started)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
