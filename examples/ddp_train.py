@@ -21,7 +21,7 @@ from memplan.models import zoo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="150%", help="per rank: bytes, '16GB', or a share of the eager peak")
+    parser.add_argument("--budget", default="100%", help="per rank: bytes, '16GB', or a share of the eager peak")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)

@@ -125,7 +125,7 @@ def _rank(rank: int, port: int, size: str, rounds: int, queue) -> None:
                 ok = _agreed_max(0.0 if ok else 1.0) == 0.0
                 if not ok:
                     break
-                peak = _agreed_max(_measure(made[0]))
+                peak = int(_agreed_max(_measure(made[0])))
                 if peak > budget:
                     break
                 met = (share, made, peak)

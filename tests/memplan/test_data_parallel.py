@@ -245,3 +245,18 @@ def test_gradients_handed_out_as_made_leave_the_plan_and_the_numbers_unchanged()
     assert all(p.grad is None for p in model.parameters())  # the step owns the gradients
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r)
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_trains_on_two_processes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(root / "examples" / "ddp_train.py"), "--steps", "2"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 1: loss" in done.stdout and "DDP's gradient buckets" in done.stdout, done.stdout[-2000:]
