@@ -85,8 +85,8 @@ def bucket_buffer_bytes(params: Iterable[nn.Parameter]) -> int:
 
 def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool) -> None:
     """Raise `DistributedTrainingError` for what memplan does not plan inside DDP yet: the model
-    DDP wraps already optimized (``optimized``) or sharded, and, with ``optimizer=``, gradient
-    clipping or accumulation (each needs the engine's reduced gradients earlier than memplan has them)."""
+    DDP wraps already optimized (``optimized``) or sharded, and, with ``optimizer=``, accumulation or
+    clipping by a norm pass (each needs the engine's reduced gradients earlier than memplan has them)."""
     inner = ddp.module
     if optimized:
         raise DistributedTrainingError(
@@ -99,11 +99,10 @@ def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool)
             "DDP of a model that is not sharded (tensor parallelism, FSDP and HSDP are not planned)")
     if step.optimizer is None:
         return
-    if step.max_grad_norm is not None or step.grad_norm:
+    if step.max_grad_norm is not None and step.clip_by == "norm_pass":
         raise DistributedTrainingError(
-            "memplan.optimize(DDP(model), ..., optimizer=) with max_grad_norm= or grad_norm=: memplan does not "
-            "compute the norm of DDP's reduced gradients yet. Leave out optimizer= and clip as usual "
-            "(torch.nn.utils.clip_grad_norm_ after backward, then optimizer.step()).")
+            "memplan.optimize(DDP(model), ..., max_grad_norm=, clip_by='norm_pass'): under DDP the norm is that of "
+            "the averaged gradients, known once backward has handed them all out; use clip_by='holding' or 'auto'.")
     if step.accumulate_steps > 1:
         raise DistributedTrainingError(
             "memplan.optimize(DDP(model), ..., optimizer=, accumulate_steps>1): accumulation under DDP (no_sync) is "

@@ -171,7 +171,11 @@ class UpdateRunner(nn.Module):
         accumulation, the norm is that of the accumulated gradients, at the updating micro-step."""
         if not self.accumulation.final:
             return
-        held = [slot for slot, p in enumerate(self.params) if p.grad is not None]
+        if self.reduced_in_grad:  # the engine's reduced gradients: their norm is the global one
+            grads = [p.grad for p in self.params]
+            if any(g is None for slot, g in enumerate(grads) if slot not in self.skipped):
+                raise RuntimeError("memplan runtime: clipping ran before the engine reduced every gradient")
+        held = [slot for slot, p in enumerate(self.params) if p.grad is not None and not self.reduced_in_grad]
         if self.accumulation.steps > 1 or held:
             self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
                             if slot not in self.skipped and grad is not None}

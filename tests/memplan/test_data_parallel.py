@@ -30,6 +30,7 @@ STEPS = 3
 MODES = {
     "optimizer.step() after backward": None,
     "updates in the plan": {"optimizer_state": "device"},
+    "updates in the plan, clipped": {"optimizer_state": "device", "max_grad_norm": 0.05, "grad_norm": True},
     "state on the host": {"optimizer_state": "host"},
 }
 
@@ -116,8 +117,9 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
     # the tracker can, but cannot see what kernels allocate for themselves (convolution's and the
     # attention backward's scratch), which the profiler sees and kernel_scratch plans room for.
     on_device = mode is None or mode["optimizer_state"] == "device"
+    kind = 0 if mode is None else 1 if on_device else 2
     # (a share of the eager forward and backward's peak; the whole step adds the optimizer's state)
-    budget = BUDGETS[case][0 if mode is None else 1 if on_device else 2]
+    budget = BUDGETS[case][kind]
     planned = memplan.optimize(ddp, budget, time_limit=10, kernel_scratch=on_device,
                                **({} if mode is None else {"optimizer": opt, **mode}))
     assert planned is ddp and isinstance(ddp.module, memplan.OptimizedModule)
@@ -130,10 +132,17 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
         else:
             planned(*args).backward()
 
-    for k in range(STEPS):
+    clip = (mode or {}).get("max_grad_norm")
+
+    def reference_step() -> torch.Tensor | None:
         ref_opt.zero_grad()
         reference(*args).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip) if clip is not None else None
         ref_opt.step()
+        return norm
+
+    for k in range(STEPS):
+        norm = reference_step()
         if k < STEPS - 1:
             step()
             continue
@@ -156,9 +165,9 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
         if not on_device:
             assert abs(measured - plan.predicted_peak) <= 0.02 * plan.predicted_peak, (case, mode, measured,
                                                                                         plan.predicted_peak)
-        ref_opt.zero_grad()
-        reference(*args).backward()
-        ref_opt.step()
+        if clip is not None:  # the global norm of the averaged gradients, as clip_grad_norm_ on DDP gives
+            torch.testing.assert_close(ddp.module.grad_norm, norm)
+        norm = reference_step()
         if mode is None:
             opt.zero_grad()
         resident = [*ddp.parameters(), *args, *state, *held, *witness.buffers.values()]
