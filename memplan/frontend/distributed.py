@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn as nn
@@ -64,6 +64,32 @@ class DataParallel:
         return DataParallel(world_size=torch.distributed.get_world_size(ddp.process_group),
                             bucket_bytes=int(ddp.bucket_bytes_cap),
                             gradient_as_bucket_view=bool(ddp.gradient_as_bucket_view))
+
+
+def made_on_first_rank(group: Any, make: Callable[[], str]) -> str:
+    """``make()`` (a saved plan's JSON) run on the group's first rank only and broadcast to every
+    rank: one solve for all ranks, where time-limited solves on each would differ and compete for
+    the cores. Every rank must call it at the same point (``optimize(DDP(model), example_inputs=)``);
+    a plan made at a first call is made on each rank instead, with no collective that a rank that
+    never sees those inputs would not enter. Raises `DistributedTrainingError` on the other ranks
+    when the first could not plan (its own error on the first)."""
+    dist = torch.distributed
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == first:
+        try:
+            box = [make()]
+        except Exception as exc:  # every rank must hear of it, or they wait in the broadcast forever
+            failure, box = exc, [exc.__class__.__name__ + ": " + str(exc)]
+        box = [("plan", box[0]) if failure is None else ("error", box[0])]
+    dist.broadcast_object_list(box, src=first, group=group)
+    if failure is not None:
+        raise failure
+    kind, text = box[0]
+    if kind == "error":
+        raise DistributedTrainingError(f"rank {first} planned the step for every rank and could not: {text}")
+    return text
 
 
 def is_data_parallel(model: nn.Module) -> bool:

@@ -15,11 +15,13 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from memplan.frontend.distributed import DataParallel, is_data_parallel, refuse_unsupported_data_parallel
+from memplan.frontend.distributed import (DataParallel, is_data_parallel, made_on_first_rank,
+                                         refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
 from memplan.pipeline.options import PlanOptions, StepOptions
+from memplan.pipeline.saved import SavedPlan, saved_from_plan
 
 
 class SplitAtGraphBreaks:
@@ -34,6 +36,19 @@ class SplitAtGraphBreaks:
     def __call__(self) -> tuple[Any, MemplanBackend]:
         backend = MemplanBackend(self.budget, self.options)
         return torch.compile(self.model, backend=backend), backend
+
+
+def share_first_ranks_plan(ddp: nn.Module, opt: OptimizedModule, args: tuple, kwargs: dict) -> None:
+    """Plan ``opt`` for these inputs once, on the DDP group's first rank, and bind that plan on every
+    other rank (`made_on_first_rank`); plans for other inputs are made on each rank as they come."""
+    text = made_on_first_rank(ddp.process_group, lambda: saved_from_plan(opt.prepare(*args, **kwargs)).to_json())
+    if torch.distributed.get_rank(ddp.process_group) == 0:
+        return
+    before, opt.saved_plan = opt.saved_plan, SavedPlan.from_json(text)
+    try:
+        opt.prepare(*args, **kwargs)
+    finally:
+        opt.saved_plan = before
 
 
 def optimize(
@@ -82,7 +97,8 @@ def optimize(
 
     ``model`` may be a ``DistributedDataParallel``: its module is planned inside it, the budget
     per rank with DDP's gradient buckets counted, and the DDP is returned with the optimized
-    module as its ``module`` (`memplan.frontend.distributed`).
+    module as its ``module`` (`memplan.frontend.distributed`); with ``example_inputs`` the plan
+    is solved once, on the first rank, and bound on the others.
     """
     options = PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile, offload=offload,
                           profile=profile, compile=compile, kernel_scratch=kernel_scratch)
@@ -101,7 +117,10 @@ def optimize(
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
-        opt.prepare(*example_inputs, **(example_kwargs or {}))
+        if ddp is not None and plan is None:
+            share_first_ranks_plan(ddp, opt, example_inputs, example_kwargs or {})
+        else:
+            opt.prepare(*example_inputs, **(example_kwargs or {}))
     if ddp is not None:
         ddp.module = opt
         return ddp

@@ -188,10 +188,27 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
     assert plan.engine_bytes == sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
 
 
+def _one_plan_for_all_ranks(case: str, rank: int) -> None:
+    """With example inputs, the first rank solves and the others bind its plan (no solve there)."""
+    model, args = CASES[case](rank)
+    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=10, example_inputs=args)
+    plan = planned.module.plan
+    schedules: list = [None] * WORLD_SIZE
+    torch.distributed.all_gather_object(schedules, list(plan.schedule))
+    assert all(s == schedules[0] for s in schedules)
+    assert ("solve" in plan.planning_time) == (rank == 0), plan.planning_time
+    planned(*args).backward()  # and it runs
+    # an infeasible budget on the first rank is an error on every rank, not a hang
+    with pytest.raises((memplan.InfeasibleBudgetError, memplan.DistributedTrainingError), match="below|could not"):
+        memplan.optimize(DDP(CASES[case](rank)[0]), "1kB", time_limit=5, example_inputs=args)
+
+
 def _rank(rank: int, port: int, case: str, as_view: bool) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
+        if case == "gpt" and not as_view:
+            _one_plan_for_all_ranks(case, rank)
         for mode in MODES.values():
             # small buckets: several DDP buckets, so that the first all-reduce goes out mid-backward
             _train(case, rank, mode, bucket_cap_mb=0.02, as_view=as_view)
