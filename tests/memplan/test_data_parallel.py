@@ -203,12 +203,39 @@ def _one_plan_for_all_ranks(case: str, rank: int) -> None:
         memplan.optimize(DDP(CASES[case](rank)[0]), "1kB", time_limit=5, example_inputs=args)
 
 
+def _accumulation_and_the_backend(case: str, rank: int) -> None:
+    """Without optimizer=: accumulation under ``no_sync()`` gives plain DDP's gradients (the ones
+    held between micro-steps counted in the plan), and ``torch.compile`` of a DDP module with
+    memplan's backend trains as DDP does, with a warning that DDP's buckets are not in its budget."""
+    model, args = CASES[case](rank)
+    reference = DDP(copy.deepcopy(model))
+    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=10)
+    for ddp in (reference, planned):
+        with ddp.no_sync():
+            ddp(*args).backward()
+        ddp(*args).backward()
+    for p, r in zip(planned.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
+    assert planned.module.plan.held_gradient_bytes == planned.module.plan.engine_bytes  # every gradient held
+
+    model, args = CASES[case](rank)
+    reference = DDP(copy.deepcopy(model))
+    ddp = DDP(model)
+    compiled = torch.compile(ddp, backend=memplan.backend(10_000_000))
+    with pytest.warns(memplan.DistributedWarning, match="gradient buckets"):
+        compiled(*args).backward()
+    reference(*args).backward()
+    for p, r in zip(ddp.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad)
+
+
 def _rank(rank: int, port: int, case: str, as_view: bool) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         if case == "gpt" and not as_view:
             _one_plan_for_all_ranks(case, rank)
+            _accumulation_and_the_backend(case, rank)
         for mode in MODES.values():
             # small buckets: several DDP buckets, so that the first all-reduce goes out mid-backward
             _train(case, rank, mode, bucket_cap_mb=0.02, as_view=as_view)
