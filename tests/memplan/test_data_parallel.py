@@ -229,13 +229,47 @@ def _accumulation_and_the_backend(case: str, rank: int) -> None:
         torch.testing.assert_close(p.grad, r.grad)
 
 
-def _rank(rank: int, port: int, case: str, as_view: bool) -> None:
+def _checkpoint_resumes(case: str, rank: int, directory: str) -> None:
+    """A whole step with the optimizer's state on the host, saved with torch.distributed.checkpoint
+    after two steps and loaded into a fresh DDP module and optimizer, takes the third step to the
+    parameters and state of the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def made() -> tuple[nn.Module, torch.optim.Optimizer, tuple]:
+        model, args = CASES[case](rank)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        return memplan.optimize(ddp, BUDGETS[case][2], time_limit=10, optimizer=opt, optimizer_state="host"), opt, args
+
+    first, first_opt, args = made()
+    for _ in range(2):
+        first(*args).backward()
+    model_state, optim_state = get_state_dict(first, first_opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    first(*args).backward()
+
+    second, second_opt, _ = made()
+    model_state, optim_state = get_state_dict(second, second_opt)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    set_state_dict(second, second_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    second(*args).backward()
+    assert second.module.plan.analysis.lowered.host_states  # the state lives on the host, as it did
+    for p, q in zip(second.parameters(), first.parameters()):
+        torch.testing.assert_close(p, q)
+        for key, value in first_opt.state[q].items():
+            torch.testing.assert_close(second_opt.state[p][key], value)
+            assert is_host(second_opt.state[p][key]) == is_host(value)
+
+
+def _rank(rank: int, port: int, case: str, as_view: bool, directory: str = "") -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         if case == "gpt" and not as_view:
             _one_plan_for_all_ranks(case, rank)
             _accumulation_and_the_backend(case, rank)
+            _checkpoint_resumes(case, rank, directory)
         for mode in MODES.values():
             # small buckets: several DDP buckets, so that the first all-reduce goes out mid-backward
             _train(case, rank, mode, bucket_cap_mb=0.02, as_view=as_view)
@@ -252,10 +286,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,as_view", [("gpt", False), ("cnn", False), ("llama", False), ("gpt", True)])
-def test_memplan_inside_ddp_trains_as_ddp_under_each_ranks_budget(case, as_view):
+def test_memplan_inside_ddp_trains_as_ddp_under_each_ranks_budget(case, as_view, tmp_path):
     if case == "llama":
         pytest.importorskip("transformers")
-    mp.spawn(_rank, args=(_free_port(), case, as_view), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_rank, args=(_free_port(), case, as_view, str(tmp_path / "checkpoint")), nprocs=WORLD_SIZE, join=True)
 
 
 def test_handout_groups_follow_the_order_and_cut_at_the_cap():
