@@ -90,8 +90,9 @@ def memory_timelines(plan: Plan) -> tuple[Timeline, Timeline]:
     """(eager, planned) timelines. "Eager" is the joint graph in order, every value kept to its last use.
 
     Gradients the parameters held when the step began (accumulation: `Plan.held_gradient_bytes`)
-    are on the device all step in both, so both include them, as the plan's predicted peak does."""
-    held = plan.held_gradient_bytes
+    and a distributed engine's buffers (`Plan.engine_bytes`) are on the device all step in both,
+    so both include them, as the plan's predicted peak does."""
+    held = plan.held_gradient_bytes + getattr(plan, "engine_bytes", 0)
     return tuple(replace(tl, memory=tl.memory + held, peak=tl.peak + held)
                  for tl in (timeline(plan.analysis, plan.analysis.store_all.schedule),
                             timeline(plan.analysis, plan.schedule)))
@@ -132,6 +133,7 @@ BREAKDOWN_CATEGORIES: tuple[tuple[str, str, str], ...] = (
     ("gradients", "gradients", "#dd8452"),
     ("activations", "activations, temporaries", "#55a868"),
     ("from_host", "activations back from host", "#64b5cd"),
+    ("engine_buffers", "DDP's gradient buckets", "#c44e52"),
 )
 _CATEGORY = {name: i for i, (name, _, _) in enumerate(BREAKDOWN_CATEGORIES)}
 
@@ -153,6 +155,7 @@ class MemoryBreakdown:
     gradients: np.ndarray  # the parameters' gradients, from their computation to their update or the end
     activations: np.ndarray  # everything else: activations, backward and update temporaries
     from_host: np.ndarray  # activations whose resident copy was prefetched from host memory
+    engine_buffers: np.ndarray  # a distributed engine's tensors, all step long (`Plan.engine_bytes`)
     backward_start: float  # predicted time at which backward begins
     update_start: float | None  # when the first optimizer update starts (None: the step has none)
     update_end: float | None  # when the last optimizer update ends
@@ -263,6 +266,7 @@ def memory_breakdown(plan: Plan) -> MemoryBreakdown:
     fields = {name: rows[i] for i, (name, _, _) in enumerate(BREAKDOWN_CATEGORIES)}
     # Gradients the parameters held when the step began are on the device all step (memory_timelines).
     fields["accumulated_gradients"] = fields["accumulated_gradients"] + getattr(plan, "held_gradient_bytes", 0)
+    fields["engine_buffers"] = fields["engine_buffers"] + getattr(plan, "engine_bytes", 0)
     updates = {update for update, _, _ in low.updates}
     at = [k for k, (op, node) in enumerate(plan.schedule) if op is solvers.Op.COMPUTE and node in updates]
     host_states = getattr(low, "host_states", frozenset())

@@ -330,6 +330,13 @@ def test_gradients_handed_out_as_made_leave_the_plan_and_the_numbers_unchanged()
     assert plan.engine_bytes == engine
     assert measured == plan.predicted_peak - engine <= plan.budget - engine
     assert all(p.grad is None for p in model.parameters())  # the step owns the gradients
+    # the report and the memory plot show DDP's buckets as their own category, all step long
+    from memplan.tools import viz
+
+    breakdown = viz.memory_breakdown(plan)
+    assert (breakdown.engine_buffers == engine).all()
+    assert int(breakdown.total.max()) == plan.predicted_peak
+    assert "of DDP's gradient buckets" in plan.report()
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, r)
 
