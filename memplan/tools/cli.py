@@ -19,6 +19,7 @@ traceback unless ``--debug``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -511,18 +512,28 @@ def _memory_table(data: dict) -> Table:
 def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
 
-    from memplan.pipeline.plan import solve_whole_step
+    from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
 
     _check_budget_syntax(args.budget)
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
     analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
+    engine = 0
+    if getattr(args, "ddp", False):
+        analysis, engine = _inside_data_parallel(analysis, target.module)
     budget = parse_budget_arg(args.budget, analysis.eager_peak,
-                              lambda: _min_budget(analysis, progress, options["offload"]))
+                              lambda: _min_budget(analysis, progress, options["offload"]) + engine)
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
     with progress.stage("solve", f"solving for {_fmt(budget)} with {args.solver}{limit}"):
-        plan = solve_whole_step(analysis, budget, **options)
+        try:
+            plan = solve_whole_step(analysis, budget - engine, **options)
+        except InfeasibleBudgetError as exc:
+            if not engine:
+                raise
+            raise InfeasibleBudgetError(budget, exc.min_budget + engine, engine_bytes=engine) from None
+    if engine:
+        plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + engine, engine_bytes=engine)
     data = report_data(target, plan, progress, args.depth)
     if args.save:
         plan.save(args.save)
@@ -535,6 +546,17 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
         if args.save:
             console.print(f"\nplan saved to {args.save}: reuse it with memplan.optimize(model, plan={str(args.save)!r})")
     return 0
+
+
+def _inside_data_parallel(analysis, module) -> tuple[Any, int]:
+    """The analysis as `memplan.optimize(DDP(model))` plans it (updates after backward, on the
+    averaged gradients), and the bytes of DDP's gradient buckets, held all step outside the graph."""
+    from memplan.frontend.distributed import bucket_buffer_bytes
+    from memplan.pipeline.stages import analyze_placement
+
+    if analysis.updates and not analysis.lowered.placement.after_backward:
+        analysis = analyze_placement(analysis, dataclasses.replace(analysis.lowered.placement, after_backward=True))
+    return analysis, bucket_buffer_bytes(module.parameters())
 
 
 def _min_budget(analysis, progress: Progress, offload: bool = False) -> int:
@@ -642,6 +664,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--save", metavar="PLAN.json", default=None, help="write the plan for memplan.optimize(plan=...)")
     report.add_argument("--depth", type=int, default=2, help="module path components per table row (default 2)")
     report.add_argument("--top", type=int, default=25, help="largest modules shown in the table (default 25)")
+    report.add_argument("--ddp", action="store_true",
+                        help="plan one rank's step inside DistributedDataParallel: its gradient buckets in the "
+                             "budget, the updates after backward (as memplan.optimize(DDP(model), ...) plans it)")
     report.set_defaults(func=cmd_report)
 
     sweep = sub.add_parser("sweep", help="plan several budgets and draw the memory/time trade-off")

@@ -285,3 +285,19 @@ def test_report_without_an_optimizer_has_no_update_phase(report):
     assert m["updated_params"] == 0 and m["at_peak"]["optimizer_state"] == 0
     assert sum(m["at_peak"].values()) == data["summary"]["planned_peak"]
     assert t["update_start"] is None and t["update_end"] is None
+
+
+def test_report_of_a_rank_inside_ddp_counts_its_buckets(capsys):
+    """``--ddp``: DDP's gradient buckets (every trainable parameter's gradient once) are a category
+    of their own, there all step, in the planned peak and under the budget; the updates wait for
+    every gradient (they step with DDP's averages)."""
+    from memplan.models import zoo
+
+    code, out, err = run_main(capsys, *WHOLE_STEP, "--ddp", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    s, m = data["summary"], data["memory"]
+    buckets = sum(p.numel() * p.element_size() for p in zoo.build("mlp", batch_size=64).model.parameters())
+    assert m["at_peak"]["engine_buffers"] == m["most"]["engine_buffers"] == buckets
+    assert sum(m["at_peak"].values()) == m["peak"] == s["planned_peak"] <= s["budget"]
+    assert m["updates_after_backward"]
