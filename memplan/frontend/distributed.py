@@ -57,13 +57,25 @@ class DataParallel:
     bucket_bytes: int
     # DDP's gradient_as_bucket_view: .grad is a view of DDP's bucket (True) or a tensor of its own.
     gradient_as_bucket_view: bool
+    # DDP's find_unused_parameters: DDP itself marks ready the parameters a step gives no gradient.
+    find_unused_parameters: bool = False
 
     @staticmethod
     def of(ddp: nn.Module) -> "DataParallel":
         """What memplan plans for in ``ddp`` (a ``DistributedDataParallel``)."""
         return DataParallel(world_size=torch.distributed.get_world_size(ddp.process_group),
                             bucket_bytes=int(ddp.bucket_bytes_cap),
-                            gradient_as_bucket_view=bool(ddp.gradient_as_bucket_view))
+                            gradient_as_bucket_view=bool(ddp.gradient_as_bucket_view),
+                            find_unused_parameters=bool(ddp.find_unused_parameters))
+
+    def check_gradients(self, without: list[str]) -> None:
+        """Raise `DistributedTrainingError` when the step gives parameters ``without`` no gradient and
+        DDP waits for every one (eager DDP fails too, at the next step, less plainly)."""
+        if without and not self.find_unused_parameters:
+            raise DistributedTrainingError(
+                f"this step gives {len(without)} parameter(s) no gradient ({', '.join(without[:3])}"
+                f"{', ...' if len(without) > 3 else ''}), and DistributedDataParallel waits for every gradient: "
+                "make the DDP with find_unused_parameters=True, or freeze them (requires_grad=False)")
 
 
 def made_on_first_rank(group: Any, make: Callable[[], str]) -> str:

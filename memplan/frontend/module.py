@@ -273,6 +273,9 @@ class OptimizedModule(nn.Module):
                         self._output_use[sig] = use
                         key = sig.for_output_use(use)
             if entry is not None:
+                if self.data_parallel is not None:
+                    primals = entry[0].analysis.capture.primals
+                    self.data_parallel.check_gradients([primals[i].name for i in sorted(entry[1].no_gradient)])
                 entry[1].observer = _use_learner(self, sig, use, entry[0])
                 self._plans[key] = entry
         self._plans[key] = self._compiled(self._plans[key])

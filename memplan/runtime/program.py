@@ -88,6 +88,8 @@ class Program:
     # Under a distributed engine (`memplan.runtime.handout`): what hands the parameters' gradients
     # to autograd as backward makes them final; the primals it serves get None from backward.
     handout: GradientHandout | None = None
+    # Primals (parameters) the step gives no gradient, passed detached under a distributed engine.
+    no_gradient: frozenset[int] = frozenset()
 
 
 # A segment node's meta key: the name of the plan's value it makes.
@@ -358,7 +360,13 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
             grad_outputs[info.index] = name
     applied = {grad for _, grad, _ in low.updates}  # gradients backward applies instead of returning
     handout = None
+    no_gradient = frozenset()
     if handout_bytes is not None:
+        # A parameter the step gives no gradient keeps no autograd edge to the step: a distributed
+        # engine that looks for unused parameters (DDP's find_unused_parameters) finds it unused,
+        # as it does in eager autograd, and marks it ready itself.
+        no_gradient = frozenset(i for i, (info, g) in enumerate(zip(cap.primals, grad_outputs))
+                                if info.kind == "param" and g is None)
         handout = _handout_plan(cap, low, bw_steps, grad_outputs, handout_bytes)
         handed = set(handout[0].primals)
         grad_outputs = [None if i in handed else g for i, g in enumerate(grad_outputs)]
@@ -403,7 +411,7 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
     update_tangents = tangents_reaching(cap.graph_module, low.tangents, [grad for _, grad, _ in low.updates])
     return Program(forward, backward, user_outputs, buffer_updates, carried, grad_outputs, tangents_for_user,
                    grad_tangents, optional, updater=updater if low.updates else None, update_tangents=update_tangents,
-                   handout=handout[0] if handout is not None else None)
+                   handout=handout[0] if handout is not None else None, no_gradient=no_gradient)
 
 
 def _handout_plan(cap: Capture, low: Lowered, bw_steps: list[tuple[str, str]], grad_outputs: list[str | None],
@@ -569,4 +577,6 @@ def _zeros_shaped_like(shape: torch.Size, stride: tuple[int, ...], dtype: torch.
 
 def run_program(program: Program, buffers: list[torch.Tensor], primals: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Apply the planned step to flat primals; returns the user outputs (differentiable)."""
+    if program.no_gradient:
+        primals = [p.detach() if i in program.no_gradient else p for i, p in enumerate(primals)]
     return PlannedStep.apply(program, buffers, *primals)

@@ -94,6 +94,28 @@ def _checks(x: torch.Tensor, early: nn.Module, early_opt: nn.Module) -> None:
     _refused(lambda: memplan.optimize(sharded, "1MB", optimizer=torch.optim.AdamW(sharded.parameters())),
              "FSDP2 (fully_shard)")
 
+    # a parameter the step gives no gradient: DDP must be told to look for it (eager DDP fails too, later)
+    class PartlyUsed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.used(x).square().mean()
+
+    with pytest.raises(memplan.DistributedTrainingError, match="find_unused_parameters=True"):
+        memplan.optimize(DDP(PartlyUsed()), "300%")(x)
+    planned, reference = memplan.optimize(DDP(PartlyUsed(), find_unused_parameters=True), "300%"), \
+        DDP(PartlyUsed(), find_unused_parameters=True)
+    for _ in range(2):
+        planned(x).backward()
+        reference(x).backward()
+    for p, r in zip(planned.parameters(), reference.parameters()):
+        assert (p.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            torch.testing.assert_close(p.grad, r.grad)
+
     # an engine inside the optimized model: a clear error with the supported order, not a tracing error
     with pytest.raises(memplan.DistributedTrainingError, match="outermost module"):
         memplan.optimize(nn.Sequential(DDP(_loss_model())), "1MB")
