@@ -37,7 +37,8 @@ def main() -> None:
 
     model = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model = memplan.optimize(model, args.budget, optimizer=optimizer)  # the one line memplan adds
+    # The one line memplan adds. With example inputs rank 0 solves once and every rank runs its plan.
+    model = memplan.optimize(model, args.budget, optimizer=optimizer, example_inputs=zm.example_inputs)
 
     generator = torch.Generator().manual_seed(rank)  # each rank its own batches
     tokens, *rest = zm.example_inputs

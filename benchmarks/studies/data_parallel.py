@@ -82,7 +82,7 @@ def _method(name: str, size: str, rank: int, budget: int | None):
     if name == "DDP + memplan":
         try:
             ddp = memplan.optimize(ddp, budget, optimizer=opt, time_limit=20, example_inputs=args)
-        except memplan.InfeasibleBudgetError:
+        except (memplan.InfeasibleBudgetError, memplan.DistributedTrainingError):  # (rank 0 could not plan)
             return None
 
         def step():

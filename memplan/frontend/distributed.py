@@ -137,6 +137,11 @@ def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool)
             "DDP of a model that is not sharded (tensor parallelism, FSDP and HSDP are not planned)")
     if step.optimizer is None:
         return
+    if getattr(ddp, "static_graph", False):
+        raise DistributedTrainingError(
+            "memplan.optimize(DDP(model, static_graph=True), ..., optimizer=): with a static graph DDP delays its "
+            "first all-reduce to the end of backward, after memplan's updates would have run. Make the DDP without "
+            "static_graph, or leave out optimizer= and call optimizer.step() after backward.")
     if step.max_grad_norm is not None and step.clip_by == "norm_pass":
         raise DistributedTrainingError(
             "memplan.optimize(DDP(model), ..., max_grad_norm=, clip_by='norm_pass'): under DDP the norm is that of "

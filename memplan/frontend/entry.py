@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from memplan.frontend.distributed import (DataParallel, is_data_parallel, made_on_first_rank,
-                                         refuse_unsupported_data_parallel)
+from memplan.frontend.distributed import (DataParallel, DistributedTrainingError, is_data_parallel,
+                                         made_on_first_rank, refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
@@ -41,14 +41,23 @@ class SplitAtGraphBreaks:
 def share_first_ranks_plan(ddp: nn.Module, opt: OptimizedModule, args: tuple, kwargs: dict) -> None:
     """Plan ``opt`` for these inputs once, on the DDP group's first rank, and bind that plan on every
     other rank (`made_on_first_rank`); plans for other inputs are made on each rank as they come."""
-    text = made_on_first_rank(ddp.process_group, lambda: saved_from_plan(opt.prepare(*args, **kwargs)).to_json())
-    if torch.distributed.get_rank(ddp.process_group) == 0:
-        return
-    before, opt.saved_plan = opt.saved_plan, SavedPlan.from_json(text)
-    try:
-        opt.prepare(*args, **kwargs)
-    finally:
-        opt.saved_plan = before
+    group = ddp.process_group
+    text = made_on_first_rank(group, lambda: saved_from_plan(opt.prepare(*args, **kwargs)).to_json())
+    failure: Exception | None = None
+    if torch.distributed.get_rank(group) != 0:
+        before, opt.saved_plan = opt.saved_plan, SavedPlan.from_json(text)
+        try:
+            opt.prepare(*args, **kwargs)
+        except Exception as exc:  # said to every rank below, or the others would wait in DDP's first step
+            failure = exc
+        finally:
+            opt.saved_plan = before
+    failed = torch.tensor([failure is not None], dtype=torch.int32)
+    torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise DistributedTrainingError("another rank could not bind the plan this rank made for every rank")
 
 
 def optimize(
@@ -108,7 +117,8 @@ def optimize(
     ddp = model if is_data_parallel(model) else None
     if ddp is not None:
         # Planned inside the DDP it is given: the DDP is returned, its module the optimized one.
-        # (A graph break splits the model into graphs DDP cannot hand gradients to: refused.)
+        # (No split at graph breaks: the backend's graphs cannot hand gradients to DDP yet, so a model
+        # whose Python reads tensor values raises memplan.CaptureError at its first plan.)
         refuse_unsupported_data_parallel(ddp, step, optimized=isinstance(ddp.module, OptimizedModule))
         opt = OptimizedModule(ddp.module, budget, options, step, plan=plan, data_parallel=DataParallel.of(ddp))
     else:

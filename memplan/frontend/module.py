@@ -464,6 +464,8 @@ class OptimizedModule(nn.Module):
         # Offloading pays off where a host link runs beside compute: on by default on CUDA.
         offload = self.plan_options.offload
         offload = device.type == "cuda" if offload is None else bool(offload)
+        # Under DDP a gradient handed out stays on the device as .grad: paging it would save nothing.
+        offload = offload and self.data_parallel is None
         if self.saved_plan is not None:
             return make_plan_from_saved(self.saved_plan, model, args, kwargs, budget, profile=profile,
                                         measure_on=measure_on, scratch_on=device, optimizer=self.optimizer,

@@ -160,6 +160,12 @@ def make_plan_from_saved(
     room for kernel scratch has it measured again on ``scratch_on`` (one that did not, not)."""
     where = saved.path or "the saved plan"
     _check_whole_step(saved, where, optimizer, max_grad_norm, accumulation)
+    placement = saved.placement
+    if handout_bytes is not None and placement is not None and (not placement.after_backward or placement.norm_pass):
+        # under a distributed engine every update needs the reduced gradients: after backward
+        raise PlanMismatchError(
+            f"{where} runs the optimizer's updates in backward; under DistributedDataParallel they run after "
+            "backward, on the averaged gradients: re-plan inside the DDP (or save a plan made there)")
     try:
         cap = capture_step(model, args, kwargs, output_use=saved.output_use)
     except ValueError as exc:  # those outputs' gradients are more than addends in this model

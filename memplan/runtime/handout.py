@@ -46,12 +46,18 @@ class GradientHandout(nn.Module):
         super().__init__()
         self.groups = groups
         self.primals: tuple[int, ...] = tuple(i for g in groups for i in g)  # every index handed out
+        # Per index of `primals`: the tangents its gradient depends on (`memplan.runtime.program.tangents_reaching`).
+        self.tangents: list[frozenset[int]] = [frozenset()] * len(self.primals)
         self._params: dict[int, torch.Tensor] = {}
+        self._skipped: frozenset[int] = frozenset()
         self._handed = 0
 
-    def begin(self, params: Sequence[torch.Tensor]) -> None:
-        """A backward starts; ``params`` are the step's parameters at `primals`, in that order."""
+    def begin(self, params: Sequence[torch.Tensor], skipped: frozenset[int] = frozenset()) -> None:
+        """A backward starts; ``params`` are the step's parameters at `primals`, in that order;
+        those in ``skipped`` get no gradient from it (the loss reached none of the outputs theirs
+        depends on): as eager autograd, nothing is handed out for them."""
         self._params = dict(zip(self.primals, params, strict=True))
+        self._skipped = skipped
         self._handed = 0
 
     @property
@@ -67,7 +73,9 @@ class GradientHandout(nn.Module):
                                f"{len(self.groups)} gradient groups")
 
     def forward(self, group: int, grads: list[torch.Tensor]) -> None:
-        params = [self._params[i] for i in self.groups[group]]
+        kept = [(i, g) for i, g in zip(self.groups[group], grads, strict=True) if i not in self._skipped]
+        params = [self._params[i] for i, _ in kept]
+        grads = [g for _, g in kept]
         given: list[torch.Tensor] = []
         for p, g in zip(params, grads, strict=True):
             if p.grad is None:
@@ -75,5 +83,6 @@ class GradientHandout(nn.Module):
                 given.append(torch.zeros((), dtype=g.dtype, device=g.device).expand(p.shape))
             else:
                 given.append(g)
-        torch.autograd.backward(params, given)
+        if params:
+            torch.autograd.backward(params, given)
         self._handed += 1

@@ -366,9 +366,12 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
         # engine that looks for unused parameters (DDP's find_unused_parameters) finds it unused,
         # as it does in eager autograd, and marks it ready itself.
         no_gradient = frozenset(i for i, (info, g) in enumerate(zip(cap.primals, grad_outputs))
-                                if info.kind == "param" and g is None)
+                                if info.kind == "param" and info.requires_grad and g is None)
         handout = _handout_plan(cap, low, bw_steps, grad_outputs, handout_bytes)
         handed = set(handout[0].primals)
+        handed_grads = [grad_outputs[i] for i in handout[0].primals]
+        handout[0].tangents = tangents_reaching(cap.graph_module, low.tangents, handed_grads)
+        _check_updates_after_handout(low, bw_steps, handout[1], clipping=updater is not None and updater.max_norm is not None)
         grad_outputs = [None if i in handed else g for i, g in enumerate(grad_outputs)]
     grad_outputs = [None if g in applied else g for g in grad_outputs]
 
@@ -382,6 +385,8 @@ def build_program(cap: Capture, low: Lowered, schedule: solvers.Schedule,
         elif op == "offload":
             resident[host_name(name)] = None  # host copies are never freed within the step
     bw_reads = _reads(bw_steps, low) | {g for g in grad_outputs if g is not None} | applied
+    if handout is not None:  # (a gradient made in forward is carried to its handout)
+        bw_reads |= {g for _, grads in handout[1] for g in grads}
     computed: set[str] = set()
     runs = Counter(name for op, name in fw_steps + bw_steps if op == "compute" and name in low.rng_of)
     replayed = frozenset(name for name, count in runs.items() if count > 1)
@@ -429,6 +434,21 @@ def _handout_plan(cap: Capture, low: Lowered, bw_steps: list[tuple[str, str]], g
     grad_of = {i: g for _, i, g in order}
     at = {i: k for k, i, _ in order}
     return GradientHandout(groups), [(max(at[i] for i in group), [grad_of[i] for i in group]) for group in groups]
+
+
+def _check_updates_after_handout(low: Lowered, bw_steps: list[tuple[str, str]],
+                                 groups: list[tuple[int, list[str]]], clipping: bool) -> None:
+    """Under a distributed engine every update (and a clip) steps with the engine's reduced gradients,
+    complete only once the last group is out: refuse a schedule that runs one before (a gradient the
+    plan freed and computed again after the updates began)."""
+    if not groups or not low.updates:
+        return
+    last = max(at for at, _ in groups)
+    early = [name for k, (op, name) in enumerate(bw_steps)
+             if op == "compute" and k <= last and (name in low.buckets or (clipping and name == GRADS_FINAL))]
+    if early:
+        raise ValueError(f"memplan runtime: {early[0]!r} runs before the last gradients go to the distributed engine "
+                         f"(step {last}): it would step with gradients not yet reduced")
 
 
 def _value_bytes(low: Lowered, name: str) -> int:
@@ -553,7 +573,8 @@ class PlannedStep(torch.autograd.Function):
             program.updater.begin(frozenset(slot for slot, needs in enumerate(program.update_tangents)
                                             if needs and not needs & given))
         if program.handout is not None:
-            program.handout.begin(ctx.handout_params)
+            program.handout.begin(ctx.handout_params, frozenset(
+                i for i, needs in zip(program.handout.primals, program.handout.tangents) if needs and not needs & given))
         results = program.backward(box)
         if program.handout is not None:
             program.handout.finish()

@@ -354,3 +354,23 @@ def test_the_torchrun_example_trains_on_two_processes():
                           capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 1: loss" in done.stdout and "DDP's gradient buckets" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_saved_plan_that_updates_in_backward_is_refused_inside_ddp(tmp_path):
+    """Under DDP every update needs the averaged gradients, after backward: a plan saved with its
+    updates in backward (made outside DDP) is refused, not run on gradients DDP has not reduced."""
+    from memplan.frontend.distributed import DataParallel
+    from memplan.frontend.module import OptimizedModule
+    from memplan.pipeline.options import PlanOptions, StepOptions
+    from memplan.planning.saved_format import PlanMismatchError
+
+    zm = zoo.build("mlp", size="tiny", batch_size=64)
+    model = memplan.WithLoss(zm.model, zm.loss_fn)
+    opt = torch.optim.AdamW(model.parameters())
+    outside = memplan.optimize(model, "100%", optimizer=opt, time_limit=5, example_inputs=zm.example_inputs)
+    assert not outside.plan.analysis.lowered.placement.after_backward
+    outside.plan.save(tmp_path / "plan.json")
+    inside = OptimizedModule(model, None, PlanOptions(), StepOptions(optimizer=opt), plan=tmp_path / "plan.json",
+                             data_parallel=DataParallel(world_size=1, bucket_bytes=1 << 20, gradient_as_bucket_view=False))
+    with pytest.raises(PlanMismatchError, match="after backward"):
+        inside.prepare(*zm.example_inputs)

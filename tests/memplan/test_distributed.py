@@ -116,6 +116,20 @@ def _checks(x: torch.Tensor, early: nn.Module, early_opt: nn.Module) -> None:
         if r.grad is not None:
             torch.testing.assert_close(p.grad, r.grad)
 
+    # frozen parameters are no unused ones: planned as DDP trains them (no find_unused_parameters needed)
+    frozen, frozen_reference = PartlyUsed(), PartlyUsed()
+    for model in (frozen, frozen_reference):
+        model.unused.requires_grad_(False)
+    frozen, frozen_reference = memplan.optimize(DDP(frozen), "300%"), DDP(frozen_reference)
+    frozen(x).backward()
+    frozen_reference(x).backward()
+    for p, r in zip(frozen.parameters(), frozen_reference.parameters()):
+        assert (p.grad is None) == (r.grad is None)
+    # DDP's static graph delays its first all-reduce past memplan's updates
+    with pytest.raises(memplan.DistributedTrainingError, match="static_graph"):
+        static = DDP(_loss_model(), static_graph=True)
+        memplan.optimize(static, "1MB", optimizer=torch.optim.AdamW(static.parameters()))
+
     # an engine inside the optimized model: a clear error with the supported order, not a tracing error
     with pytest.raises(memplan.DistributedTrainingError, match="outermost module"):
         memplan.optimize(nn.Sequential(DDP(_loss_model())), "1MB")
