@@ -10,7 +10,7 @@ def test_the_study_runs_and_memplan_meets_a_budget_below_ddp_eager(tmp_path):
     from benchmarks.studies.data_parallel import main
 
     out = tmp_path / "data_parallel.md"
-    main(["--size", "tiny", "--rounds", "1", "--out", str(out)])
+    main(["--size", "tiny", "--rounds", "1", "--shares", "100,65", "--out", str(out)])
     rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.read_text().splitlines()
             if line.startswith("| DDP")}
     assert rows["DDP eager"] == "100%"

@@ -107,7 +107,7 @@ def _agreed_max(value: float) -> float:
     return float(t.item())
 
 
-def _rank(rank: int, port: int, size: str, rounds: int, queue) -> None:
+def _rank(rank: int, port: int, size: str, rounds: int, queue, shares: tuple[int, ...] = SHARES) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
@@ -117,7 +117,7 @@ def _rank(rank: int, port: int, size: str, rounds: int, queue) -> None:
         rows = {}
         for name in ("DDP eager", "DDP + checkpoint per block", "DDP + memplan"):
             met = None
-            for share in SHARES:
+            for share in shares:
                 budget = eager_peak * share // 100
                 made = _method(name, size, rank, budget)
                 ok = made is not None
@@ -156,10 +156,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(size: str, rounds: int) -> dict:
+def run(size: str, rounds: int, shares: tuple[int, ...] = SHARES) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(_free_port(), size, rounds, queue), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_rank, args=(_free_port(), size, rounds, queue, shares), nprocs=WORLD_SIZE, join=True)
     return queue.get()
 
 
@@ -192,10 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--shares", default=",".join(map(str, SHARES)),
+                        help="budgets to try, percent of DDP eager's peak, largest first")
     parser.add_argument("--out", default=str(RESULTS_DIR / "data_parallel.md"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    result = run(args.size, args.rounds)
+    result = run(args.size, args.rounds, tuple(int(x) for x in args.shares.split(",")))
     text = table(result, args.size, args.rounds, time.perf_counter() - started)
     Path(args.out).write_text(text)
     print(text)
