@@ -60,11 +60,6 @@ class GradientHandout(nn.Module):
         self._skipped = skipped
         self._handed = 0
 
-    @property
-    def done(self) -> bool:
-        """Every group of this backward has been handed out (the engine's reduction is complete)."""
-        return self._handed == len(self.groups)
-
     def finish(self) -> None:
         """The backward segment returned: every group must have gone out (else the engine waits forever)."""
         handed, self._params = self._handed, {}

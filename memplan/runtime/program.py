@@ -571,16 +571,16 @@ class PlannedStep(torch.autograd.Function):
         del tangent_slots
         if program.updater is not None:
             program.updater.begin(frozenset(slot for slot, needs in enumerate(program.update_tangents)
-                                            if needs and not needs & given))
+                                            if _unreached(needs, given)))
         if program.handout is not None:
             program.handout.begin(ctx.handout_params, frozenset(
-                i for i, needs in zip(program.handout.primals, program.handout.tangents) if needs and not needs & given))
+                i for i, needs in zip(program.handout.primals, program.handout.tangents) if _unreached(needs, given)))
         results = program.backward(box)
         if program.handout is not None:
             program.handout.finish()
         if program.updater is not None:
             program.updater.finish()
-        grads = [None if needs and not needs & given else g
+        grads = [None if _unreached(needs, given) else g
                  for g, needs in zip(results, program.grad_tangents, strict=True)]
         del results
         per_primal = []
@@ -588,6 +588,12 @@ class PlannedStep(torch.autograd.Function):
         for g in program.grad_outputs:
             per_primal.append(next(it) if g is not None else None)
         return (None, None, *per_primal)
+
+
+def _unreached(needs: frozenset[int], given: set[int]) -> bool:
+    """A gradient that depends on tangents (``needs``) none of which the loss sent (``given``):
+    eager autograd gives it none (the parameter keeps ``.grad`` None, an optimizer skips it)."""
+    return bool(needs) and not needs & given
 
 
 def _zeros_shaped_like(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype,
