@@ -28,6 +28,7 @@ from memplan.capture.signature import CaptureError
 from memplan.runtime.inductor.reports import CompileWarning
 from memplan.costs.cost_model import PROFILES, DeviceProfile
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
+from memplan.frontend.sharded import fully_shard
 from memplan.measure.tracker import measure_peak
 from memplan.updates.probe import UnsupportedOptimizer
 from memplan.pipeline.options import PlanOptions, StepOptions
@@ -61,6 +62,7 @@ __all__ = [
     "backend",
     "load_plan",
     "measure_peak",
+    "fully_shard",
     "optimize",
     "parse_budget",
     "min_budget",

@@ -63,7 +63,8 @@ class SplitBudgetError(InfeasibleBudgetError):
     """No split of the step fits the budget: the model, split at its graph breaks, needs at least
     ``min_budget`` (the smallest budget at which memplan found plans for every graph of the step)."""
 
-    def __init__(self, budget: int, min_budget: int, graphs: int, breaks: list[str], lower: int, found: bool = True):
+    def __init__(self, budget: int, min_budget: int, graphs: int, breaks: list[str], lower: int, found: bool = True,
+                 sharded: bool = False):
         super().__init__(budget, min_budget)
         self.breaks = breaks
         self.lower_bound = lower  # no split fits below this: a graph's smallest plan with what the others must hold
@@ -71,6 +72,17 @@ class SplitBudgetError(InfeasibleBudgetError):
         smallest = (f"the smallest budget at which memplan found plans for every graph of the split is "
                     f"{format_bytes(min_budget)} ({min_budget} bytes)" if found else
                     f"memplan found no plans for the split up to {format_bytes(min_budget)} ({min_budget} bytes)")
+        if sharded:  # memplan.fully_shard: the graphs are FSDP2's blocks
+            self.args = (
+                f"memplan.fully_shard: the budget {format_bytes(budget)} per rank is too small for this model's "
+                "blocks under FSDP2. While a block runs, the rank holds every parameter's shard, the optimizer's "
+                "state, the root module's gathered parameters and gradients, what the other blocks keep for their "
+                "backwards, and FSDP2's staging and prefetched parameters: no plan can fit below "
+                f"{format_bytes(lower)}, and {smallest.replace('graph of the split', 'block')}. Raise the budget, "
+                "shard over more ranks, or shrink the batch. Raised at the first step's backward, before any step "
+                "went over the budget.",
+            )
+            return
         self.args = (
             f"memplan backend: the step budget {format_bytes(budget)} is too small for this model split at its "
             f"{len(breaks)} graph break(s) into {graphs} graphs ({sites}). While one graph runs, the others hold "
@@ -100,6 +112,8 @@ class MemplanBackend:
         self.overruns = 0  # calls that ran over their allowance (their smallest plan did not fit)
         self.first_calls: list[FirstCall] = []  # the first step's calls, in order, until it is rehearsed
         self.rehearsed = False
+        # FSDP2's holdings, where `memplan.fully_shard` made this backend (`memplan.frontend.sharded`)
+        self.sharding: Any = None
 
     def new_step(self) -> None:
         """A step begins: the first step's calls are no longer needed (a first step without a backward
@@ -137,7 +151,7 @@ class MemplanBackend:
         breaks = [f"after graph {g.index}: {g.graph_break}" for g in self.graphs
                   if g.index in graphs[:-1] and g.graph_break]
         raise SplitBudgetError(self.budget, found if found is not None else need, len(graphs), breaks,
-                               lower=lower, found=found is not None)
+                               lower=lower, found=found is not None, sharded=self.sharding is not None)
 
     def _replay(self, ledger: StepLedger, calls: list[FirstCall]) -> tuple[StepLedger, dict[int, int], int]:
         """Replay the step's ``calls`` through ``ledger`` (a rehearsal) until no call is short of its
@@ -153,7 +167,8 @@ class MemplanBackend:
                 if account.eager_saved:
                     ledger.hold_with_last(account.eager_saved)
                 carried_before = sum(c for _, c, _ in ledger.live.values())
-                call = ledger.begin(account.resident, account.final, account.step_inputs, account.inputs)
+                call = ledger.begin(account.resident, account.final, account.step_inputs, account.inputs,
+                                    account.transient)
                 carried = 0
                 if not graph.unplanned:
                     try:

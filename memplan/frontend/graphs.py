@@ -66,11 +66,20 @@ class PlannedGraph:
         resident: dict[int, int] = {}
         final: dict[tuple[str, int], int] = {}
         others: dict[int, int] = {}
+        gathered: dict[int, int] = {}  # FSDP2's all-gathered parameters: the plan's inputs while it runs
+        sharding = self.backend.sharding  # `memplan.frontend.sharded.ShardedAccounts` under FSDP2
+        if sharding is not None:
+            ledger.hold_resident(sharding.held_all_step())
         for i, t in enumerate(args):
             if not isinstance(t, torch.Tensor):
                 continue
             key, nbytes = storage_key(t), t.untyped_storage().nbytes()
-            if isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
+            shard = sharding.shard_of(t) if sharding is not None else None
+            if shard is not None:  # held by FSDP2 as its shard; what backward keeps is the gradient's shard
+                gathered[key] = nbytes
+                if t.requires_grad:
+                    final[("grad", shard[0])] = shard[1]
+            elif isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
                 resident[key] = nbytes
                 if isinstance(t, nn.Parameter) and t.requires_grad:
                     final[("grad", key)] = t.numel() * t.element_size()
@@ -81,14 +90,17 @@ class PlannedGraph:
         if not first:  # what eager code since the last graph saved for its backward is held too
             eager_saved = _saved_by_eager_autograd(tensors)
             ledger.hold_with_last(eager_saved)
-        call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others))
+        transient = sharding.transient(sum(gathered.values())) if sharding is not None else 0
+        call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others) | frozenset(gathered),
+                            transient)
         if first:
             self.backend.new_step()
         # Inputs other than the step's own and the resident ones: a plan holds them to its backward.
         held = {k: b for k, b in others.items() if k not in ledger.resident and k not in ledger.step_resident}
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
-            return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs, others,
-                                                                           held, eager_saved))
+            return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs,
+                                                                           {**others, **gathered}, held,
+                                                                           eager_saved, transient))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
         args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
@@ -224,6 +236,8 @@ class PlannedGraph:
             module = OptimizedModule(self.stateful, budget, self.backend.plan_options, carry_limit=limit)
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module.warn_loss_outside = False
+            if self.backend.sharding is not None:
+                module._warned_distributed = True  # FSDP2's tensors are in the ledger (`memplan.frontend.sharded`)
             self.levels[key] = module
             while len(self.levels) > TUNABLES.max_levels:
                 dropped, _ = self.levels.popitem(last=False)
@@ -290,7 +304,8 @@ class _Account:
     """What one call holds in the step's ledger, by storage (key -> bytes), kept from the first
     step so that its rehearsal of the next steps opens the same accounts."""
 
-    def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict):
+    def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict,
+                 transient: int = 0):
         self.resident = resident  # parameters and buffers
         self.final = final  # the gradients its backward makes
         self.step_inputs = step_inputs  # the step's own inputs (the first call only)
@@ -298,6 +313,7 @@ class _Account:
         self.held = held  # inputs no other account counts, held to its backward
         self.eager_saved = eager_saved  # what eager code before it saved for its backward
         self.outputs: dict[int, int] = {}  # what it returned
+        self.transient = transient  # what an engine holds outside it while it runs (`Call.transient`)
 
 
 class FirstCall:

@@ -6,7 +6,7 @@ update sits in a plan and runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -230,6 +230,24 @@ def learn_updates(optimizer: torch.optim.Optimizer, model: nn.Module, primal_nam
                                        max(0.0, on_device), param_bytes, on_host, 2 * profile.op_overhead,
                                        call_time=call, temp_share=share, temp_carry=carry))
     return out
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, numel_of: Callable[[nn.Parameter], int]) -> int:
+    """The bytes of state ``optimizer`` keeps once it has stepped every parameter it holds (with a
+    gradient), each parameter counted as ``numel_of(p)`` elements (a rank's local shard of a
+    ``DTensor`` parameter), learned by the same probes as `learn_updates`."""
+    learned: dict[tuple, _Linear] = {}
+    total = 0
+    with unmeasured():
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                key = (gi, p.dtype, p.device)
+                if key not in learned:
+                    learned[key] = _learn_bytes(optimizer, group, p.dtype, p.device)[0]
+                total += learned[key].at(numel_of(p))
+    return total
 
 
 def _learn_bytes(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,

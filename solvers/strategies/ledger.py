@@ -1,4 +1,4 @@
-"""One step's budget shared by several plans that run in it (graph breaks, later FSDP units).
+"""One step's budget shared by several plans that run in it (graph breaks, FSDP2 units).
 
 A training step with graph breaks runs plans 1..k forward, then their backwards in
 reverse. While plan i runs (forward or backward), memory outside it is held by the
@@ -44,6 +44,9 @@ class Call:
     position: int
     owned: frozenset  # its inputs: parameters, the step's inputs, what earlier plans returned
     final: frozenset
+    # Bytes a distributed engine holds only while this plan runs, outside it (FSDP2's staging
+    # buffers for the unit's parameters and gradients, the next unit's prefetched parameters).
+    transient: int = 0
 
 
 @dataclass
@@ -66,12 +69,13 @@ class StepLedger:
     _tokens: int = 0
 
     def begin(self, resident: dict[Hashable, int], final: dict[Hashable, int],
-              step_resident: dict[Hashable, int] | None = None, inputs: frozenset = frozenset()) -> Call:
+              step_resident: dict[Hashable, int] | None = None, inputs: frozenset = frozenset(),
+              transient: int = 0) -> Call:
         """A plan is about to run its forward, owning ``resident`` (held every step: parameters)
         and ``step_resident`` (held to this step's end: the step's inputs, which the caller keeps)
         and making ``final`` (key -> bytes each), reading ``inputs`` (keys: what another plan
-        returned is counted in this plan, not as the other's). A call while nothing is carried
-        starts a new step."""
+        returned is counted in this plan, not as the other's); an engine holds ``transient``
+        bytes outside it while it runs. A call while nothing is carried starts a new step."""
         if not self.live and self.calls:
             self.last_calls, self.calls = self.calls, []
             self.step_resident = {}
@@ -85,19 +89,25 @@ class StepLedger:
         self.step_resident.update(step_resident)
         self.final_bytes.update(final)
         call = Call(len(self.calls), frozenset(resident) | frozenset(step_resident) | frozenset(inputs),
-                    frozenset(final))
+                    frozenset(final), transient)
         self.calls.append(call)
         return call
 
+    def hold_resident(self, held: dict[Hashable, int]) -> None:
+        """``held`` (key -> bytes) stays resident every step and belongs to no plan (a distributed
+        engine's parameter shards): every plan counts it among the others' holdings."""
+        self.resident.update(held)
+
     def held_by_others(self, call: Call) -> int:
         """Bytes the other plans hold at some moment while ``call`` runs (its forward or its
-        backward): their resident tensors, every carried account still open, and the
-        gradients of the calls after it in the previous step's order (during its backward)."""
+        backward): their resident tensors, every carried account still open, the gradients of
+        the calls after it in the previous step's order (during its backward), and what an
+        engine holds while it runs (`Call.transient`)."""
         resident = sum(b for k, b in {**self.resident, **self.step_resident}.items() if k not in call.owned)
         returned = {k: b for _, _, outs in self.live.values() for k, b in outs.items() if k not in call.owned}
         carried = sum(c for _, c, _ in self.live.values()) + sum(returned.values())
         later = set().union(*(c.final for c in self.last_calls[call.position + 1:])) - call.final - call.owned
-        return resident + carried + sum(self.final_bytes[k] for k in later)
+        return resident + carried + sum(self.final_bytes[k] for k in later) + call.transient
 
     def backward_allowance(self, call: Call, token: int | None = None) -> int:
         """What ``call``'s plan may peak at when it is planned at its backward, ``token`` being its
@@ -109,7 +119,7 @@ class StepLedger:
         returned = {k: b for _, _, outs in others.values() for k, b in outs.items() if k not in call.owned}
         carried = sum(c for _, c, _ in others.values()) + sum(returned.values())
         later = set().union(*(c.final for c in self.calls[call.position + 1:])) - call.final - call.owned
-        return self.budget - resident - carried - sum(self.final_bytes[k] for k in later)
+        return self.budget - resident - carried - sum(self.final_bytes[k] for k in later) - call.transient
 
     def rehearsal(self) -> "StepLedger":
         """A copy of this ledger in which the step now running has ended: its calls are the

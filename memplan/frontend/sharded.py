@@ -1,0 +1,233 @@
+"""FSDP2 (``fully_shard``), planned unit by unit under one budget per rank.
+
+    model = memplan.fully_shard(model, budget="16GB")        # instead of torch's fully_shard calls
+
+shards the model as a torchtitan user does by hand (``fully_shard`` on every block, then on
+the model, the root) and plans each block's forward and backward: the block's forward is
+compiled by one memplan backend (`memplan.frontend.backend`) for the whole model, so the
+blocks share the rank's budget through the backend's ledger (`solvers.strategies.ledger`)
+exactly as the graphs of a model with graph breaks do, and FSDP2 itself (its hooks, its
+all-gathers and reduce-scatters, its ``DTensor`` shards, the user's optimizer over them) runs
+as without memplan. Each block is compiled *before* it is sharded, on its own ``forward``, so
+that dynamo traces the block's computation and FSDP2's hooks stay outside the graph.
+
+What FSDP2 holds is in the ledger (`ShardedAccounts`):
+
+* every parameter's local shard, all step, and the root's parameters all-gathered (FSDP2
+  keeps the root unsharded from its forward to the end of its backward) with their
+  gradients: resident, owned by no plan;
+* a block's all-gathered parameters: an input of its plan while it runs (FSDP2 frees them
+  after the block's forward and gathers them again for its backward);
+* a block's gradient shard (what the reduce-scatter leaves): kept to the step's end, as a
+  plan's gradients are;
+* while a block runs, FSDP2's staging (the all-gather's output before it is copied into the
+  parameters, the reduce-scatter's input after backward: each about the block's gathered
+  bytes) and the neighbouring block's parameters gathered ahead of its backward (FSDP2's
+  backward prefetch): `Call.transient`, outside the plan.
+
+The communication library's own buffers (gloo's, NCCL's) are not torch tensors and are in no
+plan.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+import warnings
+
+from memplan.core.storage import storage_key
+from memplan.core.units import format_bytes
+from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
+
+
+class ShardedAccounts:
+    """What FSDP2 holds on this rank, as the step's ledger counts it (`memplan.frontend.graphs`
+    reads it at every call of a block's graph)."""
+
+    def __init__(self, units: list[nn.Module], root: nn.Module, backend: Any):
+        self.units = units
+        self.root = root
+        self.backend = backend  # the `MemplanBackend` whose ledger counts these
+        self._by_gathered: dict[int, tuple[Any, int]] = {}  # id(gathered parameter) -> (shard key, shard bytes)
+        self._held: dict[Any, int] | None = None
+        self.largest_unit = 0  # the largest block's gathered bytes, seen so far
+        self.optimizers: dict[int, int] = {}  # id(optimizer) -> the state it keeps on this rank, in bytes
+        self.param_ids = {id(p) for p in root.parameters()}  # the sharded parameters (set by `fully_shard`)
+
+    def count_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step."""
+        from memplan.updates.probe import optimizer_state_bytes
+
+        state = optimizer_state_bytes(optimizer, lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+        self.optimizers[id(optimizer)] = state
+        self.held_all_step()[("optimizer state", id(optimizer))] = state
+        self.backend.ledger.hold_resident(self.held_all_step())
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before an optimizer's step (a global hook): an optimizer not given to `fully_shard` that
+        steps this model's parameters has its state counted from now on; the plans made before
+        left no room for it, so the next step can go over the budget by about it (said once)."""
+        if id(optimizer) in self.optimizers or not any(
+                id(p) in self.param_ids for group in optimizer.param_groups for p in group["params"]):
+            return
+        self.count_optimizer(optimizer)
+        warnings.warn(
+            f"memplan.fully_shard: {type(optimizer).__name__} steps this model's parameters but was not given as "
+            f"optimizer=: its state ({format_bytes(self.optimizers[id(optimizer)])} on this rank) is counted from now "
+            "on, and the next step may go over the budget by about that much while the plans make room. Give it "
+            "to memplan.fully_shard(model, budget, optimizer=opt).",
+            DistributedWarning,
+            stacklevel=3,
+        )
+
+    @staticmethod
+    def _params(module: nn.Module) -> list[Any]:
+        """FSDP2's records of ``module``'s parameters (one ``FSDPParam`` each)."""
+        state = module._get_fsdp_state()
+        return [fp for group in state._fsdp_param_groups for fp in group.fsdp_params]
+
+    def _refresh(self) -> None:
+        """Map each block's all-gathered parameter (FSDP2 makes it at its first all-gather and keeps
+        the object, freeing and refilling its storage) to its shard."""
+        for unit in self.units:
+            for fp in self._params(unit):
+                gathered = getattr(fp, "_unsharded_param", None)
+                if gathered is not None:
+                    shard = fp._sharded_param_data
+                    self._by_gathered[id(gathered)] = (storage_key(shard), shard.numel() * shard.element_size())
+
+    def shard_of(self, t: torch.Tensor) -> tuple[Any, int] | None:
+        """``t``'s shard (key, bytes) where ``t`` is a block's all-gathered parameter, else None."""
+        if not isinstance(t, nn.Parameter):
+            return None
+        found = self._by_gathered.get(id(t))
+        if found is None:
+            self._refresh()
+            found = self._by_gathered.get(id(t))
+        return found
+
+    def held_all_step(self) -> dict[Any, int]:
+        """Key -> bytes FSDP2 holds all step outside every plan: every local shard, and the root's
+        gathered parameters with room for their gradients (read once, at the first block's call,
+        when the root's forward has gathered them)."""
+        if self._held is None:
+            held: dict[Any, int] = {}
+            for module in [*self.units, self.root]:
+                for fp in self._params(module):
+                    shard = fp._sharded_param_data
+                    held[storage_key(shard)] = shard.numel() * shard.element_size()
+            for fp in self._params(self.root):
+                gathered = getattr(fp, "_unsharded_param", None)
+                if gathered is not None and gathered.untyped_storage().nbytes():
+                    key, nbytes = storage_key(gathered), gathered.untyped_storage().nbytes()
+                    held[key] = nbytes
+                    if gathered.requires_grad:  # its gradient waits, whole, for the root's reduce-scatter
+                        held[("grad", key)] = nbytes
+            self._held = held
+        return self._held
+
+    def transient(self, gathered_bytes: int) -> int:
+        """Bytes FSDP2 holds outside a block's plan while the block runs, the block's gathered
+        parameters being ``gathered_bytes``: its staging (all-gather output, reduce-scatter input)
+        and the largest other block's parameters, gathered ahead of their backward."""
+        self.largest_unit = max(self.largest_unit, gathered_bytes)
+        return gathered_bytes + self.largest_unit
+
+
+def find_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: the children of its largest ``ModuleList`` / ``Sequential``
+    whose children are all of one class (a transformer's layers, a CNN's stages of one kind)."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
+                best = children
+    return best
+
+
+def fully_shard(
+    model: nn.Module,
+    budget: int | str,
+    *,
+    units: Iterable[nn.Module] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    solver: str = "auto",
+    time_limit: float | None = None,
+    kernel_scratch: bool | None = None,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) and plan it under ``budget``
+    bytes per rank (``"16GB"``): see :mod:`memplan.frontend.sharded`. Returns ``model``, now FSDP2's
+    root; train it as any FSDP2 model (an optimizer over its parameters, ``optimizer.step()`` after
+    backward).
+
+    ``optimizer``: the optimizer that steps the model, made over its parameters before this call
+    and not yet stepped: it is pointed at FSDP2's sharded parameters (FSDP2 replaces them), and the
+    state it will keep on this rank is counted in the budget from the first step on. An optimizer
+    made after this call is met at its first step (counted from then on, with a warning).
+    ``units``: the modules sharded and planned one by one (default: the model's repeated blocks,
+    `find_units`). ``mesh`` and ``mp_policy``: FSDP2's own (a 1-D mesh: HSDP is not planned).
+    ``solver``, ``time_limit`` and ``kernel_scratch``: each block's plan's, as for
+    ``memplan.optimize``."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from memplan.frontend.backend import MemplanBackend
+    from memplan.frontend.budget import budget_fraction
+    from memplan.pipeline.options import PlanOptions
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise DistributedTrainingError(
+            "memplan.fully_shard shards the model itself: give it the model before any fully_shard call "
+            "(a block must be compiled for its plan before FSDP2 wraps it)")
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise DistributedTrainingError(
+            "memplan.fully_shard plans data parallelism only: this model's parameters are already "
+            "distributed tensors (tensor parallelism), which memplan does not plan")
+    if mesh is not None and mesh.ndim != 1:
+        raise DistributedTrainingError(
+            f"memplan.fully_shard plans FSDP2 over a 1-D mesh; this mesh has {mesh.ndim} dimensions "
+            "(HSDP and other multi-dimensional meshes are not planned)")
+    if budget_fraction(budget) is not None:
+        raise ValueError(f"memplan.fully_shard: budget={budget!r}: give the rank's budget in bytes (\"16GB\"); "
+                         "a share of the eager peak needs the whole step as one graph")
+    blocks = list(units) if units is not None else find_units(model)
+    if not blocks:
+        raise ValueError("memplan.fully_shard found no repeated blocks in this model (a ModuleList or "
+                         "Sequential of one class): name the modules to shard and plan with units=[...]")
+    if optimizer is not None and optimizer.state:
+        raise DistributedTrainingError(
+            "memplan.fully_shard: the optimizer has already stepped; give one made over the model's parameters that "
+            "has not (FSDP2 replaces the parameters, and state kept for the old ones would be lost)")
+    names = {id(p): n for n, p in model.named_parameters()}
+    if optimizer is not None:
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+        if foreign:
+            raise DistributedTrainingError(
+                f"memplan.fully_shard: the optimizer holds {len(foreign)} tensor(s) that are not this model's parameters")
+    backend = MemplanBackend(budget, PlanOptions(solver=solver, time_limit=time_limit,
+                                                 kernel_scratch=kernel_scratch))
+    accounts = backend.sharding = ShardedAccounts(blocks, model, backend)
+    options: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    if mesh is not None:
+        options["mesh"] = mesh
+    for block in blocks:
+        # The block's own forward, compiled: FSDP2's hooks run around it, outside the graph.
+        block.forward = torch.compile(block.forward, backend=backend)
+        torch_fully_shard(block, reshard_after_forward=True, **options)
+    torch_fully_shard(model, **options)
+    sharded = dict(model.named_parameters())  # FSDP2's sharded parameters now
+    accounts.param_ids = {id(p) for p in sharded.values()}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        accounts.count_optimizer(optimizer)
+    model.memplan_backend = backend
+    # The optimizer is made after sharding, over the shards: it is met at its first step.
+    model.memplan_optimizer_hook = register_optimizer_step_pre_hook(accounts.on_optimizer_step)
+    return model

@@ -1,0 +1,140 @@
+"""memplan planned inside FSDP2 (gloo on the CPU, two processes, each rank its own batch).
+
+``memplan.fully_shard(model, budget, optimizer=opt)`` must train to the parameters and AdamW
+state that torch's own ``fully_shard`` on the same blocks trains to (an update on a rank's
+unreduced gradient would show: the ranks' batches differ), with each rank's measured step peak
+under its budget. The witness is the profiler's allocation events (every thread's: gloo's
+included); memplan's dispatch-mode tracker would make dynamo run the compiled blocks eagerly.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import memplan
+from memplan.frontend.sharded import find_units
+from memplan.measure.tracker import profiled_peak
+from memplan.models import zoo
+
+WORLD_SIZE = 2
+STEPS = 3
+
+
+def _gpt(rank: int) -> tuple[nn.Module, tuple]:
+    zm = zoo.build("gpt", size="tiny", batch_size=4, overrides={"dropout": 0.0})
+    torch.manual_seed(100 + rank)  # each rank its own batch, same shapes
+    x = torch.randint_like(zm.example_inputs[0], 0, 64)
+    return memplan.WithLoss(zm.model, zm.loss_fn), (x,)
+
+
+def _llama(rank: int) -> tuple[nn.Module, tuple]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, max_position_embeddings=64, vocab_size=256)
+    model = tf.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(100 + rank))
+
+    class LossOf(nn.Module):  # the library model's own loss
+        def __init__(self, inner: nn.Module):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.inner(input_ids=ids, labels=ids).loss
+
+    return LossOf(model), (ids,)
+
+
+CASES = {"gpt": _gpt, "llama": _llama}
+# The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
+SHARE = {"gpt": 0.85, "llama": 0.9}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _locals(tensors) -> list[torch.Tensor]:
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> list[int]:
+    """Each step's forward and backward peak (the profiler's), the optimizer's step after it."""
+    peaks = []
+    for _ in range(STEPS):
+        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        peaks.append(profiled_peak(lambda: model(*args).backward(), resident=_locals([*model.parameters(), *state])))
+        opt.step()
+        opt.zero_grad()
+    return peaks
+
+
+def _rank(rank: int, port: int, case: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        model, args = CASES[case](rank)
+        reference = copy.deepcopy(model)
+        for block in find_units(reference):
+            fully_shard(block)
+        fully_shard(reference)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        eager = _train(reference, ref_opt, args)
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        budget = int(SHARE[case] * max(eager))
+        with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
+            memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
+        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5)
+        assert sharded is model and len(model.memplan_backend.graphs) == 0
+        peaks = _train(model, opt, args)
+        assert max(peaks) <= budget, (case, peaks, budget, eager)
+        assert max(peaks) < max(eager)
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
+            for key, value in ref_opt.state[p].items():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    torch.testing.assert_close(opt.state[q][key].full_tensor(), value.full_tensor(), msg=f"{name} {key}")
+    finally:
+        dist.destroy_process_group()
+
+
+# The library Llama computes its loss in the root module after the last block (logits, their
+# float copy and shifted views, log-softmax): eager code in no plan, whose backward runs while
+# every block still holds what it carried. The ledger does not count it yet (measured: 1.78 MB
+# against a 1.68 MB budget; plain FSDP2 1.86 MB), so the case fails until it does.
+_TAIL_NOT_COUNTED = pytest.mark.xfail(strict=True, reason="eager code after the last block is in no plan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gpt", pytest.param("llama", marks=_TAIL_NOT_COUNTED)])
+def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case):
+    mp.spawn(_rank, args=(_free_port(), case), nprocs=WORLD_SIZE, join=True)
+
+
+def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_sharding():
+    model, _ = _gpt(0)
+    blocks = find_units(model)
+    assert blocks and all(type(b).__name__ == "GPTBlock" for b in blocks)
+    with pytest.raises(ValueError, match="in bytes"):
+        memplan.fully_shard(model, "50%")
+    opt = torch.optim.AdamW(model.parameters())
+    model(*_gpt(0)[1]).backward()
+    opt.step()
+    with pytest.raises(memplan.DistributedTrainingError, match="already stepped"):
+        memplan.fully_shard(model, "1GB", optimizer=opt)
+    with pytest.raises(ValueError, match="no repeated blocks"):
+        memplan.fully_shard(nn.Linear(2, 2), "1GB")
