@@ -51,7 +51,8 @@ from memplan.pipeline.options import PlanOptions
 from memplan.capture.signature import CaptureError
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan
 from memplan.core.units import format_bytes
-from memplan.frontend.graphs import FirstCall, PlannedGraph
+from memplan.frontend.distributed import DistributedTrainingError
+from memplan.frontend.graphs import FirstCall, PlannedGraph, _tensors, tail_bytes_of
 from memplan.core.config import TUNABLES
 
 
@@ -114,12 +115,43 @@ class MemplanBackend:
         self.rehearsed = False
         # FSDP2's holdings, where `memplan.fully_shard` made this backend (`memplan.frontend.sharded`)
         self.sharding: Any = None
+        # The *tail*: eager code after the step's last graph (a loss head: logits, log-softmax), in no
+        # plan. Its backward runs while every graph still holds what it carried; what it holds then
+        # (`end_of_forward`) is one more call of the ledger.
+        self.tail_bytes = 0
 
     def new_step(self) -> None:
         """A step begins: the first step's calls are no longer needed (a first step without a backward
         leaves the next steps to learn the split as they run)."""
         self.first_calls = []
         self.rehearsed = False
+
+    def end_of_forward(self, outputs: Any) -> None:
+        """The step's forward has returned ``outputs`` (a hook on the model calls this where memplan owns
+        the model's call: `memplan.fully_shard`). What the tail (eager code after the last graph) holds
+        at its backward is read off the autograd graph (`tail_bytes_of`): in the first step it is kept
+        for the rehearsal of the next; in later steps the tail is a call of the ledger after the last
+        graph, and where it does not fit beside what the graphs carry, they carry less from the next
+        step on."""
+        if not self.ledger.live:
+            return  # no graph of this step waits for a backward
+        self.tail_bytes = tail_bytes_of(_tensors(outputs))
+        if self.ledger.steps_seen == 0:
+            return  # the first step's graphs carry nothing: the rehearsal makes room for the tail
+        over = self._tail_over(self.ledger)
+        if over > 0:
+            self.warn_over(len(self.graphs), over)
+
+    def _tail_over(self, ledger: StepLedger) -> int:
+        """Open the tail's call in ``ledger``; the bytes it is over its allowance (0: it fits), which the
+        calls carrying now give way from the next step on (`StepLedger.short`)."""
+        if not self.tail_bytes:
+            return 0
+        call = ledger.begin({}, {}, {}, frozenset())
+        over = self.tail_bytes - ledger.allowance(call)
+        if over > 0:
+            ledger.short(call, over)
+        return max(0, over)
 
     def rehearse(self) -> None:
         """At the first step's first backward, with every graph of the step known: play the next
@@ -130,6 +162,25 @@ class MemplanBackend:
         if self.rehearsed or not self.first_calls:
             return
         self.rehearsed = True
+        if self.sharding is None:
+            self._rehearse()
+            return
+        # Under FSDP2 every rank rehearses here, at the same point of its first step: where one rank's
+        # budget is too small, every rank raises (a rank that went on would wait in FSDP2's next
+        # collective for the one that stopped).
+        failed: SplitBudgetError | None = None
+        try:
+            self._rehearse()
+        except SplitBudgetError as exc:
+            failed = exc
+        if self.sharding.any_rank(failed is not None) and failed is None:
+            raise DistributedTrainingError(
+                "memplan.fully_shard: another rank found its budget too small for its blocks (its error says "
+                "by how much); every rank stops here")
+        if failed is not None:
+            raise failed
+
+    def _rehearse(self) -> None:
         calls = [c for c in self.first_calls if c.args is not None]
         rehearsed, short, floor = self._replay(self.ledger.rehearsal(), calls)
         if not short:
@@ -184,6 +235,11 @@ class MemplanBackend:
                         record.module = module
                         carried = max(0, module.prepare(*record.args).carried_bytes - sum(account.outputs.values()))
                 ledger.hold(call, carried, {**account.held, **account.outputs})
+            carried_before = sum(c for _, c, _ in ledger.live.values())
+            over = self._tail_over(ledger)
+            if over:
+                short[len(calls)] = over
+                floor = max(floor, over - carried_before)
             ledger.live.clear()  # the replayed step's backwards have run
             if not short or floor > 0:
                 break

@@ -596,6 +596,14 @@ def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
     return saved
 
 
+def tail_bytes_of(outputs: list[torch.Tensor]) -> int:
+    """What the eager code that made ``outputs`` after the last planned graph (a loss head) holds at the
+    height of its backward: what it saved for it (`_saved_by_eager_autograd`), and two gradients as
+    large as the largest of those in flight (the one a node receives and the one it makes)."""
+    saved = _saved_by_eager_autograd(outputs)
+    return sum(saved.values()) + 2 * max(saved.values(), default=0)
+
+
 def _shape_key(args: tuple) -> tuple:
     """What a plan depends on in a graph's arguments: each tensor's shape and dtype, other values as they are."""
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)

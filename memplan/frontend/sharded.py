@@ -52,8 +52,14 @@ class ShardedAccounts:
         self.backend = backend  # the `MemplanBackend` whose ledger counts these
         self._by_gathered: dict[int, tuple[Any, int]] = {}  # id(gathered parameter) -> (shard key, shard bytes)
         self._held: dict[Any, int] | None = None
+        self._root_counted = False  # whether the root's gathered parameters are in `_held`
         self.largest_unit = 0  # the largest block's gathered bytes, seen so far
         self.optimizers: dict[int, int] = {}  # id(optimizer) -> the state it keeps on this rank, in bytes
+        self.group: Any = None  # the process group of FSDP2's mesh (None: the default group)
+        # The blocks whose forward ran in this step, and those a plan ran for (`check_planned`)
+        self.ran: set[int] = set()
+        self.planned: set[int] = set()
+        self._unit_of: dict[int, int] = {}  # id(gathered parameter) -> its block's index
         self.param_ids = {id(p) for p in root.parameters()}  # the sharded parameters (set by `fully_shard`)
 
     def count_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -91,12 +97,13 @@ class ShardedAccounts:
     def _refresh(self) -> None:
         """Map each block's all-gathered parameter (FSDP2 makes it at its first all-gather and keeps
         the object, freeing and refilling its storage) to its shard."""
-        for unit in self.units:
+        for index, unit in enumerate(self.units):
             for fp in self._params(unit):
                 gathered = getattr(fp, "_unsharded_param", None)
                 if gathered is not None:
                     shard = fp._sharded_param_data
                     self._by_gathered[id(gathered)] = (storage_key(shard), shard.numel() * shard.element_size())
+                    self._unit_of[id(gathered)] = index
 
     def shard_of(self, t: torch.Tensor) -> tuple[Any, int] | None:
         """``t``'s shard (key, bytes) where ``t`` is a block's all-gathered parameter, else None."""
@@ -106,27 +113,52 @@ class ShardedAccounts:
         if found is None:
             self._refresh()
             found = self._by_gathered.get(id(t))
+        if found is not None:
+            self.planned.add(self._unit_of[id(t)])
         return found
 
+    def check_planned(self) -> None:
+        """At the end of a step's forward: raise where a block ran outside every plan (dynamo ran its
+        forward eagerly: its memory would be in no budget)."""
+        missed = sorted(self.ran - self.planned)
+        self.ran, self.planned = set(), set()
+        if missed:
+            raise DistributedTrainingError(
+                f"memplan.fully_shard: block(s) {missed[:5]}{' ...' if len(missed) > 5 else ''} ran outside memplan's "
+                "plans (torch.compile ran their forward eagerly: a recompile limit, or a frame dynamo skips), so "
+                "the budget would not hold. Run with TORCH_LOGS=recompiles to see why; "
+                "torch._dynamo.config.recompile_limit raises the limit")
+
     def held_all_step(self) -> dict[Any, int]:
-        """Key -> bytes FSDP2 holds all step outside every plan: every local shard, and the root's
-        gathered parameters with room for their gradients (read once, at the first block's call,
-        when the root's forward has gathered them)."""
+        """Key -> bytes FSDP2 holds all step outside every plan: every local shard, the optimizers'
+        state (`count_optimizer`), and the root's gathered parameters with room for their gradients
+        (counted from the first call after the root's forward has gathered them)."""
         if self._held is None:
-            held: dict[Any, int] = {}
+            self._held = {}
             for module in [*self.units, self.root]:
                 for fp in self._params(module):
                     shard = fp._sharded_param_data
-                    held[storage_key(shard)] = shard.numel() * shard.element_size()
+                    self._held[storage_key(shard)] = shard.numel() * shard.element_size()
+        if not self._root_counted:
             for fp in self._params(self.root):
                 gathered = getattr(fp, "_unsharded_param", None)
                 if gathered is not None and gathered.untyped_storage().nbytes():
+                    self._root_counted = True
                     key, nbytes = storage_key(gathered), gathered.untyped_storage().nbytes()
-                    held[key] = nbytes
+                    self._held[key] = nbytes
                     if gathered.requires_grad:  # its gradient waits, whole, for the root's reduce-scatter
-                        held[("grad", key)] = nbytes
-            self._held = held
+                        self._held[("grad", key)] = nbytes
         return self._held
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (a collective: every rank calls it at the same point)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return flag
+        t = torch.tensor([1 if flag else 0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
 
     def transient(self, gathered_bytes: int) -> int:
         """Bytes FSDP2 holds outside a block's plan while the block runs, the block's gathered
@@ -216,9 +248,16 @@ def fully_shard(
     options: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     if mesh is not None:
         options["mesh"] = mesh
-    for block in blocks:
+        accounts.group = mesh.get_group()
+    # Blocks share their class's code: dynamo compiles it again for a block whose Python attributes
+    # differ (a layer index), and past its recompile limit would run the rest eagerly, unplanned.
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(blocks) + 8)
+    for index, block in enumerate(blocks):
         # The block's own forward, compiled: FSDP2's hooks run around it, outside the graph.
         block.forward = torch.compile(block.forward, backend=backend)
+        block.register_forward_pre_hook(lambda module, args, index=index: accounts.ran.add(index))
         torch_fully_shard(block, reshard_after_forward=True, **options)
     torch_fully_shard(model, **options)
     sharded = dict(model.named_parameters())  # FSDP2's sharded parameters now
@@ -228,6 +267,13 @@ def fully_shard(
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         accounts.count_optimizer(optimizer)
     model.memplan_backend = backend
+    # The loss head after the last block is eager code in no plan: the backend learns what it holds.
+    def forward_done(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            accounts.check_planned()
+        backend.end_of_forward(output)
+
+    model.register_forward_hook(forward_done)
     # The optimizer is made after sharding, over the shards: it is met at its first step.
     model.memplan_optimizer_hook = register_optimizer_step_pre_hook(accounts.on_optimizer_step)
     return model
