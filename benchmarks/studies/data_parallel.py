@@ -1,21 +1,26 @@
-"""memplan inside DistributedDataParallel against DDP's usual ways to fit a rank's step in memory.
+"""memplan inside DDP and FSDP2 against each engine's usual ways to fit a rank's step in memory.
 
 Two processes (gloo, CPU, one thread each), each rank its own batch, the zoo GPT at the size
-given, AdamW. Per rank, three methods of the whole step (forward, backward, update):
+given, AdamW. Per rank and engine, three methods of the whole step (forward, backward, update):
 
 * ``DDP eager``: ``DDP(model)``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad``;
 * ``DDP + checkpoint per block``: the same with every transformer block under non-reentrant
   activation checkpointing;
-* ``DDP + memplan``: ``memplan.optimize(DDP(model), budget, optimizer=opt)``.
+* ``DDP + memplan``: ``memplan.optimize(DDP(model), budget, optimizer=opt)``;
+* ``FSDP2 eager``: ``fully_shard`` on every block and on the model, the same loop;
+* ``FSDP2 + checkpoint per block``: the same with the blocks checkpointed;
+* ``FSDP2 + memplan``: ``memplan.fully_shard(model, budget, optimizer=opt)``, the same loop.
 
-Budgets are shares of DDP eager's measured whole-step peak on rank 0 (100/80/65/50%). A method
-meets a budget when each rank's measured peak (memplan's tracker, the same witness for all) is at
-or under it; memplan meets it when it plans within it (each plan is then measured too). Reported
-per method: the lowest budget met, the step time there over DDP eager's (median of interleaved
-rounds), and the time from the last gradient made to the end of communication (the tail that an
-all-reduce overlapped with backward hides), measured with a communication hook and a clock.
+Budgets are shares of the engine's eager whole-step peak (100/80/65/50%). A method meets a budget
+when each rank's measured peak is at or under it; memplan meets it when it plans within it (each
+plan is then measured too). The witness is the same for every method of an engine: memplan's
+tracker under DDP, the profiler's allocation events under FSDP2 (the tracker, a dispatch mode,
+would make dynamo run memplan's compiled blocks eagerly). Reported per method: the lowest budget
+met, the step time there over the engine's eager step (median of interleaved rounds), and under
+DDP the time from the last collective's issue to its completion (the tail that an all-reduce
+overlapped with backward hides), measured with a communication hook and a clock.
 
-    python -m benchmarks.studies.data_parallel [--size tiny] [--rounds 5]
+    python -m benchmarks.studies.data_parallel [--size tiny] [--rounds 5] [--engines DDP,FSDP2]
 """
 from __future__ import annotations
 
@@ -36,11 +41,15 @@ import memplan
 from benchmarks.harness.checkpointing import checkpoint_blocks
 from benchmarks.harness.paths import RESULTS_DIR
 from benchmarks.models.layouts import LAYOUTS
-from memplan.measure.tracker import measure_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
 
 SHARES = (100, 80, 65, 50)
 WORLD_SIZE = 2
+METHODS = {
+    "DDP": ("DDP eager", "DDP + checkpoint per block", "DDP + memplan"),
+    "FSDP2": ("FSDP2 eager", "FSDP2 + checkpoint per block", "FSDP2 + memplan"),
+}
 
 
 class Tail:
@@ -95,9 +104,43 @@ def _method(name: str, size: str, rank: int, budget: int | None):
     return step, ddp, tail
 
 
+def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
+    """(step function, model, None) for one FSDP2 method; None where memplan finds no plan."""
+    from torch.distributed.fsdp import fully_shard
+
+    from memplan.frontend.sharded import find_units
+
+    model, args = _build(size, rank, checkpointed=name == "FSDP2 + checkpoint per block")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if name == "FSDP2 + memplan":
+        memplan.fully_shard(model, budget, optimizer=opt, time_limit=20)
+    else:
+        for block in find_units(model):
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        model(*args).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step.resident = lambda: [t.to_local() if hasattr(t, "to_local") else t for t in
+                             [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
+                                                     if isinstance(v, torch.Tensor))]]
+    return step, model, None
+
+
 def _measure(step) -> int:
-    step()  # the first step makes the optimizer's state and DDP's rebuilt buckets
+    """The step's peak once the first steps made the optimizer's state (and DDP's rebuilt buckets, and
+    memplan's plans); -1 where memplan refused the budget in the first step (every rank refuses)."""
+    try:
+        step()
+    except (memplan.InfeasibleBudgetError, memplan.DistributedTrainingError):
+        return -1
     step()
+    if hasattr(step, "resident"):  # FSDP2: the profiler's witness, every thread's allocations
+        return profiled_peak(step, resident=step.resident())
     return measure_peak(step)
 
 
@@ -107,45 +150,53 @@ def _agreed_max(value: float) -> float:
     return float(t.item())
 
 
-def _rank(rank: int, port: int, size: str, rounds: int, queue, shares: tuple[int, ...] = SHARES) -> None:
+def _rank(rank: int, port: int, size: str, rounds: int, queue, shares: tuple[int, ...] = SHARES,
+          engines: tuple[str, ...] = tuple(METHODS)) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
-        eager = _method("DDP eager", size, rank, None)
-        eager_peak = int(_agreed_max(_measure(eager[0])))
-        rows = {}
-        for name in ("DDP eager", "DDP + checkpoint per block", "DDP + memplan"):
-            met = None
-            for share in shares:
-                budget = eager_peak * share // 100
-                made = _method(name, size, rank, budget)
-                ok = made is not None
-                # every rank plans alone: a budget is met only where all of them planned and measured under it
-                ok = _agreed_max(0.0 if ok else 1.0) == 0.0
-                if not ok:
-                    break
-                peak = int(_agreed_max(_measure(made[0])))
-                if peak > budget:
-                    break
-                met = (share, made, peak)
-            rows[name] = met
-        times: dict[str, list[float]] = {name: [] for name, met in rows.items() if met}
-        tails: dict[str, list[float]] = {name: [] for name in times}
-        for _ in range(rounds):  # interleaved rounds
-            for name in times:
-                step, _, tail = rows[name][1]
-                dist.barrier()
-                start = time.perf_counter()
-                step()
-                elapsed = time.perf_counter() - start
-                times[name].append(_agreed_max(elapsed))
-                tails[name].append(max(0.0, tail.last_done - tail.last_issued))
+        result = {}
+        for engine in engines:
+            make = _method if engine == "DDP" else _fsdp_method
+            names = METHODS[engine]
+            eager = make(names[0], size, rank, None)
+            eager_peak = int(_agreed_max(_measure(eager[0])))
+            rows = {names[0]: (100, eager, eager_peak)}  # the engine's eager step: the budgets' 100%
+            for name in names[1:]:
+                met = None
+                for share in shares:
+                    budget = eager_peak * share // 100
+                    made = make(name, size, rank, budget)
+                    ok = made is not None
+                    # every rank plans alone: a budget is met only where all of them planned and measured under it
+                    ok = _agreed_max(0.0 if ok else 1.0) == 0.0
+                    if not ok:
+                        break
+                    measured = _measure(made[0])
+                    peak = int(_agreed_max(measured))
+                    if _agreed_max(1.0 if measured < 0 else 0.0) or peak > budget:
+                        break
+                    met = (share, made, peak)
+                rows[name] = met
+            times: dict[str, list[float]] = {name: [] for name, met in rows.items() if met}
+            tails: dict[str, list[float]] = {name: [] for name in times}
+            for _ in range(rounds):  # interleaved rounds
+                for name in times:
+                    step, _, tail = rows[name][1]
+                    dist.barrier()
+                    start = time.perf_counter()
+                    step()
+                    elapsed = time.perf_counter() - start
+                    times[name].append(_agreed_max(elapsed))
+                    if tail is not None:
+                        tails[name].append(max(0.0, tail.last_done - tail.last_issued))
+            base = statistics.median(times[names[0]])
+            result[engine] = {name: (rows[name][0], rows[name][2], statistics.median(times[name]) / base,
+                                     statistics.median(tails[name]) * 1e3 if tails[name] else None)
+                              if rows[name] else None for name in rows} | {"eager_peak": eager_peak}
         if rank == 0:
-            base = statistics.median(times["DDP eager"])
-            queue.put({name: (rows[name][0], rows[name][2], statistics.median(times[name]) / base,
-                              statistics.median(tails[name]) * 1e3) if rows[name] else None
-                       for name in rows} | {"eager_peak": eager_peak})
+            queue.put(result)
     finally:
         dist.destroy_process_group()
 
@@ -156,35 +207,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(size: str, rounds: int, shares: tuple[int, ...] = SHARES) -> dict:
+def run(size: str, rounds: int, shares: tuple[int, ...] = SHARES, engines: tuple[str, ...] = tuple(METHODS)) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(_free_port(), size, rounds, queue, shares), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_rank, args=(_free_port(), size, rounds, queue, shares, engines), nprocs=WORLD_SIZE, join=True)
     return queue.get()
 
 
-def table(result: dict, size: str, rounds: int, seconds: float) -> str:
+def table(result: dict, size: str, rounds: int, seconds: float, command: str = "") -> str:
     lines = [
-        f"# memplan inside DDP (2 ranks, gloo, CPU), zoo GPT `{size}`, AdamW",
+        f"# memplan inside DDP and FSDP2 (2 ranks, gloo, CPU), zoo GPT `{size}`, AdamW",
         "",
-        f"Budgets are shares of DDP eager's measured whole-step peak per rank ({result['eager_peak']:,} B). "
-        "Each cell is what every rank met: the lowest budget, the peak measured there (memplan's tracker), "
-        f"the step time over DDP eager's (median of {rounds} interleaved rounds), and the last collective's "
-        "time from issue to completion (the communication left after backward's last gradient).",
+        "Budgets are shares of the engine's eager whole-step peak per rank (given by engine). Each cell is "
+        "what every rank met: the lowest budget, the peak measured there (memplan's tracker under DDP, the "
+        "profiler's allocation events under FSDP2), the step time over the engine's eager step (median of "
+        f"{rounds} interleaved rounds), and under DDP the last collective's time from issue to completion "
+        "(the communication left after backward's last gradient).",
         "",
-        "| method | lowest budget met | measured peak | step time / DDP eager | last all-reduce (ms) |",
+        "| method | lowest budget met | measured peak | step time / engine's eager | last all-reduce (ms) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for name, row in result.items():
-        if name == "eager_peak":
-            continue
-        if row is None:
-            lines.append(f"| {name} | none of {SHARES} | — | — | — |")
-            continue
-        share, peak, ratio, tail_ms = row
-        lines.append(f"| {name} | {share}% | {peak:,} B | {ratio:.2f}x | {tail_ms:.2f} |")
-    lines += ["", f"`python -m benchmarks.studies.data_parallel --size {size} --rounds {rounds}`, "
-                  f"{seconds:.0f} s, torch {torch.__version__}."]
+    for engine, rows in result.items():
+        for name, row in rows.items():
+            if name == "eager_peak":
+                continue
+            if row is None:
+                lines.append(f"| {name} | none of {SHARES} | — | — | — |")
+                continue
+            share, peak, ratio, tail_ms = row
+            tail = "—" if tail_ms is None else f"{tail_ms:.2f}"
+            lines.append(f"| {name} | {share}% | {peak:,} B | {ratio:.2f}x | {tail} |")
+    peaks = ", ".join(f"{engine} eager {rows['eager_peak']:,} B" for engine, rows in result.items())
+    lines += ["", f"Eager whole-step peaks per rank: {peaks}.", "",
+              f"`{command or f'python -m benchmarks.studies.data_parallel --size {size} --rounds {rounds}'}`, "
+              f"{seconds:.0f} s, torch {torch.__version__}."]
     return "\n".join(lines) + "\n"
 
 
@@ -194,11 +250,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--shares", default=",".join(map(str, SHARES)),
                         help="budgets to try, percent of DDP eager's peak, largest first")
+    parser.add_argument("--engines", default=",".join(METHODS), help="engines to compare: DDP, FSDP2 or both")
     parser.add_argument("--out", default=str(RESULTS_DIR / "data_parallel.md"))
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    result = run(args.size, args.rounds, tuple(int(x) for x in args.shares.split(",")))
-    text = table(result, args.size, args.rounds, time.perf_counter() - started)
+    engines = tuple(e.strip() for e in args.engines.split(","))
+    unknown = [e for e in engines if e not in METHODS]
+    if unknown:
+        parser.error(f"unknown engine(s) {unknown}: choose from {list(METHODS)}")
+    result = run(args.size, args.rounds, tuple(int(x) for x in args.shares.split(",")), engines)
+    command = ("python -m benchmarks.studies.data_parallel " + " ".join(argv)) if argv else ""
+    text = table(result, args.size, args.rounds, time.perf_counter() - started, command)
     Path(args.out).write_text(text)
     print(text)
 

@@ -52,7 +52,7 @@ from memplan.capture.signature import CaptureError
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan
 from memplan.core.units import format_bytes
 from memplan.frontend.distributed import DistributedTrainingError
-from memplan.frontend.graphs import FirstCall, PlannedGraph, _tensors, tail_bytes_of
+from memplan.frontend.graphs import FirstCall, PlannedGraph, tail_bytes_of
 from memplan.core.config import TUNABLES
 
 
@@ -135,7 +135,7 @@ class MemplanBackend:
         step on."""
         if not self.ledger.live:
             return  # no graph of this step waits for a backward
-        self.tail_bytes = tail_bytes_of(_tensors(outputs))
+        self.tail_bytes = tail_bytes_of(outputs)
         if self.ledger.steps_seen == 0:
             return  # the first step's graphs carry nothing: the rehearsal makes room for the tail
         over = self._tail_over(self.ledger)

@@ -41,9 +41,9 @@ class DistributedWarning(UserWarning):
 
 _WHAT_TO_DO = (
     "Under DistributedDataParallel, give memplan the DDP module: memplan.optimize(DDP(model, ...), budget, "
-    "optimizer=opt) plans inside it. Under FSDP, use memplan.optimize(model, budget) without optimizer= and "
-    "call optimizer.step() after backward as usual (memplan does not plan FSDP's all-gathered parameters "
-    "yet, so each rank can go over its budget by about those bytes)."
+    "optimizer=opt) plans inside it. Under FSDP2, call memplan.fully_shard(model, budget, optimizer=opt) on the "
+    "unsharded model in place of the fully_shard calls: it shards and plans every block, and optimizer.step() "
+    "runs after backward as usual."
 )
 
 

@@ -596,11 +596,12 @@ def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
     return saved
 
 
-def tail_bytes_of(outputs: list[torch.Tensor]) -> int:
-    """What the eager code that made ``outputs`` after the last planned graph (a loss head) holds at the
+def tail_bytes_of(outputs: Any) -> int:
+    """What the eager code that made ``outputs`` (tensors in any nesting) after the last planned graph
+    (a loss head) holds at the
     height of its backward: what it saved for it (`_saved_by_eager_autograd`), and two gradients as
     large as the largest of those in flight (the one a node receives and the one it makes)."""
-    saved = _saved_by_eager_autograd(outputs)
+    saved = _saved_by_eager_autograd(_tensors(outputs))
     return sum(saved.values()) + 2 * max(saved.values(), default=0)
 
 

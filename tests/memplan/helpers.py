@@ -131,3 +131,19 @@ def hf_step(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         step = HFLossStep(transformers.ResNetForImageClassification(config), "pixel_values")
         return step, (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))
     raise ValueError(f"no Hugging Face step named {name!r}")
+
+
+def run_torchrun_example(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` on two processes with torchrun (CPU, gloo); its stdout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(root / "examples" / script), *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -23,6 +23,7 @@ import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
+from .helpers import run_torchrun_example
 from memplan.runtime.handout import handout_groups
 
 WORLD_SIZE = 2
@@ -347,17 +348,8 @@ def test_gradients_handed_out_as_made_leave_the_plan_and_the_numbers_unchanged()
 
 @pytest.mark.slow
 def test_the_torchrun_example_trains_on_two_processes():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(root / "examples" / "ddp_train.py"), "--steps", "2"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 1: loss" in done.stdout and "DDP's gradient buckets" in done.stdout, done.stdout[-2000:]
+    out = run_torchrun_example("ddp_train.py", "--steps", "2")
+    assert "step 1: loss" in out and "DDP's gradient buckets" in out, out[-2000:]
 
 
 def test_a_saved_plan_that_updates_in_backward_is_refused_inside_ddp(tmp_path):

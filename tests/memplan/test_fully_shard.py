@@ -21,13 +21,14 @@ import memplan
 from memplan.frontend.sharded import find_units
 from memplan.measure.tracker import profiled_peak
 from memplan.models import zoo
+from .helpers import run_torchrun_example
 
 WORLD_SIZE = 2
 STEPS = 3
 
 
 def _gpt(rank: int) -> tuple[nn.Module, tuple]:
-    zm = zoo.build("gpt", size="tiny", batch_size=4, overrides={"dropout": 0.0})
+    zm = zoo.build("gpt", size="tiny", batch_size=16, overrides={"dropout": 0.0})
     torch.manual_seed(100 + rank)  # each rank its own batch, same shapes
     x = torch.randint_like(zm.example_inputs[0], 0, 64)
     return memplan.WithLoss(zm.model, zm.loss_fn), (x,)
@@ -40,7 +41,7 @@ def _llama(rank: int) -> tuple[nn.Module, tuple]:
     config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                             intermediate_size=128, max_position_embeddings=64, vocab_size=256)
     model = tf.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(100 + rank))
+    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(100 + rank))
 
     class LossOf(nn.Module):  # the library model's own loss
         def __init__(self, inner: nn.Module):
@@ -55,7 +56,7 @@ def _llama(rank: int) -> tuple[nn.Module, tuple]:
 
 CASES = {"gpt": _gpt, "llama": _llama}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
-SHARE = {"gpt": 0.85, "llama": 0.95}
+SHARE = {"gpt": 0.85, "llama": 0.8}
 
 
 def _free_port() -> int:
@@ -95,7 +96,9 @@ def _rank(rank: int, port: int, case: str) -> None:
         eager = _train(reference, ref_opt, args)
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        budget = int(SHARE[case] * max(eager))
+        # (the median step: under gloo a step's peak is one block's bytes higher now and then, when the
+        # communication thread still holds a reduce-scatter's input)
+        budget = int(SHARE[case] * sorted(eager)[len(eager) // 2])
         with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
             memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
         sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5)
@@ -160,3 +163,9 @@ def _too_small(rank: int, port: int) -> None:
 @pytest.mark.slow
 def test_a_budget_too_small_on_one_rank_stops_every_rank_and_a_block_outside_the_plans_is_refused():
     mp.spawn(_too_small, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_trains_on_two_processes():
+    out = run_torchrun_example("fsdp_train.py", "--steps", "2")
+    assert "step 1: loss" in out and "memplan backend" in out, out[-2000:]
