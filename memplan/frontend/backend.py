@@ -135,19 +135,20 @@ class MemplanBackend:
         step on."""
         if not self.ledger.live:
             return  # no graph of this step waits for a backward
-        self.tail_bytes = tail_bytes_of(outputs)
+        self.tail_bytes = tail_bytes_of(outputs, self.ledger.resident)
         if self.ledger.steps_seen == 0:
             return  # the first step's graphs carry nothing: the rehearsal makes room for the tail
         over = self._tail_over(self.ledger)
         if over > 0:
-            self.warn_over(len(self.graphs), over)
+            self.warn_over("the code after the last graph", over)
 
     def _tail_over(self, ledger: StepLedger) -> int:
         """Open the tail's call in ``ledger``; the bytes it is over its allowance (0: it fits), which the
         calls carrying now give way from the next step on (`StepLedger.short`)."""
         if not self.tail_bytes:
             return 0
-        call = ledger.begin({}, {}, {}, frozenset())
+        # Under FSDP2 the root's backward begins here and gathers the last block ahead of its backward.
+        call = ledger.begin({}, {}, {}, frozenset(), self.sharding.largest_unit if self.sharding is not None else 0)
         over = self.tail_bytes - ledger.allowance(call)
         if over > 0:
             ledger.short(call, over)
@@ -168,10 +169,10 @@ class MemplanBackend:
         # Under FSDP2 every rank rehearses here, at the same point of its first step: where one rank's
         # budget is too small, every rank raises (a rank that went on would wait in FSDP2's next
         # collective for the one that stopped).
-        failed: SplitBudgetError | None = None
+        failed: Exception | None = None
         try:
             self._rehearse()
-        except SplitBudgetError as exc:
+        except Exception as exc:  # any rank's failure stops them all (the others would wait in FSDP2)
             failed = exc
         if self.sharding.any_rank(failed is not None) and failed is None:
             raise DistributedTrainingError(
@@ -254,13 +255,14 @@ class MemplanBackend:
         self.graphs.append(graph)
         return graph
 
-    def warn_over(self, graph: int, over: int) -> None:
+    def warn_over(self, graph: int | str, over: int) -> None:
         """Say that a step runs over the budget while the ledger learns the split."""
         self.overruns += 1
         if self.overruns > 1 and self.ledger.steps_seen > 0 and self.overruns % 10:
             return  # once while learning, then every tenth time: a split that never settles
         warnings.warn(
-            f"memplan backend: graph {graph} needs {format_bytes(over)} more than the step budget leaves it "
+            f"memplan backend: {graph if isinstance(graph, str) else f'graph {graph}'} needs {format_bytes(over)} "
+            "more than the step budget leaves it "
             f"after what the other graphs hold; this step runs over the {format_bytes(self.budget)} budget, and "
             "the graphs before it plan for less from the next step on. If this repeats, the budget is too small "
             "for the model split at these graph breaks.",

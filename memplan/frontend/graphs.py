@@ -54,6 +54,8 @@ class PlannedGraph:
             args = tuple(a.item() if i in self.read_as_numbers else a for i, a in enumerate(args))
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         if self.unplanned or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            if not self.unplanned and self.backend.sharding is not None:
+                self.backend.sharding.mark_planned(args)  # a frozen block: nothing to plan, not missed
             return self.gm(*args)  # nothing is saved for a backward: nothing to plan
         if self.changes_inputs:
             self.mark_unplanned(CaptureError("it changes its inputs in place"), stacklevel=3)
@@ -596,13 +598,17 @@ def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
     return saved
 
 
-def tail_bytes_of(outputs: Any) -> int:
+def tail_bytes_of(outputs: Any, held: Any = ()) -> int:
     """What the eager code that made ``outputs`` (tensors in any nesting) after the last planned graph
-    (a loss head) holds at the
-    height of its backward: what it saved for it (`_saved_by_eager_autograd`), and two gradients as
-    large as the largest of those in flight (the one a node receives and the one it makes)."""
-    saved = _saved_by_eager_autograd(_tensors(outputs))
-    return sum(saved.values()) + 2 * max(saved.values(), default=0)
+    (a loss head) holds at the height of its backward: the outputs themselves, what it saved for its
+    backward (`_saved_by_eager_autograd`), and two gradients as large as the largest of those in
+    flight (the one a node receives and the one it makes). Storages whose keys are in ``held`` (held
+    all step, counted elsewhere: the root's gathered weights) are left out."""
+    tensors = _tensors(outputs)
+    saved = {k: b for k, b in _saved_by_eager_autograd(tensors).items() if k not in held}
+    own = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+    own = {k: b for k, b in own.items() if k not in held and k not in saved}
+    return sum(saved.values()) + sum(own.values()) + 2 * max([*saved.values(), *own.values()], default=0)
 
 
 def _shape_key(args: tuple) -> tuple:

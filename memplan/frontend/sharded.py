@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 import warnings
+import weakref
 
 from memplan.core.storage import storage_key
 from memplan.core.units import format_bytes
@@ -54,8 +55,12 @@ class ShardedAccounts:
         self._held: dict[Any, int] | None = None
         self._root_counted = False  # whether the root's gathered parameters are in `_held`
         self.largest_unit = 0  # the largest block's gathered bytes, seen so far
-        self.optimizers: dict[int, int] = {}  # id(optimizer) -> the state it keeps on this rank, in bytes
+        # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
+        self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.group: Any = None  # the process group of FSDP2's mesh (None: the default group)
+        self.device = next(root.parameters()).device  # where FSDP2's collectives run (NCCL: CUDA tensors only)
+        # reduce-scatter bytes per gathered byte: FSDP2 reduces in MixedPrecisionPolicy.reduce_dtype
+        self.reduce_ratio = 1.0
         # The blocks whose forward ran in this step, and those a plan ran for (`check_planned`)
         self.ran: set[int] = set()
         self.planned: set[int] = set()
@@ -67,7 +72,7 @@ class ShardedAccounts:
         from memplan.updates.probe import optimizer_state_bytes
 
         state = optimizer_state_bytes(optimizer, lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel())
-        self.optimizers[id(optimizer)] = state
+        self.optimizers[optimizer] = state
         self.held_all_step()[("optimizer state", id(optimizer))] = state
         self.backend.ledger.hold_resident(self.held_all_step())
 
@@ -75,13 +80,13 @@ class ShardedAccounts:
         """Before an optimizer's step (a global hook): an optimizer not given to `fully_shard` that
         steps this model's parameters has its state counted from now on; the plans made before
         left no room for it, so the next step can go over the budget by about it (said once)."""
-        if id(optimizer) in self.optimizers or not any(
+        if optimizer in self.optimizers or not any(
                 id(p) in self.param_ids for group in optimizer.param_groups for p in group["params"]):
             return
         self.count_optimizer(optimizer)
         warnings.warn(
             f"memplan.fully_shard: {type(optimizer).__name__} steps this model's parameters but was not given as "
-            f"optimizer=: its state ({format_bytes(self.optimizers[id(optimizer)])} on this rank) is counted from now "
+            f"optimizer=: its state ({format_bytes(self.optimizers[optimizer])} on this rank) is counted from now "
             "on, and the next step may go over the budget by about that much while the plans make room. Give it "
             "to memplan.fully_shard(model, budget, optimizer=opt).",
             DistributedWarning,
@@ -117,17 +122,26 @@ class ShardedAccounts:
             self.planned.add(self._unit_of[id(t)])
         return found
 
-    def check_planned(self) -> None:
-        """At the end of a step's forward: raise where a block ran outside every plan (dynamo ran its
-        forward eagerly: its memory would be in no budget)."""
+    def mark_planned(self, args: tuple) -> None:
+        """A block's graph ran with nothing to plan (no gradient needed): it is not outside the plans."""
+        for t in args:
+            if isinstance(t, nn.Parameter):
+                self.shard_of(t)  # marks its block
+
+    def check_planned(self, training: bool) -> None:
+        """At the end of a step's forward: in a training step, raise on every rank where a block ran
+        outside every plan on any rank (dynamo ran its forward eagerly: its memory would be in no
+        budget). A collective: every rank's root forward ends at the same point of its step."""
         missed = sorted(self.ran - self.planned)
         self.ran, self.planned = set(), set()
-        if missed:
+        if not training:
+            return
+        if self.any_rank(bool(missed)):
+            where = f"block(s) {missed[:5]}{' ...' if len(missed) > 5 else ''}" if missed else "a block on another rank"
             raise DistributedTrainingError(
-                f"memplan.fully_shard: block(s) {missed[:5]}{' ...' if len(missed) > 5 else ''} ran outside memplan's "
-                "plans (torch.compile ran their forward eagerly: a recompile limit, or a frame dynamo skips), so "
-                "the budget would not hold. Run with TORCH_LOGS=recompiles to see why; "
-                "torch._dynamo.config.recompile_limit raises the limit")
+                f"memplan.fully_shard: {where} ran outside memplan's plans (torch.compile ran the forward eagerly: "
+                "a recompile limit, or a frame dynamo skips), so the budget would not hold. Run with "
+                "TORCH_LOGS=recompiles to see why; torch._dynamo.config.recompile_limit raises the limit")
 
     def held_all_step(self) -> dict[Any, int]:
         """Key -> bytes FSDP2 holds all step outside every plan: every local shard, the optimizers'
@@ -146,8 +160,11 @@ class ShardedAccounts:
                     self._root_counted = True
                     key, nbytes = storage_key(gathered), gathered.untyped_storage().nbytes()
                     self._held[key] = nbytes
-                    if gathered.requires_grad:  # its gradient waits, whole, for the root's reduce-scatter
+                    if gathered.requires_grad:
+                        # its gradient waits, whole, for the root's reduce-scatter at the end of backward,
+                        # which copies it into the reduce-scatter's input (in the reduce dtype)
                         self._held[("grad", key)] = nbytes
+                        self._held[("reduce-scatter input", key)] = int(nbytes * self.reduce_ratio)
         return self._held
 
     def any_rank(self, flag: bool) -> bool:
@@ -156,18 +173,19 @@ class ShardedAccounts:
 
         if not dist.is_initialized():
             return flag
-        t = torch.tensor([1 if flag else 0])
+        t = torch.tensor([1 if flag else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
     def transient(self, gathered_bytes: int) -> int:
         """Bytes FSDP2 holds outside a block's plan while the block runs, the block's gathered
-        parameters being ``gathered_bytes``: its staging (all-gather output, reduce-scatter input),
-        the largest other block's parameters, gathered ahead of their backward, and the reduce-scatter
-        input of the block whose backward ran before, which the communication thread may still hold
-        (measured: a step's peak one block's bytes higher now and then, under gloo)."""
+        parameters being ``gathered_bytes``: its staging (the all-gather's output in forward, the
+        reduce-scatter's input after backward, in the reduce dtype), the largest other block's
+        parameters, gathered ahead of their backward, and the reduce-scatter input of the block whose
+        backward ran before (FSDP2 keeps it until the next block's reduce-scatter is issued)."""
         self.largest_unit = max(self.largest_unit, gathered_bytes)
-        return gathered_bytes + 2 * self.largest_unit
+        staging = max(gathered_bytes, int(gathered_bytes * self.reduce_ratio))
+        return staging + self.largest_unit + int(self.largest_unit * self.reduce_ratio)
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
@@ -247,7 +265,11 @@ def fully_shard(
     backend = MemplanBackend(budget, PlanOptions(solver=solver, time_limit=time_limit,
                                                  kernel_scratch=kernel_scratch))
     accounts = backend.sharding = ShardedAccounts(blocks, model, backend)
-    options: dict[str, Any] = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
+    policy = mp_policy or MixedPrecisionPolicy()
+    options: dict[str, Any] = {"mp_policy": policy}
+    if policy.reduce_dtype is not None:
+        gathered_dtype = policy.param_dtype or next(model.parameters()).dtype
+        accounts.reduce_ratio = policy.reduce_dtype.itemsize / gathered_dtype.itemsize
     if mesh is not None:
         options["mesh"] = mesh
         accounts.group = mesh.get_group()
@@ -255,7 +277,8 @@ def fully_shard(
     # differ (a layer index), and past its recompile limit would run the rest eagerly, unplanned.
     import torch._dynamo.config as dynamo_config
 
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(blocks) + 8)
+    # Each variant of a step (training or eval, a new sequence length) adds one entry per block.
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * (len(blocks) + 1))
     for index, block in enumerate(blocks):
         # The block's own forward, compiled: FSDP2's hooks run around it, outside the graph.
         block.forward = torch.compile(block.forward, backend=backend)
@@ -271,11 +294,18 @@ def fully_shard(
     model.memplan_backend = backend
     # The loss head after the last block is eager code in no plan: the backend learns what it holds.
     def forward_done(module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            accounts.check_planned()
+        accounts.check_planned(torch.is_grad_enabled() and module.training)
         backend.end_of_forward(output)
 
     model.register_forward_hook(forward_done)
     # The optimizer is made after sharding, over the shards: it is met at its first step.
-    model.memplan_optimizer_hook = register_optimizer_step_pre_hook(accounts.on_optimizer_step)
+    held = weakref.ref(accounts)  # the hook is global: it must not keep the model alive
+
+    def on_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        found = held()
+        if found is not None:
+            found.on_optimizer_step(opt, args, kwargs)
+
+    model.memplan_optimizer_hook = register_optimizer_step_pre_hook(on_step)
+    weakref.finalize(accounts, model.memplan_optimizer_hook.remove)
     return model

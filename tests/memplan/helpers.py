@@ -147,3 +147,27 @@ def run_torchrun_example(script: str, *args: str) -> str:
                           capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+class _LibraryLoss(nn.Module):
+    """A model-library causal LM with its own loss, inside the module memplan plans."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, labels=ids).loss
+
+
+def library_llama(rank: int, shape: tuple[int, int] = (2, 32)) -> tuple[nn.Module, tuple]:
+    """A 2-layer Hugging Face Llama (the same weights on every rank) with its loss, and token ids of
+    ``shape``, each rank its own."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, max_position_embeddings=64, vocab_size=256)
+    model = tf.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(100 + rank))
+    return _LibraryLoss(model), (ids,)

@@ -23,7 +23,7 @@ import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
-from .helpers import run_torchrun_example
+from .helpers import library_llama, run_torchrun_example
 from memplan.runtime.handout import handout_groups
 
 WORLD_SIZE = 2
@@ -45,23 +45,7 @@ def _zoo_case(name: str, rank: int, **overrides) -> tuple[nn.Module, tuple]:
 
 
 def _llama_case(rank: int) -> tuple[nn.Module, tuple]:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=128, max_position_embeddings=64, vocab_size=256)
-    model = tf.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(100 + rank))
-
-    class LossOf(nn.Module):  # the library model's own loss, inside the planned module
-        def __init__(self, inner: nn.Module):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids=ids, labels=ids).loss
-
-    return LossOf(model), (ids,)
+    return library_llama(rank)
 
 
 # Per case: the budget (a share of the eager forward and backward's peak) with optimizer.step()

@@ -21,7 +21,7 @@ import memplan
 from memplan.frontend.sharded import find_units
 from memplan.measure.tracker import profiled_peak
 from memplan.models import zoo
-from .helpers import run_torchrun_example
+from .helpers import library_llama, run_torchrun_example
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -35,23 +35,7 @@ def _gpt(rank: int) -> tuple[nn.Module, tuple]:
 
 
 def _llama(rank: int) -> tuple[nn.Module, tuple]:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                            intermediate_size=128, max_position_embeddings=64, vocab_size=256)
-    model = tf.LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(100 + rank))
-
-    class LossOf(nn.Module):  # the library model's own loss
-        def __init__(self, inner: nn.Module):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.inner(input_ids=ids, labels=ids).loss
-
-    return LossOf(model), (ids,)
+    return library_llama(rank, (4, 64))
 
 
 CASES = {"gpt": _gpt, "llama": _llama}
