@@ -111,8 +111,8 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
     from memplan.frontend.sharded import find_units
 
     model, args = _build(size, rank, checkpointed=name == "FSDP2 + checkpoint per block")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if name == "FSDP2 + memplan":
+    if name == "FSDP2 + memplan":  # the optimizer made over the unsharded model, pointed at the shards
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         memplan.fully_shard(model, budget, optimizer=opt, time_limit=20)
     else:
         for block in find_units(model):

@@ -70,7 +70,8 @@ class SplitBudgetError(InfeasibleBudgetError):
         self.breaks = breaks
         self.lower_bound = lower  # no split fits below this: a graph's smallest plan with what the others must hold
         sites = "; ".join(breaks) if breaks else "no graph break recorded"
-        smallest = (f"the smallest budget at which memplan found plans for every graph of the split is "
+        each = "block" if sharded else "graph of the split"
+        smallest = (f"the smallest budget at which memplan found plans for every {each} is "
                     f"{format_bytes(min_budget)} ({min_budget} bytes)" if found else
                     f"memplan found no plans for the split up to {format_bytes(min_budget)} ({min_budget} bytes)")
         if sharded:  # memplan.fully_shard: the graphs are FSDP2's blocks
@@ -79,7 +80,7 @@ class SplitBudgetError(InfeasibleBudgetError):
                 "blocks under FSDP2. While a block runs, the rank holds every parameter's shard, the optimizer's "
                 "state, the root module's gathered parameters and gradients, what the other blocks keep for their "
                 "backwards, and FSDP2's staging and prefetched parameters: no plan can fit below "
-                f"{format_bytes(lower)}, and {smallest.replace('graph of the split', 'block')}. Raise the budget, "
+                f"{format_bytes(lower)}, and {smallest}. Raise the budget, "
                 "shard over more ranks, or shrink the batch. Raised at the first step's backward, before any step "
                 "went over the budget.",
             )

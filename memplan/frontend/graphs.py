@@ -71,7 +71,7 @@ class PlannedGraph:
         gathered: dict[int, int] = {}  # FSDP2's all-gathered parameters: the plan's inputs while it runs
         sharding = self.backend.sharding  # `memplan.frontend.sharded.ShardedAccounts` under FSDP2
         if sharding is not None:
-            ledger.hold_resident(sharding.held_all_step())
+            sharding.hold_in(ledger)
         for i, t in enumerate(args):
             if not isinstance(t, torch.Tensor):
                 continue

@@ -54,6 +54,7 @@ class ShardedAccounts:
         self._by_gathered: dict[int, tuple[Any, int]] = {}  # id(gathered parameter) -> (shard key, shard bytes)
         self._held: dict[Any, int] | None = None
         self._root_counted = False  # whether the root's gathered parameters are in `_held`
+        self._held_in: tuple[int, int] | None = None  # (ledger, entries) `_held` was last put into (`hold_in`)
         self.largest_unit = 0  # the largest block's gathered bytes, seen so far
         # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -74,7 +75,7 @@ class ShardedAccounts:
         state = optimizer_state_bytes(optimizer, lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel())
         self.optimizers[optimizer] = state
         self.held_all_step()[("optimizer state", id(optimizer))] = state
-        self.backend.ledger.hold_resident(self.held_all_step())
+        self.hold_in(self.backend.ledger)
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before an optimizer's step (a global hook): an optimizer not given to `fully_shard` that
@@ -166,6 +167,15 @@ class ShardedAccounts:
                         self._held[("grad", key)] = nbytes
                         self._held[("reduce-scatter input", key)] = int(nbytes * self.reduce_ratio)
         return self._held
+
+    def hold_in(self, ledger: Any) -> None:
+        """Put what FSDP2 holds all step into ``ledger`` (a `StepLedger`), where it changed since the
+        last time: every block's call asks, and the set changes only when the root is first gathered
+        or an optimizer is counted."""
+        held = self.held_all_step()
+        if self._held_in != (id(ledger), len(held)):
+            ledger.hold_resident(held)
+            self._held_in = (id(ledger), len(held))
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank (a collective: every rank calls it at the same point)."""
