@@ -120,6 +120,7 @@ class MemplanBackend:
         # plan. Its backward runs while every graph still holds what it carried; what it holds then
         # (`end_of_forward`) is one more call of the ledger.
         self.tail_bytes = 0
+        self.tail_final: dict[Any, int] = {}  # the gradients the tail's backward makes (key -> bytes)
 
     def new_step(self) -> None:
         """A step begins: the first step's calls are no longer needed (a first step without a backward
@@ -136,12 +137,31 @@ class MemplanBackend:
         step on."""
         if not self.ledger.live:
             return  # no graph of this step waits for a backward
-        self.tail_bytes = tail_bytes_of(outputs, self.ledger.resident)
+        # counted elsewhere: what is held all step, and what the graphs returned (their accounts)
+        held = {*self.ledger.resident, *self.ledger.step_resident,
+                *(k for _, _, outs in self.ledger.live.values() for k in outs)}
+        leaves: list = []
+        self.tail_bytes = tail_bytes_of(outputs, held, leaves)
+        if self.sharding is not None:
+            self.tail_final = self.sharding.root_grads_made_by(leaves)
+            self.ledger.closing = self.sharding.closing
         if self.ledger.steps_seen == 0:
             return  # the first step's graphs carry nothing: the rehearsal makes room for the tail
         over = self._tail_over(self.ledger)
         if over > 0:
             self.warn_over("the code after the last graph", over)
+
+    def outside(self, unit: int | None) -> tuple[int, int]:
+        """What a distributed engine holds outside the plan of a call that is FSDP2's block ``unit``
+        (`Call.transient`, `Call.staging`); nothing for any other call."""
+        return self.sharding.outside(unit) if self.sharding is not None and unit is not None else (0, 0)
+
+    @property
+    def predicted_peak(self) -> int:
+        """The step's predicted peak: the most at any call of the last whole step (its plan's
+        forward or backward beside what the other plans and the engine hold), or at its end
+        (`StepLedger.predicted_peak`); 0 before a step was planned."""
+        return self.ledger.predicted_peak
 
     def _tail_over(self, ledger: StepLedger) -> int:
         """Open the tail's call in ``ledger``; the bytes it is over its allowance (0: it fits), which the
@@ -149,7 +169,9 @@ class MemplanBackend:
         if not self.tail_bytes:
             return 0
         # Under FSDP2 the root's backward begins here and gathers the last block ahead of its backward.
-        call = ledger.begin({}, {}, {}, frozenset(), self.sharding.largest_unit if self.sharding is not None else 0)
+        call = ledger.begin({}, self.tail_final, {}, frozenset(),
+                            self.sharding.ahead_of_tail if self.sharding is not None else 0)
+        ledger.predict(call, 0, self.tail_bytes)
         over = self.tail_bytes - ledger.allowance(call)
         if over > 0:
             ledger.short(call, over)
@@ -221,7 +243,7 @@ class MemplanBackend:
                     ledger.hold_with_last(account.eager_saved)
                 carried_before = sum(c for _, c, _ in ledger.live.values())
                 call = ledger.begin(account.resident, account.final, account.step_inputs, account.inputs,
-                                    account.transient)
+                                    *self.outside(account.unit))
                 carried = 0
                 if not graph.unplanned:
                     try:
@@ -235,6 +257,7 @@ class MemplanBackend:
                         ledger.short(call, over)
                     if module is not None:
                         record.module = module
+                        ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
                         carried = max(0, module.prepare(*record.args).carried_bytes - sum(account.outputs.values()))
                 ledger.hold(call, carried, {**account.held, **account.outputs})
             carried_before = sum(c for _, c, _ in ledger.live.values())
@@ -243,6 +266,9 @@ class MemplanBackend:
                 short[len(calls)] = over
                 floor = max(floor, over - carried_before)
             ledger.live.clear()  # the replayed step's backwards have run
+            if ledger.at_end > ledger.budget:  # every gradient and an engine's last buffers: nothing gives way
+                short[len(calls) + 1] = ledger.at_end - ledger.budget
+                floor = max(floor, ledger.at_end - ledger.budget)
             if not short or floor > 0:
                 break
             settled = {pos: min(ledger.reserve.get(pos, 0) + more, ledger.most_carried.get(pos, 0))

@@ -69,6 +69,7 @@ class PlannedGraph:
         final: dict[tuple[str, int], int] = {}
         others: dict[int, int] = {}
         gathered: dict[int, int] = {}  # FSDP2's all-gathered parameters: the plan's inputs while it runs
+        unit: int | None = None  # FSDP2's block this graph is the forward of
         sharding = self.backend.sharding  # `memplan.frontend.sharded.ShardedAccounts` under FSDP2
         if sharding is not None:
             sharding.hold_in(ledger)
@@ -79,6 +80,7 @@ class PlannedGraph:
             shard = sharding.shard_of(t) if sharding is not None else None
             if shard is not None:  # held by FSDP2 as its shard; what backward keeps is the gradient's shard
                 gathered[key] = nbytes
+                unit = shard[2]
                 if t.requires_grad:
                     final[("grad", shard[0])] = shard[1]
             elif isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
@@ -92,9 +94,10 @@ class PlannedGraph:
         if not first:  # what eager code since the last graph saved for its backward is held too
             eager_saved = _saved_by_eager_autograd(tensors)
             ledger.hold_with_last(eager_saved)
-        transient = sharding.transient(sum(gathered.values())) if sharding is not None else 0
+        if unit is not None:
+            sharding.saw(unit, sum(gathered.values()))
         call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others) | frozenset(gathered),
-                            transient)
+                            *self.backend.outside(unit))
         if first:
             self.backend.new_step()
         # Inputs other than the step's own and the resident ones: a plan holds them to its backward.
@@ -102,7 +105,7 @@ class PlannedGraph:
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
             return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs,
                                                                            {**others, **gathered}, held,
-                                                                           eager_saved, transient))
+                                                                           eager_saved, unit))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
         args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
@@ -117,6 +120,7 @@ class PlannedGraph:
             self.backend.warn_over(self.index, over)
         if module is None:
             raise InfeasibleBudgetError(self.backend.budget, allowance + over + ledger.held_by_others(call))
+        ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
         out = module(*args)
         self._hold_until_backward(call, module.plan, tensors, out, held)
         return out
@@ -307,7 +311,7 @@ class _Account:
     step so that its rehearsal of the next steps opens the same accounts."""
 
     def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict,
-                 transient: int = 0):
+                 unit: int | None = None):
         self.resident = resident  # parameters and buffers
         self.final = final  # the gradients its backward makes
         self.step_inputs = step_inputs  # the step's own inputs (the first call only)
@@ -315,7 +319,7 @@ class _Account:
         self.held = held  # inputs no other account counts, held to its backward
         self.eager_saved = eager_saved  # what eager code before it saved for its backward
         self.outputs: dict[int, int] = {}  # what it returned
-        self.transient = transient  # what an engine holds outside it while it runs (`Call.transient`)
+        self.unit = unit  # FSDP2's block it is the forward of (what FSDP2 holds outside it: `MemplanBackend.outside`)
 
 
 class FirstCall:
@@ -566,10 +570,11 @@ def _scalars_read_as_numbers(gm: fx.GraphModule) -> frozenset[int]:
     return frozenset(positions)
 
 
-def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
+def _saved_by_eager_autograd(inputs: list[torch.Tensor], leaves: list | None = None) -> dict[int, int]:
     """Storages (key -> bytes) that eager autograd saved for backward between the planned graphs
     and these inputs: the ``_saved_*`` tensors of every autograd node reached back from the inputs,
-    stopping at planned steps (their memory is in their plans) and at leaves.
+    stopping at planned steps (their memory is in their plans) and at leaves (appended to
+    ``leaves`` where given: the parameters that code's backward makes gradients for).
 
     Eager Python between graphs (what dynamo runs itself, frames it skips) keeps tensors for its
     backward like any eager code; the ledger has to count them to know what a graph is left."""
@@ -581,8 +586,11 @@ def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if isinstance(node, (PlannedStep._backward_cls, _FirstStep._backward_cls)) \
-                or type(node).__name__ == "AccumulateGrad":
+        if type(node).__name__ == "AccumulateGrad":
+            if leaves is not None:
+                leaves.append(node.variable)
+            continue
+        if isinstance(node, (PlannedStep._backward_cls, _FirstStep._backward_cls)):
             continue
         for attr in dir(node):
             if not attr.startswith("_saved_"):
@@ -598,14 +606,15 @@ def _saved_by_eager_autograd(inputs: list[torch.Tensor]) -> dict[int, int]:
     return saved
 
 
-def tail_bytes_of(outputs: Any, held: Any = ()) -> int:
+def tail_bytes_of(outputs: Any, held: Any = (), leaves: list | None = None) -> int:
     """What the eager code that made ``outputs`` (tensors in any nesting) after the last planned graph
     (a loss head) holds at the height of its backward: the outputs themselves, what it saved for its
     backward (`_saved_by_eager_autograd`), and two gradients as large as the largest of those in
     flight (the one a node receives and the one it makes). Storages whose keys are in ``held`` (held
-    all step, counted elsewhere: the root's gathered weights) are left out."""
+    all step, counted elsewhere: the root's gathered weights, the graphs' outputs) are left out. The
+    parameters it makes gradients for are appended to ``leaves`` where given."""
     tensors = _tensors(outputs)
-    saved = {k: b for k, b in _saved_by_eager_autograd(tensors).items() if k not in held}
+    saved = {k: b for k, b in _saved_by_eager_autograd(tensors, leaves).items() if k not in held}
     own = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     own = {k: b for k, b in own.items() if k not in held and k not in saved}
     return sum(saved.values()) + sum(own.values()) + 2 * max([*saved.values(), *own.values()], default=0)

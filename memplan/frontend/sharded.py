@@ -20,10 +20,11 @@ What FSDP2 holds is in the ledger (`ShardedAccounts`):
   after the block's forward and gathers them again for its backward);
 * a block's gradient shard (what the reduce-scatter leaves): kept to the step's end, as a
   plan's gradients are;
-* while a block runs, FSDP2's staging (the all-gather's output before it is copied into the
-  parameters, the reduce-scatter's input after backward: each about the block's gathered
-  bytes) and the neighbouring block's parameters gathered ahead of its backward (FSDP2's
-  backward prefetch): `Call.transient`, outside the plan.
+* while a block's backward runs, the block before it gathered ahead (FSDP2's backward
+  prefetch) and the reduce-scatter input of the block after it (`Call.transient`); before its
+  forward, for a moment, its all-gather output (`Call.staging`); at the end of backward, the
+  root's reduce-scatter input (`StepLedger.closing`): outside every plan, in program order,
+  which is what an allocator counts.
 
 The communication library's own buffers (gloo's, NCCL's) are not torch tensors and are in no
 plan.
@@ -56,6 +57,11 @@ class ShardedAccounts:
         self._root_counted = False  # whether the root's gathered parameters are in `_held`
         self._held_in: tuple[int, int] | None = None  # (ledger, entries) `_held` was last put into (`hold_in`)
         self.largest_unit = 0  # the largest block's gathered bytes, seen so far
+        self.unit_bytes: dict[int, int] = {}  # block index -> its gathered bytes, seen at its calls
+        # the root's gathered parameters' gradients (key -> bytes), once FSDP2 gathered them; those the
+        # code after the last block makes (a gradient of the loss head's weights)
+        self.root_grads: dict[Any, int] = {}
+        self.tail_grads: frozenset = frozenset()
         # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.group: Any = None  # the process group of FSDP2's mesh (None: the default group)
@@ -111,17 +117,19 @@ class ShardedAccounts:
                     self._by_gathered[id(gathered)] = (storage_key(shard), shard.numel() * shard.element_size())
                     self._unit_of[id(gathered)] = index
 
-    def shard_of(self, t: torch.Tensor) -> tuple[Any, int] | None:
-        """``t``'s shard (key, bytes) where ``t`` is a block's all-gathered parameter, else None."""
+    def shard_of(self, t: torch.Tensor) -> tuple[Any, int, int] | None:
+        """``t``'s shard (key, bytes) and its block's index where ``t`` is a block's all-gathered
+        parameter, else None."""
         if not isinstance(t, nn.Parameter):
             return None
         found = self._by_gathered.get(id(t))
         if found is None:
             self._refresh()
             found = self._by_gathered.get(id(t))
-        if found is not None:
-            self.planned.add(self._unit_of[id(t)])
-        return found
+        if found is None:
+            return None
+        self.planned.add(self._unit_of[id(t)])
+        return (*found, self._unit_of[id(t)])
 
     def mark_planned(self, args: tuple) -> None:
         """A block's graph ran with nothing to plan (no gradient needed): it is not outside the plans."""
@@ -162,10 +170,10 @@ class ShardedAccounts:
                     key, nbytes = storage_key(gathered), gathered.untyped_storage().nbytes()
                     self._held[key] = nbytes
                     if gathered.requires_grad:
-                        # its gradient waits, whole, for the root's reduce-scatter at the end of backward,
-                        # which copies it into the reduce-scatter's input (in the reduce dtype)
-                        self._held[("grad", key)] = nbytes
-                        self._held[("reduce-scatter input", key)] = int(nbytes * self.reduce_ratio)
+                        # its gradient is made by the code after the last block (`root_grads_made_by`)
+                        # or at the end of backward (the embedding's), and waits, whole, for the root's
+                        # reduce-scatter at the end of backward, which copies it into its input (`closing`)
+                        self.root_grads[("grad", key)] = nbytes
         return self._held
 
     def hold_in(self, ledger: Any) -> None:
@@ -175,6 +183,7 @@ class ShardedAccounts:
         held = self.held_all_step()
         if self._held_in != (id(ledger), len(held)):
             ledger.hold_resident(held)
+            ledger.closing = self.closing
             self._held_in = (id(ledger), len(held))
 
     def any_rank(self, flag: bool) -> bool:
@@ -187,15 +196,49 @@ class ShardedAccounts:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def transient(self, gathered_bytes: int) -> int:
-        """Bytes FSDP2 holds outside a block's plan while the block runs, the block's gathered
-        parameters being ``gathered_bytes``: its staging (the all-gather's output in forward, the
-        reduce-scatter's input after backward, in the reduce dtype), the largest other block's
-        parameters, gathered ahead of their backward, and the reduce-scatter input of the block whose
-        backward ran before (FSDP2 keeps it until the next block's reduce-scatter is issued)."""
+    def outside(self, unit: int) -> tuple[int, int]:
+        """(transient, staging): the bytes FSDP2 holds outside block ``unit``'s plan (`Call`), in
+        program order (what the allocator counts, on any device). While its backward runs: the
+        all-gather output of the block before it, gathered ahead of that block's backward (FSDP2's
+        backward prefetch), and the reduce-scatter input of the block after it (kept until this
+        block's own reduce-scatter is issued, in the reduce dtype). For a moment before its forward:
+        its own all-gather output, before it is copied into its parameters. A block not seen yet
+        counts as the largest seen."""
+        prefetch = self._gathered(unit - 1) if unit > 0 else 0
+        reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if unit + 1 < len(self.units) else 0
+        return prefetch + reduce_input, self._gathered(unit)
+
+    @property
+    def ahead_of_tail(self) -> int:
+        """Bytes FSDP2 holds while the code after the last block runs its backward: the last
+        block's all-gather output, gathered ahead of its backward by the root's."""
+        return self._gathered(len(self.units) - 1)
+
+    def _gathered(self, unit: int) -> int:
+        return self.unit_bytes.get(unit, self.largest_unit)
+
+    def saw(self, unit: int, gathered_bytes: int) -> None:
+        """Block ``unit``'s call gathered ``gathered_bytes`` of parameters."""
+        self.unit_bytes[unit] = gathered_bytes
         self.largest_unit = max(self.largest_unit, gathered_bytes)
-        staging = max(gathered_bytes, int(gathered_bytes * self.reduce_ratio))
-        return staging + self.largest_unit + int(self.largest_unit * self.reduce_ratio)
+
+    def root_grads_made_by(self, leaves: list) -> dict[Any, int]:
+        """The root's gradients (key -> bytes) among those of ``leaves`` (the parameters the code
+        after the last block makes gradients for): that code's finals in the ledger."""
+        keys = {storage_key(p) for p in leaves if isinstance(p, torch.Tensor)}
+        made = {k: b for k, b in self.root_grads.items() if k[1] in keys}
+        self.tail_grads = frozenset(made)
+        return made
+
+    @property
+    def closing(self) -> int:
+        """Bytes FSDP2 holds at the end of the step's backward beside every gradient shard and the
+        code after the last block's gradients: the root's other gradients (its embedding's, made
+        by the root's own backward after the first block's) and its reduce-scatter input (all its
+        gradients, in the reduce dtype)."""
+        root = sum(self.root_grads.values())
+        late = sum(b for k, b in self.root_grads.items() if k not in self.tail_grads)
+        return late + int(root * self.reduce_ratio)
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:

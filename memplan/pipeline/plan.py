@@ -205,6 +205,28 @@ class Plan:
         reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0
         return max(0, int(result.timeline[cut - 1]) - result.initial - reserve) if cut else 0
 
+    @functools.cached_property
+    def phase_peaks(self) -> tuple[int, int]:
+        """The most memory the plan holds in its forward and in its backward (the schedule split
+        where the backward begins), counting what it really allocates: the room a carry limit
+        reserves at the end of forward (``CUT_RESERVE``) is for the other plans of the step, not
+        memory of this one. What a step with several plans predicts from (`StepLedger.predict`)."""
+        steps = list(self.schedule)
+        timeline = self.simulated.timeline.astype("int64").copy()
+        problem = self.analysis.lowered.problem
+        if CUT_RESERVE in problem.index:
+            reserve = int(problem.mem[problem.index[CUT_RESERVE]])
+            made = next((k for k, (op, node) in enumerate(steps) if op == "compute" and node == CUT_RESERVE), None)
+            if made is not None:
+                freed = next((k for k, (op, node) in enumerate(steps)
+                              if k > made and op == "free" and node == CUT_RESERVE), len(steps))
+                timeline[made:freed] -= reserve  # timeline[k]: memory after step k
+        cut = next((k for k, (op, node) in enumerate(steps) if op == "compute" and node == BACKWARD), len(steps))
+        initial = int(self.simulated.initial)
+        forward = max([initial, *timeline[:cut].tolist()])
+        backward = max([initial, *timeline[cut:].tolist()])
+        return forward, backward
+
     @property
     def gap(self) -> float | None:
         """Relative distance (time - bound) / time of the plan's predicted step time from the

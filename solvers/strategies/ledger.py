@@ -44,9 +44,12 @@ class Call:
     position: int
     owned: frozenset  # its inputs: parameters, the step's inputs, what earlier plans returned
     final: frozenset
-    # Bytes a distributed engine holds only while this plan runs, outside it (FSDP2's staging
-    # buffers for the unit's parameters and gradients, the next unit's prefetched parameters).
+    # Bytes a distributed engine holds outside the plan while its backward runs (FSDP2's next
+    # unit's parameters, gathered ahead, and the previous unit's reduce-scatter input).
     transient: int = 0
+    # Bytes an engine holds for a moment before the forward runs, beside the plan's inputs only
+    # (FSDP2's all-gather output, copied into the unit's parameters).
+    staging: int = 0
 
 
 @dataclass
@@ -66,18 +69,26 @@ class StepLedger:
     calls: list[Call] = field(default_factory=list)  # this step's calls so far
     last_calls: list[Call] = field(default_factory=list)  # the previous step's calls
     steps_seen: int = 0
+    # call position -> the step's predicted memory while that call runs (`predict`), this step's
+    # and the previous step's; and bytes an engine holds at the step's end beside every gradient
+    predicted: dict[int, int] = field(default_factory=dict)
+    last_predicted: dict[int, int] = field(default_factory=dict)
+    closing: int = 0
     _tokens: int = 0
 
     def begin(self, resident: dict[Hashable, int], final: dict[Hashable, int],
               step_resident: dict[Hashable, int] | None = None, inputs: frozenset = frozenset(),
-              transient: int = 0) -> Call:
+              transient: int = 0, staging: int = 0) -> Call:
         """A plan is about to run its forward, owning ``resident`` (held every step: parameters)
         and ``step_resident`` (held to this step's end: the step's inputs, which the caller keeps)
         and making ``final`` (key -> bytes each), reading ``inputs`` (keys: what another plan
         returned is counted in this plan, not as the other's); an engine holds ``transient``
-        bytes outside it while it runs. A call while nothing is carried starts a new step."""
+        bytes outside it while its backward runs and ``staging`` for a moment before its forward
+        (`Call`). A call while nothing is carried starts a new step."""
         if not self.live and self.calls:
             self.last_calls, self.calls = self.calls, []
+            if self.predicted:  # (the first step's calls predict nothing: its rehearsal did, `adopt`)
+                self.last_predicted, self.predicted = self.predicted, {}
             self.step_resident = {}
             self.steps_seen += 1
             for pos, more in self.pending.items():
@@ -89,7 +100,7 @@ class StepLedger:
         self.step_resident.update(step_resident)
         self.final_bytes.update(final)
         call = Call(len(self.calls), frozenset(resident) | frozenset(step_resident) | frozenset(inputs),
-                    frozenset(final), transient)
+                    frozenset(final), transient, staging)
         self.calls.append(call)
         return call
 
@@ -98,16 +109,44 @@ class StepLedger:
         engine's parameter shards): every plan counts it among the others' holdings."""
         self.resident.update(held)
 
-    def held_by_others(self, call: Call) -> int:
-        """Bytes the other plans hold at some moment while ``call`` runs (its forward or its
-        backward): their resident tensors, every carried account still open, the gradients of
-        the calls after it in the previous step's order (during its backward), and what an
-        engine holds while it runs (`Call.transient`)."""
+    def _others(self, call: Call) -> tuple[int, int]:
+        """What the others hold while ``call`` runs: (in its forward, more in its backward). In its
+        forward, their resident tensors and every carried account still open; in its backward also
+        the gradients of the calls after it in the previous step's order and what an engine holds
+        then (`Call.transient`)."""
         resident = sum(b for k, b in {**self.resident, **self.step_resident}.items() if k not in call.owned)
         returned = {k: b for _, _, outs in self.live.values() for k, b in outs.items() if k not in call.owned}
         carried = sum(c for _, c, _ in self.live.values()) + sum(returned.values())
         later = set().union(*(c.final for c in self.last_calls[call.position + 1:])) - call.final - call.owned
-        return resident + carried + sum(self.final_bytes[k] for k in later) + call.transient
+        return resident + carried, sum(self.final_bytes[k] for k in later) + call.transient
+
+    def held_by_others(self, call: Call) -> int:
+        """Bytes the other plans hold at some moment while ``call`` runs (its forward or its
+        backward: `_others`)."""
+        forward, more = self._others(call)
+        return forward + more
+
+    def predict(self, call: Call, forward_peak: int, backward_peak: int, sources: int = 0) -> int:
+        """The step's memory while ``call`` runs, its plan holding at most ``forward_peak`` in its
+        forward and ``backward_peak`` in its backward (`memplan.pipeline.plan.Plan.phase_peaks`),
+        ``sources`` at its start (beside an engine's `Call.staging`); kept for `predicted_peak`."""
+        forward, more = self._others(call)
+        peak = max(forward + max(forward_peak, sources + call.staging), forward + more + backward_peak)
+        self.predicted[call.position] = peak
+        return peak
+
+    @property
+    def predicted_peak(self) -> int:
+        """The most memory predicted at any call of the last whole step (of this one while it is the
+        first), or at its end, where every gradient is kept beside ``closing``."""
+        calls = self.last_predicted or self.predicted
+        return max([self.at_end, *calls.values()]) if calls else 0
+
+    @property
+    def at_end(self) -> int:
+        """Bytes held at the step's end, after every backward: what is resident, every gradient kept,
+        and ``closing``."""
+        return sum({**self.resident, **self.step_resident}.values()) + sum(self.final_bytes.values()) + self.closing
 
     def backward_allowance(self, call: Call, token: int | None = None) -> int:
         """What ``call``'s plan may peak at when it is planned at its backward, ``token`` being its
@@ -131,7 +170,9 @@ class StepLedger:
         return copied
 
     def adopt(self, rehearsed: "StepLedger") -> None:
-        """Take the carry limits ``rehearsed`` settled on, for the next step of this ledger."""
+        """Take the carry limits ``rehearsed`` settled on, and what it predicted, for the next step
+        of this ledger."""
+        self.predicted = dict(rehearsed.predicted)
         self.reserve = dict(rehearsed.reserve)
         self.most_carried = dict(rehearsed.most_carried)
         self.pending = {}

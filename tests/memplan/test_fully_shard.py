@@ -41,6 +41,9 @@ def _llama(rank: int) -> tuple[nn.Module, tuple]:
 CASES = {"gpt": _gpt, "llama": _llama}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
 SHARE = {"gpt": 0.85, "llama": 0.8}
+# How far the predicted peak (`MemplanBackend.predicted_peak`) may be from the measured one. The
+# library Llama's prediction is 128 KB (4%) high in its second layer's backward, a cause not found yet.
+PREDICTED_WITHIN = {"gpt": 0.02, "llama": 0.05}
 
 
 def _free_port() -> int:
@@ -90,6 +93,8 @@ def _rank(rank: int, port: int, case: str) -> None:
         peaks = _train(model, opt, args)
         assert max(peaks) <= budget, (case, peaks, budget, eager)
         assert max(peaks) < max(eager)
+        predicted, measured = model.memplan_backend.predicted_peak, sorted(peaks)[len(peaks) // 2]
+        assert abs(predicted - measured) <= PREDICTED_WITHIN[case] * measured, (case, predicted, peaks)
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
             for key, value in ref_opt.state[p].items():
