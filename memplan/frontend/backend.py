@@ -318,6 +318,12 @@ class MemplanBackend:
                 continue
             lines.append(f"  graph {g.index}: allowance {format_bytes(g.last_allowance or 0)}, planned peak "
                          f"{format_bytes(plan.predicted_peak)}, carried to backward {format_bytes(plan.carried_bytes)}")
+        if self.predicted_peak:
+            lines.append(f"  predicted step peak {format_bytes(self.predicted_peak)} (every graph with what the "
+                         "others and the code between them hold)")
+        if self.sharding is not None:
+            lines.append("  FSDP2 on this rank: " + ", ".join(
+                f"{name} {format_bytes(nbytes)}" for name, nbytes in self.sharding.categories().items()))
         return "\n".join(lines)
 
 

@@ -62,6 +62,7 @@ class ShardedAccounts:
         # code after the last block makes (a gradient of the loss head's weights)
         self.root_grads: dict[Any, int] = {}
         self.tail_grads: frozenset = frozenset()
+        self.root_gathered = 0  # the root's gathered parameters' bytes
         # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.group: Any = None  # the process group of FSDP2's mesh (None: the default group)
@@ -169,6 +170,7 @@ class ShardedAccounts:
                     self._root_counted = True
                     key, nbytes = storage_key(gathered), gathered.untyped_storage().nbytes()
                     self._held[key] = nbytes
+                    self.root_gathered += nbytes
                     if gathered.requires_grad:
                         # its gradient is made by the code after the last block (`root_grads_made_by`)
                         # or at the end of backward (the embedding's), and waits, whole, for the root's
@@ -239,6 +241,25 @@ class ShardedAccounts:
         root = sum(self.root_grads.values())
         late = sum(b for k, b in self.root_grads.items() if k not in self.tail_grads)
         return late + int(root * self.reduce_ratio)
+
+
+    def categories(self) -> dict[str, int]:
+        """What FSDP2 holds on this rank by kind, in bytes (`MemplanBackend.report`): what is held
+        all step, and the most the blocks' gathered parameters and the communication buffers take
+        at once."""
+        held = self.held_all_step()
+        optimizer = sum(self.optimizers.values())
+        shards = sum(held.values()) - optimizer - self.root_gathered
+        comm = max([self.closing, *(sum(self.outside(i)) for i in range(len(self.units)))])
+        return {
+            "parameter shards": shards,
+            "optimizer state (shards)": optimizer,
+            "root parameters, gathered": self.root_gathered,
+            "root gradients": sum(self.root_grads.values()),
+            "gradient shards (blocks)": sum(nbytes for _, nbytes in self._by_gathered.values()),
+            "largest block, gathered": self.largest_unit,
+            "communication buffers (most at once)": comm,
+        }
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:

@@ -67,7 +67,44 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> list[in
     return peaks
 
 
-def _rank(rank: int, port: int, case: str) -> None:
+def _checkpoint_resumes(case: str, rank: int, budget: int, directory: str) -> None:
+    """Saved with torch.distributed.checkpoint after two steps and loaded into a fresh model that
+    memplan.fully_shard sharded, with a fresh optimizer: the third step reaches the parameters and
+    AdamW state of the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def made() -> tuple[nn.Module, torch.optim.Optimizer, tuple]:
+        torch.manual_seed(0)  # the same initial parameters on every rank and in both runs
+        model, args = CASES[case](rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return memplan.fully_shard(model, budget, optimizer=opt, time_limit=5), opt, args
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> None:
+        model(*args).backward()
+        opt.step()
+        opt.zero_grad()
+
+    first, first_opt, args = made()
+    for _ in range(2):
+        step(first, first_opt, args)
+    model_state, optim_state = get_state_dict(first, first_opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    step(first, first_opt, args)
+
+    second, second_opt, _ = made()
+    model_state, optim_state = get_state_dict(second, second_opt)
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+    set_state_dict(second, second_opt, model_state_dict=model_state, optim_state_dict=optim_state)
+    step(second, second_opt, args)
+    for (name, p), q in zip(first.named_parameters(), second.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
+        for key, value in first_opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                torch.testing.assert_close(second_opt.state[q][key].full_tensor(), value.full_tensor(), msg=key)
+
+
+def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -100,14 +137,18 @@ def _rank(rank: int, port: int, case: str) -> None:
             for key, value in ref_opt.state[p].items():
                 if isinstance(value, torch.Tensor) and value.dim():
                     torch.testing.assert_close(opt.state[q][key].full_tensor(), value.full_tensor(), msg=f"{name} {key}")
+        if directory:
+            torch._dynamo.reset()
+            _checkpoint_resumes(case, rank, budget, directory)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt", "llama"])
-def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case):
-    mp.spawn(_rank, args=(_free_port(), case), nprocs=WORLD_SIZE, join=True)
+def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case, tmp_path):
+    # (the GPT also resumes from a torch.distributed.checkpoint: one spawn, to keep make test short)
+    mp.spawn(_rank, args=(_free_port(), case, str(tmp_path) if case == "gpt" else ""), nprocs=WORLD_SIZE, join=True)
 
 
 def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_sharding():
@@ -123,6 +164,38 @@ def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_s
         memplan.fully_shard(model, "1GB", optimizer=opt)
     with pytest.raises(ValueError, match="no repeated blocks"):
         memplan.fully_shard(nn.Linear(2, 2), "1GB")
+
+
+class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops this thread runs, in order (a backward's, FSDP2's collectives among them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _reduce_scatter_overlaps_backward(rank: int) -> None:
+    """With three blocks, the first block's gradients go to FSDP2's reduce-scatter while the other
+    blocks' backwards are still to run: each block's backward is a plan of its own."""
+    zm = zoo.build("gpt", size="tiny", batch_size=4, overrides={"dropout": 0.0, "layers": 3})
+    torch.manual_seed(rank)
+    model = memplan.fully_shard(memplan.WithLoss(zm.model, zm.loss_fn), "1GB", time_limit=5)
+    x = torch.randint_like(zm.example_inputs[0], 0, 64)
+    for _ in range(2):  # the second step runs the plans (the first plans at its backward)
+        loss = model(x)
+        recorder = OpRecorder()
+        with recorder:
+            loss.backward()
+    ops = recorder.names
+    reduce_scatters = [i for i, name in enumerate(ops) if "reduce_scatter" in name]
+    matmuls = [i for i, name in enumerate(ops) if name.startswith(("aten.mm", "aten.addmm", "aten.bmm"))]
+    assert len(reduce_scatters) == 4, reduce_scatters  # the three blocks and the root
+    assert reduce_scatters[0] < matmuls[-1], (reduce_scatters, matmuls[-1])
+    assert sum(reduce_scatters[0] < i for i in matmuls) >= len(matmuls) // 3
 
 
 def _too_small(rank: int, port: int) -> None:
@@ -145,12 +218,14 @@ def _too_small(rank: int, port: int) -> None:
         with torch._dynamo.config.patch(recompile_limit=1), \
                 pytest.raises(memplan.DistributedTrainingError, match=r"block\(s\) \[1\] ran outside"):
             model(*args)
+        torch._dynamo.reset()
+        _reduce_scatter_overlaps_backward(rank)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_budget_too_small_on_one_rank_stops_every_rank_and_a_block_outside_the_plans_is_refused():
+def test_a_budget_too_small_on_one_rank_stops_every_rank_a_block_outside_the_plans_is_refused_and_reduce_scatters_overlap():
     mp.spawn(_too_small, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
 
 
