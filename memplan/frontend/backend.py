@@ -239,11 +239,14 @@ class MemplanBackend:
             short, floor = {}, 0
             for record in calls:
                 graph, account = record.graph, record.account
-                if account.eager_saved:
+                first = not ledger.live
+                if account.eager_saved and not first:
                     ledger.hold_with_last(account.eager_saved)
                 carried_before = sum(c for _, c, _ in ledger.live.values())
                 call = ledger.begin(account.resident, account.final, account.step_inputs, account.inputs,
                                     *self.outside(account.unit))
+                if account.eager_saved and first:
+                    ledger.hold_to_end(account.eager_saved)
                 carried = 0
                 if not graph.unplanned:
                     try:

@@ -94,14 +94,21 @@ class PlannedGraph:
         if not first:  # what eager code since the last graph saved for its backward is held too
             eager_saved = _saved_by_eager_autograd(tensors)
             ledger.hold_with_last(eager_saved)
+        else:  # what eager code before the first graph saved (a CNN's stem): held to the step's end
+            eager_saved = {k: b for k, b in _saved_by_eager_autograd(tensors).items()
+                           if k not in resident and k not in others}
         if unit is not None:
             sharding.saw(unit, sum(gathered.values()))
         call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others) | frozenset(gathered),
                             *self.backend.outside(unit))
+        if first and eager_saved:
+            ledger.hold_to_end(eager_saved)
         if first:
             self.backend.new_step()
         # Inputs other than the step's own and the resident ones: a plan holds them to its backward.
-        held = {k: b for k, b in others.items() if k not in ledger.resident and k not in ledger.step_resident}
+        returned = {k for _, _, outs in ledger.live.values() for k in outs}  # counted in another account
+        held = {k: b for k, b in others.items()
+                if k not in ledger.resident and k not in ledger.step_resident and k not in returned}
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
             return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs,
                                                                            {**others, **gathered}, held,
@@ -157,8 +164,12 @@ class PlannedGraph:
         module = self._planned(allowance, limit, args)
         if module is None and limit is not None:
             excess = self._failed_by(args, allowance, limit)
-            if excess:
-                module = self._planned(allowance, limit + excess, args)
+            # The smallest budget found for the limit overstates the carry it lacks (the search is a
+            # heuristic): a quarter and a half of it first, or the graph carries more than it must.
+            for more in (excess // 4, excess // 2, excess) if excess else ():
+                module = self._planned(allowance, limit + more, args) if more else None
+                if module is not None:
+                    break
             if module is None:  # no limit that fits: keep what this graph needs
                 module = self._planned(allowance, None, args)
         if module is not None:

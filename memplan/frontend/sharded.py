@@ -263,15 +263,31 @@ class ShardedAccounts:
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of ``model``: the children of its largest ``ModuleList`` / ``Sequential``
-    whose children are all of one class (a transformer's layers, a CNN's stages of one kind)."""
-    best: list[nn.Module] = []
+    """The repeated blocks of ``model``, in order: the modules of the one class, held in a
+    ``ModuleList`` / ``Sequential`` at least twice, whose instances hold the most parameters
+    together (a transformer's layers; a ResNet's blocks across all its stages). A block inside
+    another block of that class is part of the outer one."""
+    by_class: dict[type, list[nn.Module]] = {}
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if len(children) >= 2 and len({type(c) for c in children}) == 1 and len(children) > len(best):
-                best = children
-    return best
+            for child in module.children():
+                if not isinstance(child, (nn.ModuleList, nn.Sequential)):
+                    by_class.setdefault(type(child), []).append(child)
+
+    def weight(modules: list[nn.Module]) -> int:
+        return sum(p.numel() for m in modules for p in m.parameters())
+
+    candidates = [ms for ms in by_class.values() if len(ms) >= 2 and weight(ms) > 0]
+    if not candidates:
+        return []
+    chosen = {id(m) for m in max(candidates, key=weight)}
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():  # pre-order: an outer block comes before what it holds
+        if id(module) in chosen and id(module) not in inside:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
 
 
 def fully_shard(
@@ -298,7 +314,8 @@ def fully_shard(
     ``units``: the modules sharded and planned one by one (default: the model's repeated blocks,
     `find_units`). ``mesh`` and ``mp_policy``: FSDP2's own (a 1-D mesh: HSDP is not planned).
     ``solver``, ``time_limit`` and ``kernel_scratch``: each block's plan's, as for
-    ``memplan.optimize``."""
+    ``memplan.optimize`` (``kernel_scratch`` on unless False: a rank's memory is what its allocator
+    hands out, kernels' own scratch included)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -336,8 +353,10 @@ def fully_shard(
         if foreign:
             raise DistributedTrainingError(
                 f"memplan.fully_shard: the optimizer holds {len(foreign)} tensor(s) that are not this model's parameters")
+    # Scratch kernels allocate for themselves (a CPU convolution's, cuDNN's workspaces) is on by
+    # default: FSDP2's memory is witnessed by the allocator (every thread's: gloo's, NCCL's), which sees it.
     backend = MemplanBackend(budget, PlanOptions(solver=solver, time_limit=time_limit,
-                                                 kernel_scratch=kernel_scratch))
+                                                 kernel_scratch=True if kernel_scratch is None else kernel_scratch))
     accounts = backend.sharding = ShardedAccounts(blocks, model, backend)
     policy = mp_policy or MixedPrecisionPolicy()
     options: dict[str, Any] = {"mp_policy": policy}

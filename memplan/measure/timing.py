@@ -9,6 +9,8 @@ time, so profiling needs no more memory than the largest single op.
 """
 from __future__ import annotations
 
+import warnings
+
 import statistics
 import time
 from typing import Any, Callable
@@ -153,6 +155,12 @@ def _signature(node: fx.Node, device: torch.device) -> tuple:
             tuple(sorted((k, repr(pytree.tree_map(key, v))) for k, v in node.kwargs.items())))
 
 
+def _warn_profiling() -> None:
+    warnings.warn("memplan: kernel scratch is not measured while a torch.profiler session runs (profilers do not "
+                  "nest): this plan leaves no room for it; plan the step once outside the profiler",
+                  UserWarning, stacklevel=4)
+
+
 def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[str, int]:
     """Bytes each op of `SCRATCH_OPS` in ``gm`` allocates for itself while it runs (its peak on the
     device allocator, less its new outputs), measured once per op signature on ``device`` with
@@ -165,11 +173,18 @@ def measure_op_scratch(gm: fx.GraphModule, device: torch.device | str) -> dict[s
     device = torch.device(device)
     forked = [device.index or 0] if device.type == "cuda" else []
     scratch: dict[str, int] = {}
+    # On the CPU the measure is a profiler session of its own, and profilers do not nest (a second
+    # session inside a running one crashes the process): under someone else's profiler, nothing is
+    # measured (or remembered) until a plan is made outside it.
+    profiling = device.type == "cpu" and torch.autograd.profiler._is_profiler_enabled
     with torch.no_grad(), torch.random.fork_rng(devices=forked):
         for node in gm.graph.nodes:
             if node.op != "call_function" or str(node.target) not in SCRATCH_OPS:
                 continue
             sig = _signature(node, device)
+            if sig not in _SCRATCH_CACHE and profiling:
+                _warn_profiling()
+                continue
             if sig not in _SCRATCH_CACHE:
                 held: list[Any] = []
                 try:

@@ -29,7 +29,8 @@ in a training step:
   kilobytes) must be kept.
 * ``CUT_RESERVE`` (only with ``carry_limit=``) is room held for others at the
   end of forward: read by ``BACKWARD`` and made after every forward output,
-  its bytes are budget - sources - limit, so a plan whose peak fits the budget
+  its bytes are budget - sources - limit - the tangents' (``BACKWARD`` makes them while
+  the reserve is still held), so a plan whose peak fits the budget
   carries at most ``limit`` bytes from its forward into its backward (what a
   step with several plans needs: `solvers.strategies.ledger`).
 
@@ -240,15 +241,18 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
 
     def add_backward_barrier():
         before = list(dict.fromkeys(fw_outputs))
+        tangent_bytes = sum(costs.values[t.name].nbytes for t in tangent_nodes)
         if carry_limit is not None:
             limit, at_budget = carry_limit
             sources = sum(costs.values[n.name].nbytes for n in primal_nodes)
-            add_value(CUT_RESERVE, mem=max(0, at_budget - sources - limit), cost=0.0, recomputable=False,
-                      preds=before or [START], alias_of=None)
+            # BACKWARD reads the reserve and makes the tangents: they are held together for a moment,
+            # so the reserve leaves the tangents' room too, and the carried bytes meet the limit exactly
+            add_value(CUT_RESERVE, mem=max(0, at_budget - sources - limit - tangent_bytes), cost=0.0,
+                      recomputable=False, preds=before or [START], alias_of=None)
             before.append(CUT_RESERVE)
         add_value(
             BACKWARD,
-            mem=sum(costs.values[t.name].nbytes for t in tangent_nodes),
+            mem=tangent_bytes,
             cost=0.0,
             recomputable=False,
             preds=before,

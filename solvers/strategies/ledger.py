@@ -104,6 +104,11 @@ class StepLedger:
         self.calls.append(call)
         return call
 
+    def hold_to_end(self, held: dict[Hashable, int]) -> None:
+        """``held`` (key -> bytes) stays resident to this step's end and belongs to no plan (what eager
+        code before the step's first plan saved for its backward, which runs last)."""
+        self.step_resident.update(held)
+
     def hold_resident(self, held: dict[Hashable, int]) -> None:
         """``held`` (key -> bytes) stays resident every step and belongs to no plan (a distributed
         engine's parameter shards): every plan counts it among the others' holdings."""

@@ -3,8 +3,10 @@
 ``memplan.fully_shard(model, budget, optimizer=opt)`` must train to the parameters and AdamW
 state that torch's own ``fully_shard`` on the same blocks trains to (an update on a rank's
 unreduced gradient would show: the ranks' batches differ), with each rank's measured step peak
-under its budget. The witness is the profiler's allocation events (every thread's: gloo's
-included); memplan's dispatch-mode tracker would make dynamo run the compiled blocks eagerly.
+under its budget and within 2% of the peak it predicts. The witness is the profiler's allocation
+events (every thread's: gloo's included); memplan's dispatch-mode tracker would make dynamo run the
+compiled blocks eagerly. The first step, where memplan plans, runs outside the profiler: planning
+measures kernels' scratch with a profiler of its own, and profilers do not nest.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from memplan.models import zoo
 from .helpers import library_llama, run_torchrun_example
 
 WORLD_SIZE = 2
-STEPS = 3
+STEPS = 4  # the first unmeasured (memplan plans in it), then three measured
 
 
 def _gpt(rank: int) -> tuple[nn.Module, tuple]:
@@ -38,12 +40,27 @@ def _llama(rank: int) -> tuple[nn.Module, tuple]:
     return library_llama(rank, (4, 64))
 
 
-CASES = {"gpt": _gpt, "llama": _llama}
+def _cnn(rank: int) -> tuple[nn.Module, tuple]:
+    """The zoo CNN (BatchNorm, its stem before the first block eager code in no plan)."""
+    zm = zoo.build("cnn", size="tiny", batch_size=32, overrides={"dropout": 0.0})
+    torch.manual_seed(100 + rank)
+    return memplan.WithLoss(zm.model, zm.loss_fn), (torch.randn_like(zm.example_inputs[0]),)
+
+
+CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
-SHARE = {"gpt": 0.85, "llama": 0.8}
-# How far the predicted peak (`MemplanBackend.predicted_peak`) may be from the measured one. The
-# library Llama's prediction is 128 KB (4%) high in its second layer's backward, a cause not found yet.
-PREDICTED_WITHIN = {"gpt": 0.02, "llama": 0.05}
+# The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest.
+SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.92}
+
+
+def _policy(case: str) -> dict:
+    """FSDP2's options for ``case``: the library Llama computes in bf16 with fp32 shards and reductions
+    (MixedPrecisionPolicy), the others in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if case != "llama":
+        return {}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def _free_port() -> int:
@@ -57,11 +74,16 @@ def _locals(tensors) -> list[torch.Tensor]:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> list[int]:
-    """Each step's forward and backward peak (the profiler's), the optimizer's step after it."""
+    """Each step's forward and backward peak (the profiler's; the batch and what FSDP2 and the
+    optimizer held before it counted too), the optimizer's step after it; the first step unmeasured."""
     peaks = []
-    for _ in range(STEPS):
+    for step in range(STEPS):
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        peaks.append(profiled_peak(lambda: model(*args).backward(), resident=_locals([*model.parameters(), *state])))
+        if step == 0:
+            model(*args).backward()
+        else:
+            held = _locals([*model.parameters(), *state, *args])
+            peaks.append(profiled_peak(lambda: model(*args).backward(), resident=held))
         opt.step()
         opt.zero_grad()
     return peaks
@@ -114,24 +136,24 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
         model, args = CASES[case](rank)
         reference = copy.deepcopy(model)
         for block in find_units(reference):
-            fully_shard(block)
-        fully_shard(reference)
+            fully_shard(block, **_policy(case))
+        fully_shard(reference, **_policy(case))
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         eager = _train(reference, ref_opt, args)
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        # (the median step: under gloo a step's peak is one block's bytes higher now and then, when the
-        # communication thread still holds a reduce-scatter's input)
+        # (the median step: a step's peak is one tensor higher now and then, when a reference cycle
+        # that holds one, a Hugging Face cache's, is collected later)
         budget = int(SHARE[case] * sorted(eager)[len(eager) // 2])
         with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
             memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
-        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5)
+        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5, **_policy(case))
         assert sharded is model and len(model.memplan_backend.graphs) == 0
         peaks = _train(model, opt, args)
         assert max(peaks) <= budget, (case, peaks, budget, eager)
         assert max(peaks) < max(eager)
         predicted, measured = model.memplan_backend.predicted_peak, sorted(peaks)[len(peaks) // 2]
-        assert abs(predicted - measured) <= PREDICTED_WITHIN[case] * measured, (case, predicted, peaks)
+        assert abs(predicted - measured) <= 0.02 * measured, (case, predicted, peaks)
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
             for key, value in ref_opt.state[p].items():
@@ -145,7 +167,7 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gpt", "llama"])
+@pytest.mark.parametrize("case", ["gpt", "llama", "cnn"])
 def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case, tmp_path):
     # (the GPT also resumes from a torch.distributed.checkpoint: one spawn, to keep make test short)
     mp.spawn(_rank, args=(_free_port(), case, str(tmp_path) if case == "gpt" else ""), nprocs=WORLD_SIZE, join=True)
