@@ -92,8 +92,11 @@ class PlannedGraph:
         step_inputs = {k: b for k, b in others.items() if k not in resident} if first else {}
         eager_saved: dict[int, int] = {}
         if not first:  # what eager code since the last graph saved for its backward is held too
-            eager_saved = _saved_by_eager_autograd(tensors)
+            leaves: list = []
+            eager_saved = _saved_by_eager_autograd(tensors, leaves)
             ledger.hold_with_last(eager_saved)
+            # and the gradients it makes (its backward runs after this graph's): finals of this call
+            final.update(self._eager_grads(leaves, final))
         else:  # what eager code before the first graph saved (a CNN's stem): held to the step's end
             eager_saved = {k: b for k, b in _saved_by_eager_autograd(tensors).items()
                            if k not in resident and k not in others}
@@ -131,6 +134,17 @@ class PlannedGraph:
         out = module(*args)
         self._hold_until_backward(call, module.plan, tensors, out, held)
         return out
+
+    def _eager_grads(self, leaves: list, final: dict) -> dict:
+        """The gradients (key -> bytes) eager code between the last graph and this one makes for the
+        parameters ``leaves``, under FSDP2: the root's (`ShardedAccounts.root_grads_made_by`). (Without
+        FSDP2 they are not counted yet: a parameter used between graph breaks is rare.)"""
+        sharding = self.backend.sharding
+        if sharding is None:
+            return {}
+        made = sharding.root_grads_made_by(leaves)
+        self.backend.ledger.closing = sharding.closing
+        return made
 
     def _discover(self, call: Call, args: tuple, account: "_Account") -> Any:
         """The first step's call: run the graph without saving anything for its backward, its

@@ -61,7 +61,7 @@ class ShardedAccounts:
         # the root's gathered parameters' gradients (key -> bytes), once FSDP2 gathered them; those the
         # code after the last block makes (a gradient of the loss head's weights)
         self.root_grads: dict[Any, int] = {}
-        self.tail_grads: frozenset = frozenset()
+        self.eager_grads: set = set()  # those made by eager code between the blocks or after the last
         self.root_gathered = 0  # the root's gathered parameters' bytes
         # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -225,11 +225,12 @@ class ShardedAccounts:
         self.largest_unit = max(self.largest_unit, gathered_bytes)
 
     def root_grads_made_by(self, leaves: list) -> dict[Any, int]:
-        """The root's gradients (key -> bytes) among those of ``leaves`` (the parameters the code
-        after the last block makes gradients for): that code's finals in the ledger."""
+        """The root's gradients (key -> bytes) among those of ``leaves`` (the parameters eager code
+        between the blocks, or after the last, makes gradients for): that code's finals in the
+        ledger, no longer made at the end of backward (`closing`)."""
         keys = {storage_key(p) for p in leaves if isinstance(p, torch.Tensor)}
         made = {k: b for k, b in self.root_grads.items() if k[1] in keys}
-        self.tail_grads = frozenset(made)
+        self.eager_grads.update(made)
         return made
 
     @property
@@ -239,7 +240,7 @@ class ShardedAccounts:
         by the root's own backward after the first block's) and its reduce-scatter input (all its
         gradients, in the reduce dtype)."""
         root = sum(self.root_grads.values())
-        late = sum(b for k, b in self.root_grads.items() if k not in self.tail_grads)
+        late = sum(b for k, b in self.root_grads.items() if k not in self.eager_grads)
         return late + int(root * self.reduce_ratio)
 
 
