@@ -214,7 +214,8 @@ def run(size: str, rounds: int, shares: tuple[int, ...] = SHARES, engines: tuple
     return queue.get()
 
 
-def table(result: dict, size: str, rounds: int, seconds: float, command: str = "") -> str:
+def table(result: dict, size: str, rounds: int, seconds: float, command: str = "",
+          shares: tuple[int, ...] = SHARES) -> str:
     lines = [
         f"# memplan inside DDP and FSDP2 (2 ranks, gloo, CPU), zoo GPT `{size}`, AdamW",
         "",
@@ -232,7 +233,7 @@ def table(result: dict, size: str, rounds: int, seconds: float, command: str = "
             if name == "eager_peak":
                 continue
             if row is None:
-                lines.append(f"| {name} | none of {SHARES} | — | — | — |")
+                lines.append(f"| {name} | none of {shares} | — | — | — |")
                 continue
             share, peak, ratio, tail_ms = row
             tail = "—" if tail_ms is None else f"{tail_ms:.2f}"
@@ -258,9 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [e for e in engines if e not in METHODS]
     if unknown:
         parser.error(f"unknown engine(s) {unknown}: choose from {list(METHODS)}")
-    result = run(args.size, args.rounds, tuple(int(x) for x in args.shares.split(",")), engines)
+    shares = tuple(int(x) for x in args.shares.split(","))
+    result = run(args.size, args.rounds, shares, engines)
     command = ("python -m benchmarks.studies.data_parallel " + " ".join(argv)) if argv else ""
-    text = table(result, args.size, args.rounds, time.perf_counter() - started, command)
+    text = table(result, args.size, args.rounds, time.perf_counter() - started, command, shares)
     Path(args.out).write_text(text)
     print(text)
 
