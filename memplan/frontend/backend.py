@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from solvers.strategies.ledger import StepLedger
+from solvers.strategies.ledger import Call, StepLedger
 from memplan.frontend.budget import budget_fraction, parse_budget
 from memplan.costs.cost_model import DeviceProfile
 from memplan.pipeline.options import PlanOptions
@@ -146,7 +146,11 @@ class MemplanBackend:
             self.tail_final = self.sharding.root_grads_made_by(leaves)
             self.ledger.closing = self.sharding.closing
         if self.ledger.steps_seen == 0:
-            return  # the first step's graphs carry nothing: the rehearsal makes room for the tail
+            # the first step's graphs carry nothing: the rehearsal makes room for the tail; its call is
+            # opened all the same, so that the gradients it makes count in the first step's backwards
+            # and in the rehearsal's
+            self._tail_call(self.ledger)
+            return
         over = self._tail_over(self.ledger)
         if over > 0:
             self.warn_over("the code after the last graph", over)
@@ -163,15 +167,22 @@ class MemplanBackend:
         (`StepLedger.predicted_peak`); 0 before a step was planned."""
         return self.ledger.predicted_peak
 
-    def _tail_over(self, ledger: StepLedger) -> int:
-        """Open the tail's call in ``ledger``; the bytes it is over its allowance (0: it fits), which the
-        calls carrying now give way from the next step on (`StepLedger.short`)."""
+    def _tail_call(self, ledger: StepLedger) -> Call | None:
+        """Open the tail's call in ``ledger`` (None where there is no tail), its memory predicted."""
         if not self.tail_bytes:
-            return 0
+            return None
         # Under FSDP2 the root's backward begins here and gathers the last block ahead of its backward.
         call = ledger.begin({}, self.tail_final, {}, frozenset(),
                             self.sharding.ahead_of_tail if self.sharding is not None else 0)
         ledger.predict(call, 0, self.tail_bytes)
+        return call
+
+    def _tail_over(self, ledger: StepLedger) -> int:
+        """Open the tail's call in ``ledger``; the bytes it is over its allowance (0: it fits), which the
+        calls carrying now give way from the next step on (`StepLedger.short`)."""
+        call = self._tail_call(ledger)
+        if call is None:
+            return 0
         over = self.tail_bytes - ledger.allowance(call)
         if over > 0:
             ledger.short(call, over)
@@ -260,8 +271,9 @@ class MemplanBackend:
                         ledger.short(call, over)
                     if module is not None:
                         record.module = module
-                        ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
-                        carried = max(0, module.prepare(*record.args).carried_bytes - sum(account.outputs.values()))
+                        plan = module.prepare(*record.args)  # the plan for these inputs' shapes
+                        ledger.predict(call, *plan.phase_peaks, sources=int(plan.simulated.initial))
+                        carried = max(0, plan.carried_bytes - sum(account.outputs.values()))
                 ledger.hold(call, carried, {**account.held, **account.outputs})
             carried_before = sum(c for _, c, _ in ledger.live.values())
             over = self._tail_over(ledger)

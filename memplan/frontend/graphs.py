@@ -130,8 +130,9 @@ class PlannedGraph:
             self.backend.warn_over(self.index, over)
         if module is None:
             raise InfeasibleBudgetError(self.backend.budget, allowance + over + ledger.held_by_others(call))
-        ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
         out = module(*args)
+        # (after the call: the module's plan is now the one for these inputs' shapes)
+        ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
         self._hold_until_backward(call, module.plan, tensors, out, held)
         return out
 

@@ -155,8 +155,8 @@ class ShardedAccounts:
 
     def held_all_step(self) -> dict[Any, int]:
         """Key -> bytes FSDP2 holds all step outside every plan: every local shard, the optimizers'
-        state (`count_optimizer`), and the root's gathered parameters with room for their gradients
-        (counted from the first call after the root's forward has gathered them)."""
+        state (`count_optimizer`), and the root's gathered parameters (counted from the first call
+        after the root's forward has gathered them; their gradients are made later: `root_grads`)."""
         if self._held is None:
             self._held = {}
             for module in [*self.units, self.root]:
@@ -251,7 +251,7 @@ class ShardedAccounts:
         held = self.held_all_step()
         optimizer = sum(self.optimizers.values())
         shards = sum(held.values()) - optimizer - self.root_gathered
-        comm = max([self.closing, *(sum(self.outside(i)) for i in range(len(self.units)))])
+        comm = max([self.closing, *(max(self.outside(i)) for i in range(len(self.units)))])
         return {
             "parameter shards": shards,
             "optimizer state (shards)": optimizer,
@@ -259,15 +259,17 @@ class ShardedAccounts:
             "root gradients": sum(self.root_grads.values()),
             "gradient shards (blocks)": sum(nbytes for _, nbytes in self._by_gathered.values()),
             "largest block, gathered": self.largest_unit,
-            "communication buffers (most at once)": comm,
+            "communication buffers (most at once)": comm,  # (a block's staging and transient never meet)
         }
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model``, in order: the modules of the one class, held in a
     ``ModuleList`` / ``Sequential`` at least twice, whose instances hold the most parameters
-    together (a transformer's layers; a ResNet's blocks across all its stages). A block inside
-    another block of that class is part of the outer one."""
+    together (a transformer's layers; a ResNet's blocks across all its stages). Blocks with
+    modules of their own come first: single layers (``Linear``, ``Conv2d``) are the blocks only
+    of a model that has no other kind. A block inside another block of that class is part of the
+    outer one."""
     by_class: dict[type, list[nn.Module]] = {}
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -279,9 +281,10 @@ def find_units(model: nn.Module) -> list[nn.Module]:
         return sum(p.numel() for m in modules for p in m.parameters())
 
     candidates = [ms for ms in by_class.values() if len(ms) >= 2 and weight(ms) > 0]
+    composite = [ms for ms in candidates if any(True for _ in ms[0].children())]
     if not candidates:
         return []
-    chosen = {id(m) for m in max(candidates, key=weight)}
+    chosen = {id(m) for m in max(composite or candidates, key=weight)}
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():  # pre-order: an outer block comes before what it holds
@@ -342,8 +345,8 @@ def fully_shard(
                          "a share of the eager peak needs the whole step as one graph")
     blocks = list(units) if units is not None else find_units(model)
     if not blocks:
-        raise ValueError("memplan.fully_shard found no repeated blocks in this model (a ModuleList or "
-                         "Sequential of one class): name the modules to shard and plan with units=[...]")
+        raise ValueError("memplan.fully_shard found no repeated blocks in this model (a module class held at "
+                         "least twice in a ModuleList or Sequential): name the modules to shard and plan with units=[...]")
     if optimizer is not None and optimizer.state:
         raise DistributedTrainingError(
             "memplan.fully_shard: the optimizer has already stepped; give one made over the model's parameters that "

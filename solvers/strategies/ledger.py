@@ -127,9 +127,10 @@ class StepLedger:
 
     def held_by_others(self, call: Call) -> int:
         """Bytes the other plans hold at some moment while ``call`` runs (its forward or its
-        backward: `_others`)."""
+        backward: `_others`), an engine's staging before its forward included (beside the plan's
+        inputs only, but counted against its whole peak: a simpler bound, and staging is small)."""
         forward, more = self._others(call)
-        return forward + more
+        return forward + max(more, call.staging)
 
     def predict(self, call: Call, forward_peak: int, backward_peak: int, sources: int = 0) -> int:
         """The step's memory while ``call`` runs, its plan holding at most ``forward_peak`` in its
