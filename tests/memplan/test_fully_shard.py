@@ -100,7 +100,7 @@ def _checkpoint_resumes(case: str, rank: int, budget: int, directory: str) -> No
         torch.manual_seed(0)  # the same initial parameters on every rank and in both runs
         model, args = CASES[case](rank)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return memplan.fully_shard(model, budget, optimizer=opt, time_limit=5), opt, args
+        return memplan.fully_shard(model, budget, optimizer=opt, time_limit=2), opt, args
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> None:
         model(*args).backward()
@@ -147,7 +147,10 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
         budget = int(SHARE[case] * sorted(eager)[len(eager) // 2])
         with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
             memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
-        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5, **_policy(case))
+        # (2 s of solving: make test's time; the library Llama's case failed 2 of 3 runs at 2 s, cause not
+        # read yet, and passes at 5 s)
+        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5 if case == "llama" else 2,
+                                      **_policy(case))
         assert sharded is model and len(model.memplan_backend.graphs) == 0
         peaks = _train(model, opt, args)
         assert max(peaks) <= budget, (case, peaks, budget, eager)
@@ -205,7 +208,7 @@ def _reduce_scatter_overlaps_backward(rank: int) -> None:
     blocks' backwards are still to run: each block's backward is a plan of its own."""
     zm = zoo.build("gpt", size="tiny", batch_size=4, overrides={"dropout": 0.0, "layers": 3})
     torch.manual_seed(rank)
-    model = memplan.fully_shard(memplan.WithLoss(zm.model, zm.loss_fn), "1GB", time_limit=5)
+    model = memplan.fully_shard(memplan.WithLoss(zm.model, zm.loss_fn), "1GB", time_limit=2)
     x = torch.randint_like(zm.example_inputs[0], 0, 64)
     for _ in range(2):  # the second step runs the plans (the first plans at its backward)
         loss = model(x)
@@ -228,7 +231,7 @@ def _too_small(rank: int, port: int) -> None:
     try:
         model, args = _gpt(rank)
         # rank 0 is given a budget below its blocks' smallest plans, rank 1 a large one
-        memplan.fully_shard(model, "200KB" if rank == 0 else "1GB", time_limit=5)
+        memplan.fully_shard(model, "200KB" if rank == 0 else "1GB", time_limit=2)
         expected = memplan.SplitBudgetError if rank == 0 else memplan.DistributedTrainingError
         with pytest.raises(expected, match="too small"):
             model(*args).backward()
@@ -236,7 +239,7 @@ def _too_small(rank: int, port: int) -> None:
         # in a Python attribute, so each is compiled again) would be in no plan: refused.
         torch._dynamo.reset()
         model, args = _llama(rank)
-        memplan.fully_shard(model, "1GB", time_limit=5)
+        memplan.fully_shard(model, "1GB", time_limit=2)
         with torch._dynamo.config.patch(recompile_limit=1), \
                 pytest.raises(memplan.DistributedTrainingError, match=r"block\(s\) \[1\] ran outside"):
             model(*args)
