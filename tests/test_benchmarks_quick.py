@@ -6,12 +6,16 @@ import json
 import pytest
 
 from benchmarks.harness import cli
-from benchmarks.harness.methods import DEFAULT_METHODS, MEMPLAN_COMPILED
+from benchmarks.harness.methods import ALIASES, DEFAULT_METHODS, MEMPLAN_COMPILED
 from benchmarks.harness.readme import END, START, splice
 from benchmarks.harness.report import COLUMNS
 
-# The run compiles with Inductor (the peer, memplan compiled): minutes on a shared 2-core machine.
+# The run compiles with Inductor (memplan compiled): minutes on a shared 2-core machine.
 pytestmark = pytest.mark.timeout(600)
+
+# Every default method but the Inductor peer, whose own compile would add about a minute to
+# `make test`: the compiled rows' path through the harness is the same for both.
+QUICK_METHODS = ("eager", "ckpt", "ckpt_seq", "memplan", "memplan_compiled")
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +24,7 @@ def quick_run(tmp_path_factory):
     readme = out / "PROJECT_README.md"
     readme.write_text("# project\n\nfirst lines\n")
     rc = cli.main(
-        ["--quick", "--models", "unet", "--budgets", "0.5", "--reps", "2", "--no-plots",
+        ["--quick", "--models", "unet", "--budgets", "0.5", "--reps", "2", "--no-plots", "--methods", ",".join(QUICK_METHODS),
          "--out", str(out), "--update-readme", "--readme", str(readme)]
     )
     assert rc == 0
@@ -38,9 +42,8 @@ def test_table_has_expected_columns(quick_run):
     rows = _table_rows((out / "unet.md").read_text())
     assert tuple(rows[0]) == COLUMNS
     methods = {r[1] for r in rows[2:]}
-    # issue #28's rows, in the default selection
-    assert set(DEFAULT_METHODS) == methods
-    assert {"eager", "checkpoint per block", "Inductor + act. budget", "memplan eager runtime"} <= methods
+    # issue #28's rows, from the default selection
+    assert methods == {ALIASES[m] for m in QUICK_METHODS} and methods <= set(DEFAULT_METHODS)
     budgets = {r[0].split(" ")[0] for r in rows[2:]}
     assert budgets == {"50%", "own"}
 
@@ -74,10 +77,8 @@ def test_compiled_rows_are_measured_by_the_profiler(quick_run):
     out, _ = quick_run
     model = json.loads((out / "results.json").read_text())["models"][0]
     assert model["eager_profiled_peak"] > 0
-    inductor = [c for c in model["cells"] if c["method"] == "Inductor + act. budget" and c["peak"] is not None]
-    assert inductor and all(c["compiled"] and c["compile_s"] > 0 for c in inductor)
     ours = [c for c in model["cells"] if c["method"] == MEMPLAN_COMPILED]
-    assert ours
+    assert ours and any(c["peak"] is not None and c["compiled"] and c["compile_s"] > 0 for c in ours)
     for c in ours:
         # either measured as compiled code, or skipped with a note while optimize has no compile=
         assert c["compiled"] or (c["status"] in ("n/a", "infeasible", "error") and c["note"]), c

@@ -231,8 +231,8 @@ def test_report_with_offload_at_the_offload_minimum():
     """``--offload --budget min``: the minimum found with the host link, met by a plan that pages values out,
     and the JSON report lists them; without ``--offload`` the same budget is infeasible."""
     with_host, without = run_cli_parallel(
-        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--offload", "--json", "--time-limit", "10"),
-        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--json", "--time-limit", "10"),
+        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--offload", "--json", "--time-limit", "4"),
+        ("report", "gpt", "--batch-size", "16", "--budget", "min", "--json", "--time-limit", "4"),
     )
     assert with_host.returncode == 0, with_host.stderr
     assert without.returncode == 0, without.stderr

@@ -46,7 +46,7 @@ def test_copying_out_lowers_the_cost_at_a_tight_budget_and_keeps_the_step_exact(
     step, args, kwargs = build_step("unet")
     analysis = analyze(step, args, kwargs)
     budget = _budget(analysis, 0.3)
-    opt = memplan.optimize(twin(step), budget=budget, time_limit=5)
+    opt = memplan.optimize(twin(step), budget=budget, time_limit=2)
     ref = twin(step)
     torch.manual_seed(0)
     loss = opt(*args, **kwargs)
@@ -63,7 +63,7 @@ def test_copying_out_lowers_the_cost_at_a_tight_budget_and_keeps_the_step_exact(
     # The same budget without the copies: the whole gradient of each cat is held
     # until the encoder's backward, and the plan recomputes more to make room.
     monkeypatch.setattr(memplan.capture.trace, "copy_out_late_views", lambda gm: [])
-    without = memplan.optimize(twin(step), budget=budget, time_limit=5)
+    without = memplan.optimize(twin(step), budget=budget, time_limit=2)
     without(*args, **kwargs).backward()
     assert not without.plan.analysis.capture.copied_views
     assert opt.plan.predicted_overhead < without.plan.predicted_overhead - 0.05

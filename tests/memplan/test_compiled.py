@@ -67,7 +67,7 @@ def test_a_compiled_plan_trains_as_eager_within_its_budget(model, fraction):
     module, args, kwargs = build_step(model, **({"batch_size": 4} if model == "gpt" else {}))
     reference = copy.deepcopy(module)
     budget = _budget(module, args, kwargs, fraction)
-    opt = memplan.optimize(module, budget, compile=True, time_limit=5)
+    opt = memplan.optimize(module, budget, compile=True, time_limit=2)
     opt.prepare(*args, **kwargs)
     report = opt.compile_report
     print(f"{model}: {report.summary()}")
@@ -114,7 +114,7 @@ def test_runs_that_compile_badly_run_eagerly_with_a_warning(compiler, reason):
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
     budget = _budget(module, args, kwargs, 0.6)
-    opt = memplan.optimize(module, budget, compile=compiler, time_limit=5)
+    opt = memplan.optimize(module, budget, compile=compiler, time_limit=2)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         opt.prepare(*args, **kwargs)
@@ -135,7 +135,7 @@ def test_compiled_runs_between_in_backward_updates_train_as_eager():
     reference = copy.deepcopy(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    opt = memplan.optimize(module, 10**9, optimizer=optimizer, compile=True, time_limit=5)
+    opt = memplan.optimize(module, 10**9, optimizer=optimizer, compile=True, time_limit=2)
     for seed in range(3):
         _step(opt, args, kwargs, seed)
         optimizer.step()  # memplan applied the updates in backward: this is a no-op for its parameters
@@ -199,7 +199,7 @@ def test_compiled_runs_around_host_copies_and_a_norm_pass_train_as_eager(options
         optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
         budget = 10**9
-    opt = memplan.optimize(module, budget, compile=True, time_limit=5, optimizer=optimizer, **options)
+    opt = memplan.optimize(module, budget, compile=True, time_limit=2, optimizer=optimizer, **options)
     loss = _step(opt, args, kwargs)
     ref_loss = _step(reference, args, kwargs)
     if optimizer is not None:
@@ -261,7 +261,7 @@ def test_a_compiled_convolutional_plan_makes_room_for_kernel_scratch_by_default(
     module, args, kwargs = build_step("cnn")
     reference = copy.deepcopy(module)
     budget = _budget(module, args, kwargs, 0.7)
-    opt = memplan.optimize(module, budget, compile=True, time_limit=5)
+    opt = memplan.optimize(module, budget, compile=True, time_limit=2)
     opt.prepare(*args, **kwargs)
     assert any(v.startswith("scratch:") for v in opt.plan.analysis.lowered.problem.names), "no scratch planned"
     clear_grads(module)
@@ -352,7 +352,7 @@ def _roomy_plan(module, args, compiler):
     compiled by ``compiler``, prepared."""
     budget = 2 * measure_peak(lambda: _step(module, args, {}))
     clear_grads(module)
-    opt = memplan.optimize(module, budget, compile=compiler, time_limit=5)
+    opt = memplan.optimize(module, budget, compile=compiler, time_limit=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CompileWarning)
         opt.prepare(*args)
@@ -425,7 +425,7 @@ def test_a_compiled_transformer_whose_backward_reads_weight_transposes_holds_its
     # eager twin's and 185 KB over the budget.
     pytest.importorskip("transformers")
     module, args = hf_step("distilbert")
-    _compiled_step_within_budget(module, args, 0.5, time_limit=10)
+    _compiled_step_within_budget(module, args, 0.5, time_limit=4)
 
 
 def _compiled_step_within_budget(module, args, fraction, **options):
@@ -486,7 +486,7 @@ def test_compiled_code_slower_than_eager_runs_eagerly(margin):
     with override(clock=clock, slower_margin=margin, step_slower_margin=DEFAULT_SLOWER_MARGINS[1]):
         module, args, kwargs = build_step("mlp")
         reference = copy.deepcopy(module)
-        opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=5)
+        opt = memplan.optimize(module, _budget(module, args, kwargs, 0.8), compile=_slow(clock), time_limit=2)
         with warnings.catch_warnings():
             warnings.simplefilter("error", CompileWarning)  # a choice of speed, not a failure: no warning
             opt.prepare(*args, **kwargs)
@@ -532,7 +532,7 @@ def test_a_run_measured_slower_only_in_its_first_timings_is_timed_again_and_comp
         monkeypatch.setattr(memplan.runtime.inductor.segments, "best_times", first_timings_slow)
         module, args, kwargs = build_step("mlp")
         reference = copy.deepcopy(module)
-        opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=5)  # (store-all: no memory refusal)
+        opt = memplan.optimize(module, 10**12, compile=compiler, time_limit=2)  # (store-all: no memory refusal)
         opt.prepare(*args, **kwargs)
         report = opt.compile_report
         assert TUNABLES.doubt_rounds in rounds, rounds
@@ -558,7 +558,7 @@ def test_a_run_whose_decomposition_a_recorded_view_cannot_take_still_compiles():
     module = HFLossStep(model, "input_ids")
     reference = copy.deepcopy(module)
     budget = _budget(module, (ids, labels), {}, 0.8)
-    opt = memplan.optimize(module, budget, compile=True, time_limit=5)
+    opt = memplan.optimize(module, budget, compile=True, time_limit=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CompileWarning)
         opt.prepare(ids, labels)
@@ -807,7 +807,7 @@ def test_a_value_copied_to_the_host_is_never_reused_by_a_compiled_run(monkeypatc
     monkeypatch.setattr(_Segmenting, "donatable", watched)
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, _budget(module, args, kwargs, 0.6), compile=True, time_limit=5, offload=True)
+    opt = memplan.optimize(module, _budget(module, args, kwargs, 0.6), compile=True, time_limit=2, offload=True)
     _step(opt, args, kwargs)
     _step(reference, args, kwargs)
     _assert_close_grads(module, reference, **FUSED)

@@ -28,6 +28,7 @@ from memplan.runtime.handout import handout_groups
 
 WORLD_SIZE = 2
 STEPS = 3
+TIME_LIMIT = 2  # seconds per solve: tiny models; rank 0 solves for both
 MODES = {
     "optimizer.step() after backward": None,
     "updates in the plan": {"optimizer_state": "device"},
@@ -105,7 +106,7 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
     kind = 0 if mode is None else 1 if on_device else 2
     # (a share of the eager forward and backward's peak; the whole step adds the optimizer's state)
     budget = BUDGETS[case][kind]
-    planned = memplan.optimize(ddp, budget, time_limit=10, kernel_scratch=on_device,
+    planned = memplan.optimize(ddp, budget, time_limit=TIME_LIMIT, kernel_scratch=on_device,
                                **({} if mode is None else {"optimizer": opt, **mode}))
     assert planned is ddp and isinstance(ddp.module, memplan.OptimizedModule)
 
@@ -176,7 +177,7 @@ def _train(case: str, rank: int, mode: dict | None, bucket_cap_mb: float, as_vie
 def _one_plan_for_all_ranks(case: str, rank: int) -> None:
     """With example inputs, the first rank solves and the others bind its plan (no solve there)."""
     model, args = CASES[case](rank)
-    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=10, example_inputs=args)
+    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=TIME_LIMIT, example_inputs=args)
     plan = planned.module.plan
     schedules: list = [None] * WORLD_SIZE
     torch.distributed.all_gather_object(schedules, list(plan.schedule))
@@ -194,7 +195,7 @@ def _accumulation_and_the_backend(case: str, rank: int) -> None:
     memplan's backend trains as DDP does, with a warning that DDP's buckets are not in its budget."""
     model, args = CASES[case](rank)
     reference = DDP(copy.deepcopy(model))
-    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=10)
+    planned = memplan.optimize(DDP(model), BUDGETS[case][0], time_limit=TIME_LIMIT)
     for ddp in (reference, planned):
         with ddp.no_sync():
             ddp(*args).backward()
@@ -225,7 +226,7 @@ def _checkpoint_resumes(case: str, rank: int, directory: str) -> None:
         model, args = CASES[case](rank)
         ddp = DDP(model)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-        return memplan.optimize(ddp, BUDGETS[case][2], time_limit=10, optimizer=opt, optimizer_state="host"), opt, args
+        return memplan.optimize(ddp, BUDGETS[case][2], time_limit=TIME_LIMIT, optimizer=opt, optimizer_state="host"), opt, args
 
     first, first_opt, args = made()
     for _ in range(2):
@@ -304,7 +305,7 @@ def test_gradients_handed_out_as_made_leave_the_plan_and_the_numbers_unchanged()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     engine = sum(p.numel() * p.element_size() for p in model.parameters())
-    planned = OptimizedModule(model, 1_219_910 + engine, PlanOptions(time_limit=10),
+    planned = OptimizedModule(model, 1_219_910 + engine, PlanOptions(time_limit=TIME_LIMIT),
                               StepOptions(optimizer=opt, updates_after_backward=True),
                               data_parallel=DataParallel(world_size=1, bucket_bytes=20_000,
                                                          gradient_as_bucket_view=False))

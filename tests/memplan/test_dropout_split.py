@@ -139,7 +139,7 @@ def test_a_plan_recomputes_dropout_outputs_by_the_multiply_and_trains_as_eager(c
         p.grad = None
     budget = int(0.6 * eager_peak)
     # (kernel_scratch off: compile=True would plan room for the eager ops' scratch, another plan)
-    opt = memplan.optimize(step, budget, example_inputs=(x,), compile=compile, kernel_scratch=False, time_limit=10)
+    opt = memplan.optimize(step, budget, example_inputs=(x,), compile=compile, kernel_scratch=False, time_limit=3)
     applies = {s.apply for s in opt.plan.analysis.capture.dropouts_split}
     recomputed = [d.name for d in opt.plan.decisions if d.decision == "recompute"]
     by_multiply = len(applies.intersection(recomputed))

@@ -55,7 +55,7 @@ def test_a_plan_with_kernel_scratch_holds_its_budget_by_the_allocators_count():
     for p in step.parameters():
         p.grad = None
 
-    opt = memplan.optimize(step, "85%", kernel_scratch=True, time_limit=8)
+    opt = memplan.optimize(step, "85%", kernel_scratch=True, time_limit=3)
     torch.manual_seed(0)
     opt(*args).backward()  # plans, then runs
     for p in step.parameters():
@@ -79,7 +79,7 @@ def test_a_plan_with_kernel_scratch_holds_its_budget_by_the_allocators_count():
 @pytest.mark.slow
 def test_a_saved_plan_with_scratch_is_measured_again_when_loaded(tmp_path):
     step, args = _cnn()
-    opt = memplan.optimize(step, "85%", kernel_scratch=True, time_limit=8, example_inputs=args)
+    opt = memplan.optimize(step, "85%", kernel_scratch=True, time_limit=3, example_inputs=args)
     path = tmp_path / "plan.json"
     opt.plan.save(path)
     again = memplan.optimize(step, plan=path, example_inputs=args)

@@ -160,7 +160,7 @@ def test_a_plan_under_a_budget_below_eager_loss_trains_as_eager(compile):
     logits_bytes = 512 * 4096 * 4
     budget = 3 * logits_bytes
     opt = memplan.optimize(step, budget, example_inputs=(ids,), compile=compile, kernel_scratch=False,
-                           time_limit=10)
+                           time_limit=3)
     loss = opt(ids)
     loss.backward()
     ref_loss = reference(ids)

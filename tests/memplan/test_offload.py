@@ -45,13 +45,13 @@ def test_offload_meets_budgets_recompute_cannot(name):
     budget = offload_min  # a budget only offload can meet
     module, args, kwargs = build_step(name)
     reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=True, time_limit=10)
+    opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=True, time_limit=4)
     plan = opt.plan
     assert plan.predicted_peak <= budget
     assert plan.transfers, "a budget below remat's minimum needs offloaded values"
     with pytest.raises(memplan.InfeasibleBudgetError):
         memplan.optimize(copy.deepcopy(module), budget, example_inputs=args, example_kwargs=kwargs,
-                         offload=False, time_limit=10)
+                         offload=False, time_limit=4)
 
     measured = assert_measured_peak(opt, module, args, kwargs, budget)
     print(f"  budget {budget} predicted {plan.predicted_peak} measured {measured}, "
@@ -68,9 +68,9 @@ def test_offload_is_never_predicted_slower_than_recompute():
     for fraction in (0.7, 0.5):
         budget = int(store_all * fraction)
         remat = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=False,
-                                 time_limit=10).plan
+                                 time_limit=4).plan
         paged = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=True,
-                                 time_limit=10).plan
+                                 time_limit=4).plan
         print(f"{fraction:.0%}: remat {remat.predicted_time * 1e3:.3f} ms, with offload "
               f"{paged.predicted_time * 1e3:.3f} ms ({len(paged.transfers)} offloaded)")
         assert paged.predicted_peak <= budget
@@ -81,7 +81,7 @@ def test_report_and_saved_plan_carry_the_transfers(tmp_path):
     _, offload_min = _minimums("gpt")
     module, args, kwargs = build_step("gpt")
     opt = memplan.optimize(module, offload_min, example_inputs=args, example_kwargs=kwargs, offload=True,
-                           time_limit=10)
+                           time_limit=4)
     plan = opt.plan
     assert plan.transfers
     text = plan.report()

@@ -59,7 +59,7 @@ def test_gradients_match_eager_and_peak_under_budget(name, level):
     budget = _budget(name, level)
     store_all, minimum = _reference(name)
     try:
-        opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, time_limit=10)
+        opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, time_limit=3)
     except memplan.InfeasibleBudgetError as err:
         # only below the minimum the search found, and then it names that minimum
         assert budget < minimum and err.min_budget == minimum
@@ -157,7 +157,7 @@ def test_gradients_held_from_an_earlier_step_count_in_the_budget():
     held = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
     store_all = memplan.analyze(module, args, kwargs).graph_peak
     budget = store_all - held // 4  # the first step's plan, held gradients added, would not fit
-    opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, time_limit=5)
+    opt = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, time_limit=2)
     clear_grads(module)
     clear_grads(reference)
     peaks = []
@@ -226,7 +226,7 @@ def test_a_budget_as_a_share_of_the_eager_peak():
     """``budget="60%"``, as the CLI's ``--budget 60%``: resolved per input signature from its eager peak."""
     module, args, kwargs = build_step("cnn")
     reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=10)
+    opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=3)
     plan = opt.plan
     assert plan.budget == int(0.6 * plan.analysis.eager_peak) == opt.budget
     # Where the planning call's time went: the replay of the eager step for the budget, the
@@ -363,7 +363,7 @@ _DEEPCOPY = """
 
     module, args, kwargs = build_step("mlp")
     reference = copy.deepcopy(module)
-    opt = memplan.optimize(module, {budget}, example_inputs=args, example_kwargs=kwargs, time_limit=10)
+    opt = memplan.optimize(module, {budget}, example_inputs=args, example_kwargs=kwargs, time_limit=3)
     twin = copy.deepcopy(opt)
 """
 

@@ -89,9 +89,9 @@ def test_auto_moves_just_enough_state_to_host_under_a_budget_the_device_state_ca
     state = device_only.analysis.optimizer_state_bytes
     budget = smallest - state // 2
     with pytest.raises(memplan.InfeasibleBudgetError):
-        memplan.optimize(module, budget, optimizer=_adamw(module), optimizer_state="device", time_limit=5,
+        memplan.optimize(module, budget, optimizer=_adamw(module), optimizer_state="device", time_limit=2,
                          example_inputs=args, example_kwargs=kwargs)
-    planned = memplan.optimize(module, budget, optimizer=optimizer, time_limit=5)  # optimizer_state="auto"
+    planned = memplan.optimize(module, budget, optimizer=optimizer, time_limit=2)  # optimizer_state="auto"
     peaks = _loop(module, planned, optimizer, args, kwargs, 3)
     _loop(reference, reference, ref_optimizer, args, kwargs, 3)
     analysis = planned.plan.analysis
@@ -115,7 +115,7 @@ def test_gradient_accumulation_matches_eager(mode):
                              example_inputs=args, example_kwargs=kwargs, **mode).plan.analysis
     assert probe.accumulated_gradient_bytes == sum(p.numel() * p.element_size() for p in module.parameters())
     budget = max(int(probe.graph_peak - 0.5 * probe.activation_bytes), min_budget(probe))
-    planned = memplan.optimize(module, budget, optimizer=optimizer, accumulate_steps=2, time_limit=5, **mode)
+    planned = memplan.optimize(module, budget, optimizer=optimizer, accumulate_steps=2, time_limit=2, **mode)
     clip = mode.get("max_grad_norm")
     peaks, ref_peaks = [], []
     for cycle in range(2):
@@ -217,7 +217,7 @@ def test_clipping_by_a_norm_pass_where_holding_every_gradient_does_not_fit():
     # a weight recomputed after its update). The memory claim is the two searched minima above.
     budget = int(1.05 * holding)
     planned = memplan.optimize(module, budget, optimizer=optimizer, max_grad_norm=0.05, grad_norm=True,
-                               optimizer_state="device", clip_by="norm_pass", time_limit=10)
+                               optimizer_state="device", clip_by="norm_pass", time_limit=3)
     peaks, norms, ref_norms = [], [], []
     for step in range(3):
         peaks += _loop(module, planned, optimizer, args, kwargs, 1)

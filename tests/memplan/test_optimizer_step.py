@@ -94,7 +94,7 @@ def test_three_steps_match_eager_and_the_whole_step_holds_its_budget(model, kind
     reference = copy.deepcopy(module)
     budget = _whole_step_budget(module, args, kwargs, kind)
     optimizer = _optimizer(kind, module)
-    planned = memplan.optimize(module, budget, optimizer=optimizer, time_limit=5)
+    planned = memplan.optimize(module, budget, optimizer=optimizer, time_limit=2)
     ref_optimizer = _optimizer(kind, reference)
 
     peaks = _train(module, planned, optimizer, args, kwargs)
@@ -253,7 +253,7 @@ def test_max_grad_norm_clips_as_clip_grad_norm_does(model):
     max_norm = 0.05
     budget = _whole_step_budget(module, args, kwargs, "adamw_foreach", max_grad_norm=max_norm)
     optimizer = _optimizer("adamw_foreach", module)
-    planned = memplan.optimize(module, budget, optimizer=optimizer, max_grad_norm=max_norm, time_limit=5)
+    planned = memplan.optimize(module, budget, optimizer=optimizer, max_grad_norm=max_norm, time_limit=2)
     ref_optimizer = _optimizer("adamw_foreach", reference)
     peaks = _train(module, planned, optimizer, args, kwargs)
     _train(reference, reference, ref_optimizer, args, kwargs, clip=max_norm)
