@@ -258,6 +258,8 @@ class MemplanBackend:
                                     *self.outside(account.unit))
                 if account.eager_saved and first:
                     ledger.hold_to_end(account.eager_saved)
+                if first and self.sharding is not None:  # what the step rehearsed leaves unreduced, held in the next
+                    ledger.hold_to_end({("unreduced", unit): b for unit, b in self.sharding.unreduced.items()})
                 carried = 0
                 if not graph.unplanned:
                     try:

@@ -73,6 +73,8 @@ class PlannedGraph:
         sharding = self.backend.sharding  # `memplan.frontend.sharded.ShardedAccounts` under FSDP2
         if sharding is not None:
             sharding.hold_in(ledger)
+            if first:
+                sharding.unreduced.clear()  # (this step's blocks say again what they leave unreduced)
         for i, t in enumerate(args):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -82,7 +84,7 @@ class PlannedGraph:
                 gathered[key] = nbytes
                 unit = shard[2]
                 if t.requires_grad:
-                    final[("grad", shard[0])] = shard[1]
+                    final[("grad", shard[0])] = sharding.gradient_bytes(unit, shard[1], nbytes)
             elif isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
                 resident[key] = nbytes
                 if isinstance(t, nn.Parameter) and t.requires_grad:
@@ -106,6 +108,8 @@ class PlannedGraph:
                             *self.backend.outside(unit))
         if first and eager_saved:
             ledger.hold_to_end(eager_saved)
+        if first and sharding is not None:  # FSDP2's gradients accumulated by earlier steps, unreduced
+            ledger.hold_to_end(sharding.accumulated())
         if first:
             self.backend.new_step()
         # Inputs other than the step's own and the resident ones: a plan holds them to its backward.

@@ -19,7 +19,8 @@ What FSDP2 holds is in the ledger (`ShardedAccounts`):
 * a block's all-gathered parameters: an input of its plan while it runs (FSDP2 frees them
   after the block's forward and gathers them again for its backward);
 * a block's gradient shard (what the reduce-scatter leaves): kept to the step's end, as a
-  plan's gradients are;
+  plan's gradients are; in a step that accumulates (``set_requires_gradient_sync(False)``), the
+  whole unreduced gradient, which the steps after hold from their start (`accumulated`);
 * while a block's backward runs, the block before it gathered ahead (FSDP2's backward
   prefetch) and the reduce-scatter input of the block after it (`Call.transient`); before its
   forward, for a moment, its all-gather output (`Call.staging`); at the end of backward, the
@@ -74,6 +75,9 @@ class ShardedAccounts:
         self.planned: set[int] = set()
         self._unit_of: dict[int, int] = {}  # id(gathered parameter) -> its block's index
         self.param_ids = {id(p) for p in root.parameters()}  # the sharded parameters (set by `fully_shard`)
+        # block index -> bytes of its gradients left unreduced by the step whose forward ran last
+        # (``set_requires_gradient_sync(False)``): what the next step holds from its start (`accumulated`)
+        self.unreduced: dict[int, int] = {}
 
     def count_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step."""
@@ -131,6 +135,32 @@ class ShardedAccounts:
             return None
         self.planned.add(self._unit_of[id(t)])
         return (*found, self._unit_of[id(t)])
+
+    def gradient_bytes(self, unit: int, shard_bytes: int, gathered_bytes: int) -> int:
+        """What block ``unit``'s backward leaves of one parameter's gradient (its shard holding
+        ``shard_bytes``, gathered ``gathered_bytes``) until the step's end: the shard, after the
+        reduce-scatter; where the block does not reduce in this step
+        (``set_requires_gradient_sync(False)``, gradient accumulation), the whole gradient, in the
+        reduce dtype, which FSDP2 keeps unsharded for the steps after (`accumulated`)."""
+        state = self.units[unit]._get_fsdp_state()
+        if all(group.reduce_grads for group in state._fsdp_param_groups):
+            return shard_bytes
+        whole = int(gathered_bytes * self.reduce_ratio)
+        self.unreduced[unit] = self.unreduced.get(unit, 0) + whole
+        return whole
+
+    def accumulated(self) -> dict[Any, int]:
+        """Key -> bytes of the unsharded gradients FSDP2 holds from earlier steps that did not
+        reduce (``set_requires_gradient_sync(False)``): held, outside every plan, until the step
+        that reduces them (counted to its end: a simpler bound than each block's reduce-scatter)."""
+        held: dict[Any, int] = {}
+        for module in [*self.units, self.root]:
+            for fp in self._params(module):
+                gathered = getattr(fp, "_unsharded_param", None)
+                for grad in (fp.unsharded_accumulated_grad, None if gathered is None else gathered.grad):
+                    if grad is not None:
+                        held[storage_key(grad)] = grad.untyped_storage().nbytes()
+        return held
 
     def mark_planned(self, args: tuple) -> None:
         """A block's graph ran with nothing to plan (no gradient needed): it is not outside the plans."""

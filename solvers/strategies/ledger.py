@@ -143,10 +143,11 @@ class StepLedger:
 
     @property
     def predicted_peak(self) -> int:
-        """The most memory predicted at any call of the last whole step (of this one while it is the
-        first), or at its end, where every gradient is kept beside ``closing``."""
-        calls = self.last_predicted or self.predicted
-        return max([self.at_end, *calls.values()]) if calls else 0
+        """The most memory predicted at any call of the last whole step and of this one, or at its
+        end, where every gradient is kept beside ``closing`` (both steps: under gradient accumulation
+        a step that reduces and one that does not take turns)."""
+        calls = [*self.last_predicted.values(), *self.predicted.values()]
+        return max([self.at_end, *calls]) if calls else 0
 
     @property
     def at_end(self) -> int:

@@ -47,6 +47,20 @@ def _cnn(rank: int) -> tuple[nn.Module, tuple]:
     return memplan.WithLoss(zm.model, zm.loss_fn), (torch.randn_like(zm.example_inputs[0]),)
 
 
+# Batches per optimizer step: the CNN accumulates gradients over two (FSDP2's
+# set_requires_gradient_sync(False) on the first), the others step after each.
+MICRO_BATCHES = {"gpt": 1, "llama": 1, "cnn": 2}
+
+
+def _batches(case: str, rank: int, args: tuple) -> list[tuple]:
+    """``args`` and the case's further micro-batches (each rank its own, the same shapes)."""
+    generator = torch.Generator().manual_seed(200 + rank)
+    more = [tuple(torch.randn(a.shape, generator=generator) if a.is_floating_point()
+                  else torch.randint(0, 64, a.shape, generator=generator) for a in args)
+            for _ in range(MICRO_BATCHES[case] - 1)]
+    return [args, *more]
+
+
 CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
 # The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest.
@@ -73,17 +87,28 @@ def _locals(tensors) -> list[torch.Tensor]:
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> list[int]:
-    """Each step's forward and backward peak (the profiler's; the batch and what FSDP2 and the
-    optimizer held before it counted too), the optimizer's step after it; the first step unmeasured."""
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple]) -> list[int]:
+    """Each step's peak over its forwards and backwards, one per batch in ``batches`` (gradients
+    accumulated unreduced, ``set_requires_gradient_sync(False)``, until the last: FSDP2 keeps them
+    unsharded in between), the profiler's, what FSDP2 and the optimizer held before counted too;
+    the optimizer's step after it; the first step unmeasured. Each batch is copied in as its
+    forward begins and dropped after its backward (as a data loader hands batches out): the
+    batches waiting their turn are the caller's, not the step's."""
+    def forwards_and_backwards() -> None:
+        for i, batch in enumerate(batches):
+            model.set_requires_gradient_sync(i == len(batches) - 1)
+            args = tuple(t.clone() for t in batch)
+            model(*args).backward()
+            del args
+
     peaks = []
     for step in range(STEPS):
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         if step == 0:
-            model(*args).backward()
+            forwards_and_backwards()
         else:
-            held = _locals([*model.parameters(), *state, *args])
-            peaks.append(profiled_peak(lambda: model(*args).backward(), resident=held))
+            held = _locals([*model.parameters(), *state])
+            peaks.append(profiled_peak(forwards_and_backwards, resident=held))
         opt.step()
         opt.zero_grad()
     return peaks
@@ -134,12 +159,13 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         model, args = CASES[case](rank)
+        batches = _batches(case, rank, args)
         reference = copy.deepcopy(model)
         for block in find_units(reference):
             fully_shard(block, **_policy(case))
         fully_shard(reference, **_policy(case))
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        eager = _train(reference, ref_opt, args)
+        eager = _train(reference, ref_opt, batches)
 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         # (the median step: a step's peak is one tensor higher now and then, when a reference cycle
@@ -152,7 +178,7 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
         sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5 if case == "llama" else 2,
                                       **_policy(case))
         assert sharded is model and len(model.memplan_backend.graphs) == 0
-        peaks = _train(model, opt, args)
+        peaks = _train(model, opt, batches)
         assert max(peaks) <= budget, (case, peaks, budget, eager)
         assert max(peaks) < max(eager)
         predicted, measured = model.memplan_backend.predicted_peak, sorted(peaks)[len(peaks) // 2]
