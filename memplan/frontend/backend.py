@@ -139,7 +139,7 @@ class MemplanBackend:
             return  # no graph of this step waits for a backward
         # counted elsewhere: what is held all step, and what the graphs returned (their accounts)
         held = {*self.ledger.resident, *self.ledger.step_resident,
-                *(k for _, _, outs in self.ledger.live.values() for k in outs)}
+                *self.ledger.returned}
         leaves: list = []
         self.tail_bytes = tail_bytes_of(outputs, held, leaves)
         if self.sharding is not None:

@@ -24,6 +24,7 @@ says so once.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -123,7 +124,7 @@ def bucket_buffer_bytes(params: Iterable[nn.Parameter]) -> int:
 
 def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool) -> None:
     """Raise `DistributedTrainingError` for what memplan does not plan inside DDP yet: the model
-    DDP wraps already optimized (``optimized``) or sharded, and, with ``optimizer=``, accumulation or
+    DDP wraps already optimized (``optimized``) or sharded, and, with ``optimizer=``, a static graph or
     clipping by a norm pass (each needs the engine's reduced gradients earlier than memplan has them)."""
     inner = ddp.module
     if optimized:
@@ -146,10 +147,23 @@ def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool)
         raise DistributedTrainingError(
             "memplan.optimize(DDP(model), ..., max_grad_norm=, clip_by='norm_pass'): under DDP the norm is that of "
             "the averaged gradients, known once backward has handed them all out; use clip_by='holding' or 'auto'.")
-    if step.accumulate_steps > 1:
-        raise DistributedTrainingError(
-            "memplan.optimize(DDP(model), ..., optimizer=, accumulate_steps>1): accumulation under DDP (no_sync) is "
-            "not planned yet. Leave out optimizer= and accumulate as with DDP (with model.no_sync(): ...).")
+
+
+def reduce_at_last_micro_step(ddp: nn.Module, accumulation: Any) -> None:
+    """Under ``accumulate_steps=k``, let ``ddp`` reduce the gradients only at the backward that
+    updates, the k-th, as eager DDP does inside ``no_sync()`` for the others: the earlier ones add
+    into ``.grad`` on each rank, the last all-reduces the sums, and the updates after it step with
+    them. (DDP reads ``require_backward_grad_sync`` at each forward: it is set after each backward,
+    for the next.)"""
+    held = weakref.ref(ddp)  # the DDP holds the module that holds this: no cycle through it
+
+    def sync(final: bool) -> None:
+        found = held()
+        if found is not None:
+            found.require_backward_grad_sync = final
+
+    accumulation.sync = sync
+    sync(accumulation.final)
 
 
 def engines_in(model: nn.Module) -> list[str]:

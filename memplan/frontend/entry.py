@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 
 from memplan.frontend.distributed import (DataParallel, DistributedTrainingError, is_data_parallel,
-                                         made_on_first_rank, refuse_unsupported_data_parallel)
+                                         made_on_first_rank, reduce_at_last_micro_step,
+                                         refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
@@ -121,6 +122,8 @@ def optimize(
         # whose Python reads tensor values raises memplan.CaptureError at its first plan.)
         refuse_unsupported_data_parallel(ddp, step, optimized=isinstance(ddp.module, OptimizedModule))
         opt = OptimizedModule(ddp.module, budget, options, step, plan=plan, data_parallel=DataParallel.of(ddp))
+        if step.optimizer is not None and step.accumulate_steps > 1:
+            reduce_at_last_micro_step(ddp, opt.accumulation)
     else:
         split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
         opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)

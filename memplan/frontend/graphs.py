@@ -113,7 +113,7 @@ class PlannedGraph:
         if first:
             self.backend.new_step()
         # Inputs other than the step's own and the resident ones: a plan holds them to its backward.
-        returned = {k for _, _, outs in ledger.live.values() for k in outs}  # counted in another account
+        returned = ledger.returned  # counted in another account
         held = {k: b for k, b in others.items()
                 if k not in ledger.resident and k not in ledger.step_resident and k not in returned}
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet

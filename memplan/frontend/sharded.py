@@ -282,12 +282,14 @@ class ShardedAccounts:
         optimizer = sum(self.optimizers.values())
         shards = sum(held.values()) - optimizer - self.root_gathered
         comm = max([self.closing, *(max(self.outside(i)) for i in range(len(self.units)))])
+        unreduced = {"unreduced gradients (accumulating)": sum(self.unreduced.values())} if self.unreduced else {}
         return {
             "parameter shards": shards,
             "optimizer state (shards)": optimizer,
             "root parameters, gathered": self.root_gathered,
             "root gradients": sum(self.root_grads.values()),
             "gradient shards (blocks)": sum(nbytes for _, nbytes in self._by_gathered.values()),
+            **unreduced,
             "largest block, gathered": self.largest_unit,
             "communication buffers (most at once)": comm,  # (a block's staging and transient never meet)
         }

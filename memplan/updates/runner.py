@@ -6,7 +6,7 @@ import itertools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 import torch
 import torch.nn as nn
 from memplan.core.host import host_storage, is_host
@@ -22,14 +22,19 @@ class Accumulation:
 
     steps: int = 1
     done: int = 0  # backward passes of the current cycle already finished
+    # Told, after each backward, whether the next one updates: a distributed engine reduces the
+    # gradients only then (DDP's ``require_backward_grad_sync``, what its ``no_sync()`` sets).
+    sync: Callable[[bool], None] | None = None
 
     @property
     def final(self) -> bool:
-        """Whether the backward running now is the one that updates."""
+        """Whether the backward running now (or next) is the one that updates."""
         return self.done + 1 >= self.steps
 
     def advance(self) -> None:
         self.done = 0 if self.final else self.done + 1
+        if self.sync is not None:
+            self.sync(self.final)
 
 
 class UpdateRunner(nn.Module):
@@ -189,6 +194,8 @@ class UpdateRunner(nn.Module):
         params: list[nn.Parameter] = []
         final: list[torch.Tensor] = []
         if self.reduced_in_grad:
+            if not self.accumulation.final:
+                return  # the engine added this micro-step's gradients into .grad: the last reduces the sums
             grads = [self._reduced(slot) for slot in slots]
         for slot, grad in zip(slots, grads):
             grad = grad if self.reduced_in_grad else self._applied(slot, grad)

@@ -114,13 +114,19 @@ class StepLedger:
         engine's parameter shards): every plan counts it among the others' holdings."""
         self.resident.update(held)
 
+    @property
+    def returned(self) -> dict[Hashable, int]:
+        """Key -> bytes of what the forwards whose backwards are still to run returned: counted in
+        their accounts, against the plans that do not read it (`hold`)."""
+        return {k: b for _, _, outs in self.live.values() for k, b in outs.items()}
+
     def _others(self, call: Call) -> tuple[int, int]:
         """What the others hold while ``call`` runs: (in its forward, more in its backward). In its
         forward, their resident tensors and every carried account still open; in its backward also
         the gradients of the calls after it in the previous step's order and what an engine holds
         then (`Call.transient`)."""
         resident = sum(b for k, b in {**self.resident, **self.step_resident}.items() if k not in call.owned)
-        returned = {k: b for _, _, outs in self.live.values() for k, b in outs.items() if k not in call.owned}
+        returned = {k: b for k, b in self.returned.items() if k not in call.owned}
         carried = sum(c for _, c, _ in self.live.values()) + sum(returned.values())
         later = set().union(*(c.final for c in self.last_calls[call.position + 1:])) - call.final - call.owned
         return resident + carried, sum(self.final_bytes[k] for k in later) + call.transient

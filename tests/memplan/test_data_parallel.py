@@ -191,7 +191,8 @@ def _one_plan_for_all_ranks(case: str, rank: int) -> None:
 
 def _accumulation_and_the_backend(case: str, rank: int) -> None:
     """Without optimizer=: accumulation under ``no_sync()`` gives plain DDP's gradients (the ones
-    held between micro-steps counted in the plan), and ``torch.compile`` of a DDP module with
+    held between micro-steps counted in the plan); with it, ``accumulate_steps=2`` trains as DDP's
+    loop with ``no_sync()`` does; and ``torch.compile`` of a DDP module with
     memplan's backend trains as DDP does, with a warning that DDP's buckets are not in its budget."""
     model, args = CASES[case](rank)
     reference = DDP(copy.deepcopy(model))
@@ -203,6 +204,35 @@ def _accumulation_and_the_backend(case: str, rank: int) -> None:
     for p, r in zip(planned.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad)
     assert planned.module.plan.held_gradient_bytes == planned.module.plan.engine_bytes  # every gradient held
+
+    # With optimizer= and accumulate_steps=2 memplan accumulates, and DDP reduces only at the second
+    # micro-step (as inside no_sync() for the first): two steps train as eager DDP's loop does.
+    model, args = CASES[case](rank)
+    other = (torch.randint_like(args[0], 0, 64),)  # each rank's second micro-batch, its own
+    reference = DDP(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    planned = memplan.optimize(ddp, BUDGETS[case][1], time_limit=TIME_LIMIT, optimizer=opt, accumulate_steps=2)
+    for cycle in range(2):
+        with reference.no_sync():
+            reference(*args).backward()
+        reference(*other).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert not ddp.require_backward_grad_sync  # the first micro-step: no all-reduce
+        first = measure_peak(lambda: planned(*args).backward())
+        assert ddp.require_backward_grad_sync
+        second = measure_peak(lambda: planned(*other).backward())
+        plan = ddp.module.plan
+        if cycle:  # (the first cycle's first update made the optimizer's state: the plan counts it from then)
+            assert max(first, second) <= plan.budget, (first, second, plan.budget)
+            assert abs(max(first, second) - plan.predicted_peak) <= 0.02 * plan.predicted_peak, (first, second, plan)
+    for p, r in zip(planned.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r)
+        for key, value in ref_opt.state[r].items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                torch.testing.assert_close(opt.state[p][key], value, msg=key)
 
     model, args = CASES[case](rank)
     reference = DDP(copy.deepcopy(model))
