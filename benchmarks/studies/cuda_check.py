@@ -22,7 +22,10 @@ covers these parts, in this order:
 * ``mixtral``: a small Hugging Face Mixtral in bf16, where grouped GEMM runs (#30), through
   ``memplan.optimize`` and ``torch.compile(backend=memplan.backend(...))`` at 80%;
 * ``activations_resnet50``: zoo ``resnet50`` (small, batch 32) at 50%, both runtimes (and
-  ``torch.compile`` if time is left): gradients against eager's, peaks against the budget.
+  ``torch.compile`` if time is left): gradients against eager's, peaks against the budget;
+* ``data_parallel``: gpt (small, batch 16) with AdamW inside DDP and FSDP2, world size 1 (NCCL):
+  each engine's eager loop, memplan inside it (DDP at 70% of its loop's peak, FSDP2 at 85%),
+  parameters after the same steps against the loop's.
 
 ``--parts`` picks some (prefixes: ``activations`` is gpt's and ResNet-50's). Every row
 (`benchmarks.harness.device_rows`): the budget, the plan's predicted peak, the measured peak
@@ -415,6 +418,107 @@ def mixtral(out: dict, sec: Deadline, time_limit: float) -> None:
     add_times(rows, out["times"])
 
 
+def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: float) -> None:
+    """gpt with AdamW inside DDP and FSDP2 (#49), world size 1 (NCCL on CUDA, gloo in a dry run):
+    each engine's eager loop, then memplan inside it at a share of that loop's peak (DDP: 70%,
+    updates after backward in the plan; FSDP2: 85%, ``memplan.fully_shard``, the loop's own
+    ``optimizer.step()``). Peaks by the allocator on CUDA (the profiler's events in a dry run, as
+    FSDP2's blocks run through dynamo); parameters after the same steps against the eager loop's."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from memplan.frontend.sharded import find_units
+
+    out["model"] = f"gpt ({size}, batch {batch}), world size 1"
+    base, args, kwargs = _zoo("gpt", size, batch)
+    rows: list[dict] = out.setdefault("rows", [])
+    steps: dict[str, Callable[[], Any]] = {}
+    base_of: dict[str, str] = {}
+    dist.init_process_group("nccl" if RUN.device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def own(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+            # FSDP2's parameters and state are DTensors: their local shards are the rank's
+            local = [t.to_local() if hasattr(t, "to_local") else t
+                     for t in [*module.parameters(), *module.buffers(),
+                               *(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]]
+            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in [*local, *inputs] if t.device.type == RUN.device}.values())
+
+        def loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer, updates_inside: bool = False):
+            def step() -> None:
+                module(*args, **kwargs).backward()
+                if not updates_inside:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            return step
+
+        def full(p: torch.Tensor) -> torch.Tensor:
+            return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+
+        def engine_rows(engine: str, wrap: Callable[[torch.nn.Module], torch.nn.Module], fraction: float,
+                        planned: Callable[[torch.nn.Module, torch.optim.Optimizer, int], tuple[Any, Any, bool]],
+                        dynamo: bool) -> None:
+            eager_row: dict[str, Any] = {"method": f"{engine} eager loop", "key": f"{engine} eager"}
+            rows.append(eager_row)
+            with recorded(eager_row):
+                eager = wrap(copy.deepcopy(base))
+                eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+                eager_step = loop(eager, eager_opt)
+                torch.manual_seed(0)  # (each step seeded, as `measure` seeds its own: the same dropout)
+                eager_step()  # FSDP2's lazy start and DDP's bucket rebuild: before the measured steps
+                measure(eager_row, eager_step, lambda: own(eager, eager_opt), n=2)
+                steps[eager_row["key"]] = eager_step
+                base_of[eager_row["key"]] = eager_row["key"]  # (each engine's rows over its own eager loop)
+            memplan_row: dict[str, Any] = {"method": f"{engine} + memplan", "key": f"{engine} memplan"}
+            rows.append(memplan_row)
+            if "error" in eager_row or skip(memplan_row, sec, 20):
+                return
+            with recorded(memplan_row):
+                budget = memplan_row["budget"] = int(fraction * max(eager_row["measured"]))
+                module = copy.deepcopy(base)
+                optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+                t0 = time.perf_counter()
+                wrapped, predicts, inside = planned(module, optimizer, budget)
+                step = loop(wrapped, optimizer, updates_inside=inside)
+                torch.manual_seed(0)
+                step()  # planned in the first step (FSDP2's blocks: rehearsed for the next at its backward)
+                memplan_row["plan_s"] = time.perf_counter() - t0
+                measure(memplan_row, step, lambda: own(wrapped, optimizer), n=2, dynamo=dynamo)
+                predicts(memplan_row)
+                # after as many steps as the eager loop (3), on the same batch
+                reference = dict(eager.named_parameters())
+                memplan_row["param_error_after_3"] = max(
+                    (full(p) - full(reference[n])).abs().max().item() / (full(reference[n]).abs().max().item() or 1.0)
+                    for n, p in wrapped.named_parameters())
+                steps[memplan_row["key"]] = step
+                base_of[memplan_row["key"]] = eager_row["key"]
+
+        def ddp_planned(module, optimizer, budget):
+            ddp = DDP(module)
+            memplan.optimize(ddp, budget, optimizer=optimizer, time_limit=time_limit)  # (DDP shares the parameters)
+            return ddp, lambda row: plan_fields(row, ddp.module), True
+
+        def fsdp_planned(module, optimizer, budget):
+            memplan.fully_shard(module, budget, optimizer=optimizer, time_limit=time_limit)
+            return module, lambda row: row.update(predicted=module.memplan_backend.predicted_peak), False
+
+        def fsdp_wrap(module):
+            for block in find_units(module):
+                fully_shard(block)
+            fully_shard(module)
+            return module
+
+        engine_rows("DDP", DDP, 0.7, ddp_planned, dynamo=False)
+        engine_rows("FSDP2", fsdp_wrap, 0.85, fsdp_planned, dynamo=True)
+        if steps:
+            out["times"] = time_steps(steps, base_of)
+            add_times(rows, out["times"])
+    finally:
+        dist.destroy_process_group()
+
+
 TITLES = {
     "activations_gpt": "Activations: gpt at 50% of eager's peak, four ways",
     "whole_step": "Whole step with AdamW (#27): updates inside the plan against eager's loop",
@@ -422,6 +526,7 @@ TITLES = {
     "gpt2_hf": "Compute-bound: Hugging Face GPT-2 small, 1024 tokens",
     "mixtral": "Mixture of experts (#30): Mixtral in bf16",
     "activations_resnet50": "ResNet-50: gradients and peaks, both runtimes",
+    "data_parallel": "DDP and FSDP2 (#49), world size 1: memplan inside each engine against its eager loop",
 }
 
 
@@ -436,6 +541,7 @@ PARTS: dict[str, tuple[float, float]] = {
     "gpt2_hf": (60, 30),
     "mixtral": (30, 15),
     "activations_resnet50": (220, 30),
+    "data_parallel": (40, 20),
 }
 
 
@@ -490,6 +596,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mixtral": lambda o, s: mixtral(o, s, time_limit),
         "activations_resnet50": lambda o, s: activations_zoo(o, s, "resnet50", size, resnet_batch, time_limit,
                                                              needs={"compiled": 190, "inductor": 40}, **resnet),
+        "data_parallel": lambda o, s: data_parallel(o, s, size, step_batch, time_limit),
     }
     wanted = [w for w in args.parts.split(",") if w]
     selected = [key for key in PARTS if any(key.startswith(w) for w in wanted)]
