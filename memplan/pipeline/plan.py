@@ -41,8 +41,12 @@ class InfeasibleBudgetError(ValueError):
     (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
 
     def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
-                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True, engine_bytes: int = 0):
+                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True, engine_bytes: int = 0,
+                 method: str | None = None):
         self.budget = budget
+        # A named solver that could not meet a budget the search finds feasible: ``min_budget`` is its
+        # smallest plan's peak, and "auto" may do better.
+        self.method = method
         self.engine_bytes = engine_bytes
         self.min_budget = min_budget
         # False: ``min_budget`` is only a lower bound (`solvers.solve`'s ``search_minimum=False``):
@@ -58,8 +62,11 @@ class InfeasibleBudgetError(ValueError):
         if engine_bytes:
             held += (f" (it counts {format_bytes(engine_bytes)} of the distributed engine's buffers: DDP's gradient "
                      "buckets)")
+        found = f"solver {method!r} made" if method else "memplan found"
+        if method:
+            held += "; solver='auto' searches further"
         super().__init__(
-            f"budget {format_bytes(budget)} is below the smallest plan memplan found for this model and input: "
+            f"budget {format_bytes(budget)} is below the smallest plan {found} for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
         )
 
@@ -613,6 +620,9 @@ def solve_plan(
         raise InfeasibleBudgetError(budget, int(exc.min_budget),
                                     addend_only_outputs=analysis.capture.addend_only_outputs,
                                     searched=exc.searched) from None
+    if not sol.fits:  # a named method that cannot meet this budget (the search found it feasible)
+        raise InfeasibleBudgetError(budget, int(sol.peak), addend_only_outputs=analysis.capture.addend_only_outputs,
+                                    method=sol.method)
     # An optimizer update overwrites its parameter: none may run before the parameter's last read.
     schedule = updated_after_reads(analysis.lowered, problem, sol.schedule)
     return plan_from_schedule(

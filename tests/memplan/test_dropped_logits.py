@@ -89,8 +89,8 @@ def _no_cyclic_collector():
             gc.enable()
 
 
-def _planned(tied: bool, **options) -> tuple[memplan.OptimizedModule, torch.optim.Optimizer, torch.Tensor,
-                                             torch.Tensor]:
+def _planned(tied: bool, solver: str = SOLVER, **options) -> tuple[memplan.OptimizedModule, torch.optim.Optimizer,
+                                                                     torch.Tensor, torch.Tensor]:
     """The model, planned on its first call (as a new user would) under `BUDGET`, with AdamW."""
     torch.manual_seed(0)
     model = _LM(tied)
@@ -100,7 +100,7 @@ def _planned(tied: bool, **options) -> tuple[memplan.OptimizedModule, torch.opti
                              example_inputs=(ids, labels))
     optimizer = torch.optim.AdamW(model.parameters())
     planned = memplan.optimize(model, int(BUDGET * probe.plan.predicted_peak), optimizer=optimizer,
-                               solver=SOLVER, time_limit=TIME_LIMIT, **options)
+                               solver=solver, time_limit=TIME_LIMIT, **options)
     return planned, optimizer, ids, labels
 
 
@@ -258,6 +258,22 @@ def test_the_plans_do_not_depend_on_a_dispatch_mode_a_profiler_or_the_cyclic_col
     plain = [(OutputUse(no_grad=logits), 1), (OutputUse(no_grad=logits, dropped=logits), 2)]
     for around in ("measure_peak", "profiler", "collector"):
         assert _loop_plans(around) == plain, around
+
+
+@pytest.mark.slow
+def test_a_named_solver_short_of_the_budget_moves_state_to_the_host_as_an_infeasible_plan_does():
+    """greedy cannot meet this budget with every update's state on the device (a budget the search
+    finds feasible): its plan over the budget is an `InfeasibleBudgetError` that names it (it was a
+    raw ScheduleError from the plan's validation), so the whole step moves state to the host as
+    for any placement without a plan."""
+    planned, _, ids, labels = _planned(tied=True, solver="greedy", updates_after_backward=True)
+    for _ in range(2):  # (the second step plans again, for a caller that drops the logits)
+        planned(ids, labels)[0].backward()
+    plan = planned.plan
+    assert plan.method == "greedy" and plan.predicted_peak <= plan.budget
+    assert plan.analysis.lowered.host_states, "the greedy plan fit with every state on the device"
+    error = InfeasibleBudgetError(1000, 2000, method="greedy")
+    assert "solver 'greedy' made" in str(error) and "solver='auto'" in str(error)
 
 
 # -- the runtime holds a dropped output no longer than the plan does ------------------------------
