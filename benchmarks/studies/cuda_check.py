@@ -428,6 +428,7 @@ def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: f
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from memplan.frontend.distributed import bucket_buffer_bytes
     from memplan.frontend.sharded import find_units
 
     out["model"] = f"gpt ({size}, batch {batch}), world size 1"
@@ -443,8 +444,10 @@ def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: f
                      for t in [*module.parameters(), *module.buffers(),
                                *(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]]
             inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in [*local, *inputs] if t.device.type == RUN.device}.values())
+            # DDP's gradient buckets, allocated when it was made, live through the step (memplan counts them)
+            buckets = bucket_buffer_bytes(module.parameters()) if isinstance(module, DDP) else 0
+            return buckets + sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                  for t in [*local, *inputs] if t.device.type == RUN.device}.values())
 
         def loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer, updates_inside: bool = False):
             def step() -> None:

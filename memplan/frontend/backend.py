@@ -254,7 +254,8 @@ class MemplanBackend:
                 if account.eager_saved and not first:
                     ledger.hold_with_last(account.eager_saved)
                 carried_before = sum(c for _, c, _ in ledger.live.values())
-                call = ledger.begin(account.resident, account.final, account.step_inputs, account.inputs,
+                final = account.final if self.sharding is None else self.sharding.rehearsed_finals(account.final)
+                call = ledger.begin(account.resident, final, account.step_inputs, account.inputs,
                                     *self.outside(account.unit))
                 if account.eager_saved and first:
                     ledger.hold_to_end(account.eager_saved)

@@ -24,7 +24,6 @@ says so once.
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -149,21 +148,18 @@ def refuse_unsupported_data_parallel(ddp: nn.Module, step: Any, optimized: bool)
             "the averaged gradients, known once backward has handed them all out; use clip_by='holding' or 'auto'.")
 
 
-def reduce_at_last_micro_step(ddp: nn.Module, accumulation: Any) -> None:
+def reduce_at_last_micro_step(ddp: nn.Module) -> None:
     """Under ``accumulate_steps=k``, let ``ddp`` reduce the gradients only at the backward that
     updates, the k-th, as eager DDP does inside ``no_sync()`` for the others: the earlier ones add
     into ``.grad`` on each rank, the last all-reduces the sums, and the updates after it step with
-    them. (DDP reads ``require_backward_grad_sync`` at each forward: it is set after each backward,
-    for the next.)"""
-    held = weakref.ref(ddp)  # the DDP holds the module that holds this: no cycle through it
+    them. DDP reads ``require_backward_grad_sync`` at the start of each forward: a forward pre-hook
+    sets it from the step's count just before (after a ``no_sync()`` the caller entered too, which
+    would otherwise keep the last micro-step from reducing)."""
+    ddp.register_forward_pre_hook(_reduce_only_when_updating)
 
-    def sync(final: bool) -> None:
-        found = held()
-        if found is not None:
-            found.require_backward_grad_sync = final
 
-    accumulation.sync = sync
-    sync(accumulation.final)
+def _reduce_only_when_updating(ddp: nn.Module, args: Any) -> None:
+    ddp.require_backward_grad_sync = ddp.module.accumulation.final
 
 
 def engines_in(model: nn.Module) -> list[str]:

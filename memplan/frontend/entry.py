@@ -123,7 +123,7 @@ def optimize(
         refuse_unsupported_data_parallel(ddp, step, optimized=isinstance(ddp.module, OptimizedModule))
         opt = OptimizedModule(ddp.module, budget, options, step, plan=plan, data_parallel=DataParallel.of(ddp))
         if step.optimizer is not None and step.accumulate_steps > 1:
-            reduce_at_last_micro_step(ddp, opt.accumulation)
+            reduce_at_last_micro_step(ddp)
     else:
         split = SplitAtGraphBreaks(model, budget, options) if graph_breaks and budget is not None else None
         opt = OptimizedModule(model, budget, options, step, plan=plan, graph_breaks=split)

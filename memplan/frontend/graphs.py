@@ -75,6 +75,7 @@ class PlannedGraph:
             sharding.hold_in(ledger)
             if first:
                 sharding.unreduced.clear()  # (this step's blocks say again what they leave unreduced)
+                sharding.unreduced_finals.clear()
         for i, t in enumerate(args):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -84,7 +85,7 @@ class PlannedGraph:
                 gathered[key] = nbytes
                 unit = shard[2]
                 if t.requires_grad:
-                    final[("grad", shard[0])] = sharding.gradient_bytes(unit, shard[1], nbytes)
+                    final[("grad", shard[0])] = sharding.gradient_bytes(unit, t, shard[0], shard[1])
             elif isinstance(t, nn.Parameter) or i in self.stateful.buffer_set:
                 resident[key] = nbytes
                 if isinstance(t, nn.Parameter) and t.requires_grad:

@@ -78,6 +78,8 @@ class ShardedAccounts:
         # block index -> bytes of its gradients left unreduced by the step whose forward ran last
         # (``set_requires_gradient_sync(False)``): what the next step holds from its start (`accumulated`)
         self.unreduced: dict[int, int] = {}
+        self.unreduced_finals: dict[Any, int] = {}  # ("grad", shard key) -> shard bytes, of those gradients
+        self._record_of: dict[int, Any] = {}  # id(gathered parameter) -> its FSDPParam
 
     def count_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step."""
@@ -121,6 +123,7 @@ class ShardedAccounts:
                     shard = fp._sharded_param_data
                     self._by_gathered[id(gathered)] = (storage_key(shard), shard.numel() * shard.element_size())
                     self._unit_of[id(gathered)] = index
+                    self._record_of[id(gathered)] = fp
 
     def shard_of(self, t: torch.Tensor) -> tuple[Any, int, int] | None:
         """``t``'s shard (key, bytes) and its block's index where ``t`` is a block's all-gathered
@@ -136,18 +139,28 @@ class ShardedAccounts:
         self.planned.add(self._unit_of[id(t)])
         return (*found, self._unit_of[id(t)])
 
-    def gradient_bytes(self, unit: int, shard_bytes: int, gathered_bytes: int) -> int:
-        """What block ``unit``'s backward leaves of one parameter's gradient (its shard holding
-        ``shard_bytes``, gathered ``gathered_bytes``) until the step's end: the shard, after the
-        reduce-scatter; where the block does not reduce in this step
-        (``set_requires_gradient_sync(False)``, gradient accumulation), the whole gradient, in the
-        reduce dtype, which FSDP2 keeps unsharded for the steps after (`accumulated`)."""
+    def gradient_bytes(self, unit: int, gathered: torch.Tensor, shard_key: Any, shard_bytes: int) -> int:
+        """What block ``unit``'s backward adds, of the gradient of its all-gathered parameter
+        ``gathered`` (its shard ``shard_key``, holding ``shard_bytes``), to what the rank holds until
+        the step's end: the shard, after the reduce-scatter. Where the block does not reduce in this
+        step (``set_requires_gradient_sync(False)``, gradient accumulation), the whole gradient, in
+        the reduce dtype, which FSDP2 keeps unsharded for the steps after (`accumulated`): nothing
+        more where an earlier step's is held already (this one is added into it)."""
         state = self.units[unit]._get_fsdp_state()
         if all(group.reduce_grads for group in state._fsdp_param_groups):
             return shard_bytes
-        whole = int(gathered_bytes * self.reduce_ratio)
+        whole = int(gathered.untyped_storage().nbytes() * self.reduce_ratio)
         self.unreduced[unit] = self.unreduced.get(unit, 0) + whole
-        return whole
+        self.unreduced_finals[("grad", shard_key)] = shard_bytes
+        record = self._record_of.get(id(gathered))
+        held = gathered.grad is not None or (record is not None and record.unsharded_accumulated_grad is not None)
+        return 0 if held else whole
+
+    def rehearsed_finals(self, final: dict[Any, int]) -> dict[Any, int]:
+        """``final`` (a first step's call's, key -> bytes) as the rehearsal of the next step counts it:
+        a gradient the first step left unreduced is held from the next step's start (`unreduced`), and
+        what that step's backward adds is at most its shard."""
+        return {k: self.unreduced_finals.get(k, b) for k, b in final.items()}
 
     def accumulated(self) -> dict[Any, int]:
         """Key -> bytes of the unsharded gradients FSDP2 holds from earlier steps that did not

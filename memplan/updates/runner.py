@@ -6,7 +6,7 @@ import itertools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 import torch
 import torch.nn as nn
 from memplan.core.host import host_storage, is_host
@@ -22,9 +22,6 @@ class Accumulation:
 
     steps: int = 1
     done: int = 0  # backward passes of the current cycle already finished
-    # Told, after each backward, whether the next one updates: a distributed engine reduces the
-    # gradients only then (DDP's ``require_backward_grad_sync``, what its ``no_sync()`` sets).
-    sync: Callable[[bool], None] | None = None
 
     @property
     def final(self) -> bool:
@@ -33,8 +30,6 @@ class Accumulation:
 
     def advance(self) -> None:
         self.done = 0 if self.final else self.done + 1
-        if self.sync is not None:
-            self.sync(self.final)
 
 
 class UpdateRunner(nn.Module):
@@ -181,7 +176,8 @@ class UpdateRunner(nn.Module):
             if any(g is None for slot, g in enumerate(grads) if slot not in self.skipped):
                 raise RuntimeError("memplan runtime: clipping ran before the engine reduced every gradient")
         held = [slot for slot, p in enumerate(self.params) if p.grad is not None and not self.reduced_in_grad]
-        if self.accumulation.steps > 1 or held:
+        # (the engine's reduced gradients are the accumulated sums already: nothing to fold in)
+        if not self.reduced_in_grad and (self.accumulation.steps > 1 or held):
             self._totals = {slot: self._accumulated(slot, grad) for slot, grad in enumerate(grads)
                             if slot not in self.skipped and grad is not None}
             grads = [self._totals.get(slot) for slot in range(len(grads))]

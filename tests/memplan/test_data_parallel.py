@@ -206,24 +206,38 @@ def _accumulation_and_the_backend(case: str, rank: int) -> None:
     assert planned.module.plan.held_gradient_bytes == planned.module.plan.engine_bytes  # every gradient held
 
     # With optimizer= and accumulate_steps=2 memplan accumulates, and DDP reduces only at the second
-    # micro-step (as inside no_sync() for the first): two steps train as eager DDP's loop does.
+    # micro-step (as inside no_sync() for the first; clipped by the global norm of the averaged sums):
+    # two steps train as eager DDP's loop does, even with the user's own no_sync() around each.
     model, args = CASES[case](rank)
     other = (torch.randint_like(args[0], 0, 64),)  # each rank's second micro-batch, its own
     reference = DDP(copy.deepcopy(model))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ddp = DDP(model)
+    reductions = [0]
+
+    def counted(state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        reductions[0] += 1
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counted)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    planned = memplan.optimize(ddp, BUDGETS[case][1], time_limit=TIME_LIMIT, optimizer=opt, accumulate_steps=2)
+    planned = memplan.optimize(ddp, BUDGETS[case][1], time_limit=TIME_LIMIT, optimizer=opt, accumulate_steps=2,
+                               max_grad_norm=0.5)
     for cycle in range(2):
         with reference.no_sync():
             reference(*args).backward()
         reference(*other).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
         ref_opt.step()
         ref_opt.zero_grad()
-        assert not ddp.require_backward_grad_sync  # the first micro-step: no all-reduce
+        reductions[0] = 0
         first = measure_peak(lambda: planned(*args).backward())
-        assert ddp.require_backward_grad_sync
-        second = measure_peak(lambda: planned(*other).backward())
+        assert reductions[0] == 0, reductions  # the first micro-step: no all-reduce
+        with ddp.no_sync():  # memplan's count decides, not the caller's context
+            second = measure_peak(lambda: planned(*other).backward())
+        assert reductions[0] > 0
         plan = ddp.module.plan
         if cycle:  # (the first cycle's first update made the optimizer's state: the plan counts it from then)
             assert max(first, second) <= plan.budget, (first, second, plan.budget)
