@@ -28,7 +28,7 @@ from memplan.runtime.handout import handout_groups
 
 WORLD_SIZE = 2
 STEPS = 3
-TIME_LIMIT = 2  # seconds per solve: tiny models; rank 0 solves for both
+TIME_LIMIT = 5  # seconds per solve (rank 0 solves for both; at 2 s the CNN case failed once in six runs beside other tests, cause not read)
 MODES = {
     "optimizer.step() after backward": None,
     "updates in the plan": {"optimizer_state": "device"},
