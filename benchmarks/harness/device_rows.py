@@ -91,13 +91,14 @@ def autocast_ctx(on: bool):
 
 def own_bytes(module: torch.nn.Module, inputs: Any = (), optimizer: torch.optim.Optimizer | None = None) -> int:
     """Device bytes the step's own resident tensors hold: parameters, buffers, inputs, optimizer
-    state (what memplan's budget counts as resident)."""
+    state (what memplan's budget counts as resident); of FSDP2's sharded ones (DTensors), the
+    rank's local shards."""
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [t for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         tensors += [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     seen = {}
-    for t in tensors:
+    for t in (t.to_local() if hasattr(t, "to_local") else t for t in tensors):
         if t.device.type == RUN.device:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

@@ -221,18 +221,33 @@ def activations_zoo(out: dict, sec: Deadline, name: str, size: str, batch: int, 
     activations(out, sec, base, args, kwargs, time_limit=time_limit, **options)
 
 
+def _loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict,
+          updates_inside: bool = False) -> Callable[[], None]:
+    """One step of a training loop: forward and backward, then the optimizer's step (left out where
+    the updates run inside the step: memplan's under DDP)."""
+    def step() -> None:
+        module(*args, **kwargs).backward()
+        if not updates_inside:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _param_error(module: torch.nn.Module, reference: torch.nn.Module) -> float:
+    """Largest |p - p_eager| / max|p_eager| over the parameters, by name (FSDP2's gathered whole)."""
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+
+    ref = {n: whole(p) for n, p in reference.named_parameters()}
+    return max((whole(p) - ref[n]).abs().max().item() / (ref[n].abs().max().item() or 1.0)
+               for n, p in module.named_parameters())
+
+
 def whole_step(out: dict, sec: Deadline, size: str, batch: int, time_limit: float) -> None:
     """The training loop with AdamW, eager against memplan's updates inside the plan, per optimizer kind."""
     out["model"] = f"gpt ({size}, batch {batch})"
     base, args, kwargs = _zoo("gpt", size, batch)
     rows: list[dict] = out.setdefault("rows", [])
-
-    def loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
-        def step() -> None:
-            module(*args, **kwargs).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        return step
 
     modes = [("in backward", dict(optimizer_state="device"), 0.75),
              ("after backward", dict(optimizer_state="device", updates_after_backward=True), 0.85),
@@ -251,13 +266,12 @@ def whole_step(out: dict, sec: Deadline, size: str, batch: int, time_limit: floa
         with recorded(eager_row):
             eager = copy.deepcopy(base)
             eager_opt = adamw(eager)
-            eager_step = loop(eager, eager_opt)
+            eager_step = _loop(eager, eager_opt, args, kwargs)
             measure(eager_row, eager_step, lambda: own_bytes(eager, (args, kwargs), eager_opt), n=3,
                      calls=count_calls(eager_opt))
             steps[eager_key] = eager_step
         if "error" in eager_row:
             continue
-        ref_params = dict(eager.named_parameters())
         for label, options, fraction in modes:
             row: dict[str, Any] = {"method": label, "optimizer": kind, "key": f"{label}, {kind}"}
             rows.append(row)
@@ -282,13 +296,11 @@ def whole_step(out: dict, sec: Deadline, size: str, batch: int, time_limit: floa
                 row["budget"] = budget
                 if budget != wanted:
                     row["note"] = f"{fraction:.0%} of eager's peak ({mb(wanted)}) had no plan: budget raised"
-                step = loop(opt, optimizer)
+                step = _loop(opt, optimizer, args, kwargs)
                 measure(row, step, lambda: own_bytes(module, (args, kwargs), optimizer), n=3, calls=calls)
                 plan_fields(row, opt)
                 # after 3 steps each, parameters against eager's 3 steps (the loops saw the same data)
-                row["param_error_after_3"] = max(
-                    (p.detach().float() - ref_params[n].detach().float()).abs().max().item()
-                    / (ref_params[n].detach().abs().max().item() or 1.0) for n, p in module.named_parameters())
+                row["param_error_after_3"] = _param_error(module, eager)
                 steps[row["key"]] = step
                 base_of[row["key"]] = eager_key
                 if label == "state on host":
@@ -439,26 +451,9 @@ def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: f
     dist.init_process_group("nccl" if RUN.device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         def own(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-            # FSDP2's parameters and state are DTensors: their local shards are the rank's
-            local = [t.to_local() if hasattr(t, "to_local") else t
-                     for t in [*module.parameters(), *module.buffers(),
-                               *(v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))]]
-            inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             # DDP's gradient buckets, allocated when it was made, live through the step (memplan counts them)
             buckets = bucket_buffer_bytes(module.parameters()) if isinstance(module, DDP) else 0
-            return buckets + sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                                  for t in [*local, *inputs] if t.device.type == RUN.device}.values())
-
-        def loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer, updates_inside: bool = False):
-            def step() -> None:
-                module(*args, **kwargs).backward()
-                if not updates_inside:
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            return step
-
-        def full(p: torch.Tensor) -> torch.Tensor:
-            return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float()
+            return buckets + own_bytes(module, (args, kwargs), optimizer)
 
         def engine_rows(engine: str, wrap: Callable[[torch.nn.Module], torch.nn.Module], fraction: float,
                         planned: Callable[[torch.nn.Module, torch.optim.Optimizer, int], tuple[Any, Any, bool]],
@@ -468,7 +463,7 @@ def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: f
             with recorded(eager_row):
                 eager = wrap(copy.deepcopy(base))
                 eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
-                eager_step = loop(eager, eager_opt)
+                eager_step = _loop(eager, eager_opt, args, kwargs)
                 torch.manual_seed(0)  # (each step seeded, as `measure` seeds its own: the same dropout)
                 eager_step()  # FSDP2's lazy start and DDP's bucket rebuild: before the measured steps
                 measure(eager_row, eager_step, lambda: own(eager, eager_opt), n=2)
@@ -484,17 +479,14 @@ def data_parallel(out: dict, sec: Deadline, size: str, batch: int, time_limit: f
                 optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
                 t0 = time.perf_counter()
                 wrapped, predicts, inside = planned(module, optimizer, budget)
-                step = loop(wrapped, optimizer, updates_inside=inside)
+                step = _loop(wrapped, optimizer, args, kwargs, updates_inside=inside)
                 torch.manual_seed(0)
                 step()  # planned in the first step (FSDP2's blocks: rehearsed for the next at its backward)
                 memplan_row["plan_s"] = time.perf_counter() - t0
                 measure(memplan_row, step, lambda: own(wrapped, optimizer), n=2, dynamo=dynamo)
                 predicts(memplan_row)
                 # after as many steps as the eager loop (3), on the same batch
-                reference = dict(eager.named_parameters())
-                memplan_row["param_error_after_3"] = max(
-                    (full(p) - full(reference[n])).abs().max().item() / (full(reference[n]).abs().max().item() or 1.0)
-                    for n, p in wrapped.named_parameters())
+                memplan_row["param_error_after_3"] = _param_error(wrapped, eager)
                 steps[memplan_row["key"]] = step
                 base_of[memplan_row["key"]] = eager_row["key"]
 
