@@ -155,10 +155,16 @@ class MemplanBackend:
         if over > 0:
             self.warn_over("the code after the last graph", over)
 
-    def outside(self, unit: int | None) -> tuple[int, int]:
+    def outside(self, unit: int | None, after_blocks: bool = False) -> tuple[int, int]:
         """What a distributed engine holds outside the plan of a call that is FSDP2's block ``unit``
-        (`Call.transient`, `Call.staging`); nothing for any other call."""
-        return self.sharding.outside(unit) if self.sharding is not None and unit is not None else (0, 0)
+        (`Call.transient`, `Call.staging`), or of the root's code ``after_blocks`` (a loss head: the
+        last block, gathered ahead of its backward while that code's backward runs); nothing for
+        any other call."""
+        if self.sharding is None:
+            return 0, 0
+        if unit is not None:
+            return self.sharding.outside(unit)
+        return (self.sharding.ahead_of_tail, 0) if after_blocks else (0, 0)
 
     @property
     def predicted_peak(self) -> int:
@@ -256,7 +262,7 @@ class MemplanBackend:
                 carried_before = sum(c for _, c, _ in ledger.live.values())
                 final = account.final if self.sharding is None else self.sharding.rehearsed_finals(account.final)
                 call = ledger.begin(account.resident, final, account.step_inputs, account.inputs,
-                                    *self.outside(account.unit))
+                                    *self.outside(account.unit, account.after_blocks))
                 if account.eager_saved and first:
                     ledger.hold_to_end(account.eager_saved)
                 if first and self.sharding is not None:  # what the step rehearsed leaves unreduced, held in the next
@@ -277,7 +283,7 @@ class MemplanBackend:
                         plan = module.prepare(*record.args)  # the plan for these inputs' shapes
                         ledger.predict(call, *plan.phase_peaks, sources=int(plan.simulated.initial))
                         carried = max(0, plan.carried_bytes - sum(account.outputs.values()))
-                ledger.hold(call, carried, {**account.held, **account.outputs})
+                ledger.hold(call, carried, {**account.held_next, **account.outputs})
             carried_before = sum(c for _, c, _ in ledger.live.values())
             over = self._tail_over(ledger)
             if over:

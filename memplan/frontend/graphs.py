@@ -16,6 +16,7 @@ from solvers.strategies.ledger import Call
 from memplan.frontend.module import OptimizedModule
 from memplan.capture.signature import CaptureError, NothingToDifferentiate
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan
+from memplan.passes.output_use import OutputUse, inputs_let_go
 from memplan.planning.lowering import BACKWARD
 from memplan.runtime.program import PlannedStep, generator_state
 from memplan.core.storage import storage_key
@@ -48,6 +49,10 @@ class PlannedGraph:
         # A graph that changes its inputs in place cannot be captured for a plan (it runs as dynamo
         # made it), nor run twice from its inputs as the first step runs the others.
         self.changes_inputs = _changes_inputs(gm, self.stateful.buffer_set)
+        # Positions (among the bound arguments' tensors) of inputs its caller lets go when it returns
+        # (`memplan.passes.output_use.inputs_dropped_after_call`), as its first planned call found them;
+        # empty for good once a call differs or a backward finds one still held.
+        self.inputs_dropped: frozenset[int] | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self.read_as_numbers:
@@ -105,8 +110,9 @@ class PlannedGraph:
                            if k not in resident and k not in others}
         if unit is not None:
             sharding.saw(unit, sum(gathered.values()))
+        after_blocks = unit is None and sharding is not None and sharding.blocks_done
         call = ledger.begin(resident, final, step_inputs, frozenset(resident) | frozenset(others) | frozenset(gathered),
-                            *self.backend.outside(unit))
+                            *self.backend.outside(unit, after_blocks))
         if first and eager_saved:
             ledger.hold_to_end(eager_saved)
         if first and sharding is not None:  # FSDP2's gradients accumulated by earlier steps, unreduced
@@ -117,13 +123,18 @@ class PlannedGraph:
         returned = ledger.returned  # counted in another account
         held = {k: b for k, b in others.items()
                 if k not in ledger.resident and k not in ledger.step_resident and k not in returned}
+        bound = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
+        # Inputs the caller lets go when this call returns, which eager autograd did not save either:
+        # the plan holds them through its forward only (unless its backward reads them).
+        let_go = {k for k in held if k not in eager_saved} & inputs_let_go()
+        dropped = self._inputs_dropped(bound, let_go)
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
-            return self._discover(call, self.stateful.bind(args), _Account(resident, final, step_inputs,
-                                                                           {**others, **gathered}, held,
-                                                                           eager_saved, unit))
+            account = _Account(resident, final, step_inputs, {**others, **gathered}, held, eager_saved, unit, dropped)
+            account.after_blocks = after_blocks
+            return self._discover(call, bound, account)
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
-        args = self.stateful.bind(args)  # the module's buffers are the plan's buffers, the rest its inputs
+        args = bound
         try:
             module, over = self.plan_call(allowance, limit, args)
         except CaptureError as exc:
@@ -138,8 +149,51 @@ class PlannedGraph:
         out = module(*args)
         # (after the call: the module's plan is now the one for these inputs' shapes)
         ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
-        self._hold_until_backward(call, module.plan, tensors, out, held)
+        self._hold_until_backward(call, module.plan, tensors, out, {k: b for k, b in held.items() if k not in dropped})
+        if dropped:
+            self._check_let_go(out, [t for t in tensors if storage_key(t) in dropped])
         return out
+
+    def _inputs_dropped(self, bound: tuple, let_go: set) -> dict[int, int]:
+        """The storages (key -> bytes) of the inputs in ``bound`` that this call's plans may let go
+        when forward returns: those in ``let_go``, where the graph's first planned call let go of the
+        same positions (its plans are made for one set); the modules it makes assume them."""
+        tensors = [a for a in bound if isinstance(a, torch.Tensor)]
+        positions = frozenset(i for i, t in enumerate(tensors) if storage_key(t) in let_go)
+        if self.inputs_dropped is None:
+            self.inputs_dropped = positions
+        elif positions != self.inputs_dropped and self.inputs_dropped:
+            self._hold_inputs_again()
+        return {storage_key(tensors[i]): tensors[i].untyped_storage().nbytes() for i in self.inputs_dropped}
+
+    def _hold_inputs_again(self) -> None:
+        """From now on every plan of this graph holds its inputs as sources: forget the plans made
+        for a caller that lets some go."""
+        self.inputs_dropped = frozenset()
+        self.levels.clear()
+        self.prepared.clear()
+        self.failed.clear()
+        self.min_budget.clear()
+
+    def _check_let_go(self, out: Any, inputs: list[torch.Tensor]) -> None:
+        """After this call's backward, the inputs its plan let go must be gone: where one is still
+        held (the caller kept a reference after all), say so, and plan the next calls holding them."""
+        refs = [weakref.ref(t) for t in inputs]
+        node = next((t.grad_fn for t in _tensors(out) if t.grad_fn is not None), None)
+        if node is None:
+            return
+
+        def check(*_: Any) -> None:
+            kept = [r() for r in refs if r() is not None]
+            if kept and self.inputs_dropped:
+                warnings.warn(
+                    f"memplan backend: graph {self.index}'s input(s) of {sum(t.untyped_storage().nbytes() for t in kept)} "
+                    "bytes were still held after its backward, though its caller declared it lets them go "
+                    "(memplan.WithLoss); the step held more than planned, and its next plans hold them",
+                    UserWarning, stacklevel=2)
+                self._hold_inputs_again()
+
+        node.register_hook(check)
 
     def _eager_grads(self, leaves: list, final: dict) -> dict:
         """The gradients (key -> bytes) eager code between the last graph and this one makes for the
@@ -217,20 +271,24 @@ class PlannedGraph:
         if self.unplanned:
             return None
 
+        # Its inputs the caller let go are held all through here (the first step keeps its inputs),
+        # where its plans for the next steps let them go when forward returns.
+        dropped = sum(record.account.dropped.values())
+
         def fits(module: OptimizedModule | None) -> bool:
-            return module is not None and _peak_holding(module.prepare(*args), tangent_bytes) <= allowance
+            return module is not None and _peak_holding(module.prepare(*args), tangent_bytes) + dropped <= allowance
 
         if fits(record.module):
             return record.module
         try:  # the output gradients held through the plan's forward too: a plan for that much less
-            module = self._planned(allowance - tangent_bytes, None, args)
+            module = self._planned(allowance - tangent_bytes - dropped, None, args)
             if module is None:
                 least = self.min_budget.get(_shape_key(args), allowance)
                 module = self._planned(least, None, args, exact=True)
                 if module is None:
                     raise InfeasibleBudgetError(self.backend.budget, least + self.backend.budget - allowance)
                 if not fits(module):
-                    self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) - allowance)
+                    self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) + dropped - allowance)
         except CaptureError as exc:
             self.mark_unplanned(exc)
             return None
@@ -271,6 +329,7 @@ class PlannedGraph:
             return module
         if module is None:
             module = OptimizedModule(self.stateful, budget, self.backend.plan_options, carry_limit=limit)
+            module.declared_use = OutputUse(inputs_dropped=self.inputs_dropped or frozenset())
             # A graph's outputs get their gradients from the graphs after it, by design: no loss to move inside.
             module.warn_loss_outside = False
             if self.backend.sharding is not None:
@@ -342,7 +401,7 @@ class _Account:
     step so that its rehearsal of the next steps opens the same accounts."""
 
     def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict,
-                 unit: int | None = None):
+                 unit: int | None = None, dropped: dict | None = None):
         self.resident = resident  # parameters and buffers
         self.final = final  # the gradients its backward makes
         self.step_inputs = step_inputs  # the step's own inputs (the first call only)
@@ -351,6 +410,15 @@ class _Account:
         self.eager_saved = eager_saved  # what eager code before it saved for its backward
         self.outputs: dict[int, int] = {}  # what it returned
         self.unit = unit  # FSDP2's block it is the forward of (what FSDP2 holds outside it: `MemplanBackend.outside`)
+        # inputs its caller lets go when it returns: held to its backward in the first step (which
+        # keeps its inputs), in the next steps by its plan where the backward reads them
+        self.dropped = dropped or {}
+        self.after_blocks = False  # a root call of FSDP2 after its last block (`MemplanBackend.outside`)
+
+    @property
+    def held_next(self) -> dict:
+        """What it holds to its backward from the second step on: ``held`` but the inputs let go."""
+        return {k: b for k, b in self.held.items() if k not in self.dropped}
 
 
 class FirstCall:

@@ -32,7 +32,7 @@ from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
 from memplan.measure.tracker import unmeasured
 from memplan.updates.probe import check_optimizer
 from memplan.updates.runner import Accumulation
-from memplan.passes.output_use import OutputUse
+from memplan.passes.output_use import OutputUse, inputs_dropped_after_call
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, make_plan
 from memplan.pipeline.saved import PlanMismatchError, as_saved, make_plan_from_saved
@@ -138,6 +138,9 @@ class OptimizedModule(nn.Module):
         # assumes; or None once a step broke such an assumption: the use varies, and these
         # inputs keep the plan that assumes nothing.
         self._output_use: dict[InputSignature, OutputUse | None] = {}
+        # What the caller declares about the step's inputs (`OutputUse.inputs_dropped`), under every
+        # assumption learned about the outputs: a backend graph whose caller lets an input go sets it.
+        self.declared_use = OutputUse()
         # Whether a loss computed outside this module is worth a warning (once); a graph of the backend
         # gets its gradients from the graphs after it by design, and turns it off.
         self.warn_loss_outside = True
@@ -243,7 +246,7 @@ class OptimizedModule(nn.Module):
         if self.saved_plan is not None:  # a saved plan is used as it was made
             use = self.saved_plan.output_use
         else:
-            use = self._output_use.get(sig) or OutputUse()
+            use = self._output_use.get(sig) or self.declared_use
         key = sig.for_output_use(use)
         if key not in self._plans:
             # Planning is compile-time work, not part of the step: a MemoryTracker
@@ -259,11 +262,11 @@ class OptimizedModule(nn.Module):
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
                 except InfeasibleBudgetError as exc:
-                    if use and self.saved_plan is None and sig in self._plans:
+                    if use.learned and self.saved_plan is None and sig.for_output_use(self.declared_use) in self._plans:
                         # The plan for how the last step used the outputs does not fit (the search
                         # found none) where the plan that assumes nothing did: keep that one.
                         self._output_use[sig] = None
-                        key, entry = sig, None
+                        key, entry = sig.for_output_use(self.declared_use), None
                     else:
                         optimistic = self._optimistic_use(sig, use, exc)
                         if optimistic is None:
@@ -311,10 +314,10 @@ class OptimizedModule(nn.Module):
         the logits next to the loss it computes) is assumed to get no gradient, as in
         ``out.loss.backward()``; a loss that does use one still gets exact gradients (see
         ``_learn_output_use``)."""
-        if self.saved_plan is not None or use or sig in self._output_use:
+        if self.saved_plan is not None or use.learned or sig in self._output_use:
             return None
         candidates = infeasible.addend_only_outputs  # read off the capture that plan was made from
-        return OutputUse(no_grad=candidates) if candidates else None
+        return OutputUse(no_grad=candidates, inputs_dropped=use.inputs_dropped) if candidates else None
 
     def _learn_output_use(self, sig: InputSignature, planned: OutputUse, plan: Plan,
                           missing: frozenset[int], dropped: frozenset[int]) -> None:
@@ -346,7 +349,8 @@ class OptimizedModule(nn.Module):
             return
         if self.saved_plan is not None or (sig in self._output_use and self._output_use[sig] is None):
             return
-        learned = OutputUse(no_grad=missing & plan.analysis.capture.addend_only_outputs, dropped=dropped)
+        learned = OutputUse(no_grad=missing & plan.analysis.capture.addend_only_outputs, dropped=dropped,
+                            inputs_dropped=planned.inputs_dropped)
         changed = (learned.no_grad ^ planned.no_grad) | (learned.dropped ^ planned.dropped)
         if not changed:
             return
@@ -565,4 +569,10 @@ class WithLoss(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.loss_fn(self.model(*args, **kwargs))
+        out = self.model(*args, **kwargs)
+        if torch.compiler.is_compiling():  # traced whole: the loss is in the same graph
+            return self.loss_fn(out)
+        # The loss function's graph (`memplan.fully_shard` compiles it) gets the model's outputs, to
+        # which nothing here holds a reference once it returns: its plan may let them go then.
+        with inputs_dropped_after_call(out):
+            return self.loss_fn(out)

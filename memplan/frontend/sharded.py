@@ -254,6 +254,11 @@ class ShardedAccounts:
         return prefetch + reduce_input, self._gathered(unit)
 
     @property
+    def blocks_done(self) -> bool:
+        """Whether this step's forward has run its last block (the code running now is after it)."""
+        return len(self.units) - 1 in self.ran
+
+    @property
     def ahead_of_tail(self) -> int:
         """Bytes FSDP2 holds while the code after the last block runs its backward: the last
         block's all-gather output, gathered ahead of its backward by the root's."""
@@ -427,6 +432,7 @@ def fully_shard(
         block.register_forward_pre_hook(lambda module, args, index=index: accounts.ran.add(index))
         torch_fully_shard(block, reshard_after_forward=True, **options)
     torch_fully_shard(model, **options)
+    _compile_loss(model, backend)
     sharded = dict(model.named_parameters())  # FSDP2's sharded parameters now
     accounts.param_ids = {id(p) for p in sharded.values()}
     if optimizer is not None:
@@ -451,3 +457,20 @@ def fully_shard(
     model.memplan_optimizer_hook = register_optimizer_step_pre_hook(on_step)
     weakref.finalize(accounts, model.memplan_optimizer_hook.remove)
     return model
+
+
+def _compile_loss(model: nn.Module, backend: Any) -> None:
+    """Where ``model`` is a `memplan.WithLoss`, compile its loss function with the blocks' backend: the
+    loss head (a cross-entropy over the logits, the step's largest tensors) is then a plan of the step,
+    its backward in one logits-size buffer where eager code holds three (`memplan.passes.loss_fusion`),
+    and its plan lets the logits go when it returns (``WithLoss`` keeps no reference to them). Any other
+    model's loss stays eager code, counted as it runs (`MemplanBackend.end_of_forward`)."""
+    from memplan.frontend.module import WithLoss
+
+    if not isinstance(model, WithLoss):
+        return
+    loss = model.loss_fn
+    if isinstance(loss, nn.Module):
+        loss.forward = torch.compile(loss.forward, backend=backend)
+    else:
+        model.loss_fn = torch.compile(loss, backend=backend)

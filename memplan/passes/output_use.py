@@ -30,13 +30,24 @@ the schedule without the activations those ops read if it ever arrived.
 Dropped: the Problem then ends the caller's reference to the output at the
 backward barrier instead of at the step's end (``memplan.planning.lowering``), and the
 runtime keeps no reference to it that the plan does not count.
+
+Inputs dropped: the same for the step's *input* tensors. A caller that hands a tensor in and
+keeps no reference once the call returns (``memplan.WithLoss`` calling its loss function on
+the logits) lets it go when the forward ends; unless the backward reads it, the plan frees
+it there instead of holding it as a source to the step's end. Only the caller knows this,
+so it is declared (`inputs_dropped_after_call`), never guessed; a backward that finds one still
+held says so and plans hold it again (`memplan.frontend.graphs`).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+
+from memplan.core.storage import storage_key
 
 
 @dataclass(frozen=True)
@@ -46,13 +57,22 @@ class OutputUse:
 
     no_grad: frozenset[int] = frozenset()  # the loss sent them no gradient (each must be addend-only)
     dropped: frozenset[int] = frozenset()  # the caller no longer held them when backward began
+    # Input tensors (positions among the step's flat input tensors, `PrimalInfo.index` of kind
+    # "input") the caller holds no reference to once the forward has returned.
+    inputs_dropped: frozenset[int] = frozenset()
 
     def __bool__(self) -> bool:
+        return bool(self.no_grad or self.dropped or self.inputs_dropped)
+
+    @property
+    def learned(self) -> bool:
+        """Whether it says anything a backward showed (about the outputs), beyond what the caller declared."""
         return bool(self.no_grad or self.dropped)
 
     def key(self) -> tuple:
         """A hashable, ordered form, for plan keys and saved plans."""
-        return tuple(sorted(self.no_grad)), tuple(sorted(self.dropped))
+        base = (tuple(sorted(self.no_grad)), tuple(sorted(self.dropped)))
+        return (*base, tuple(sorted(self.inputs_dropped))) if self.inputs_dropped else base
 
     def describe(self) -> str:
         """One line for ``Plan.report``."""
@@ -62,11 +82,35 @@ class OutputUse:
         if self.dropped:
             parts.append(f"output tensor(s) {', '.join(map(str, sorted(self.dropped)))} dropped by the caller "
                          "before backward")
+        if self.inputs_dropped:
+            parts.append(f"input tensor(s) {', '.join(map(str, sorted(self.inputs_dropped)))} let go by the caller "
+                         "when forward returns")
         return "; ".join(parts)
 
 
 _ADD = torch.ops.aten.add.Tensor
 
+_DROPPING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("memplan_inputs_dropped_after_call",
+                                                                     default=frozenset())
+
+
+@contextlib.contextmanager
+def inputs_dropped_after_call(handed: object):
+    """Declare that the caller keeps no reference to the tensors in ``handed`` (any nesting) once the
+    call inside returns: a planned graph called inside may let those of its inputs go when its
+    forward returns (`OutputUse.inputs_dropped`); its other inputs (a closure's tensors) are held."""
+    keys = frozenset(storage_key(t) for t in torch.utils._pytree.tree_leaves(handed) if isinstance(t, torch.Tensor))
+    token = _DROPPING.set(keys)
+    try:
+        yield
+    finally:
+        _DROPPING.reset(token)
+
+
+def inputs_let_go() -> frozenset:
+    """The storages (`memplan.core.storage.storage_key`) the running call's caller lets go when it
+    returns (`inputs_dropped_after_call`); empty where none was declared."""
+    return _DROPPING.get()
 
 
 def add_if_given(tangent: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from memplan.updates.runner import Accumulation
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
-from memplan.planning.lowering import BACKWARD, CUT_RESERVE, is_reference, updated_after_reads
+from memplan.planning.lowering import BACKWARD, CUT_RESERVE, dropped_input_names, is_reference, updated_after_reads
 from memplan.runtime.program import Program
 from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step
 from memplan.core.units import format_bytes
@@ -210,7 +210,12 @@ class Plan:
         # timeline[k] is memory after step k: the step before the barrier (which makes the tangents),
         # less the room a carry limit reserves there (`memplan.planning.lowering.CUT_RESERVE`)
         reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0
-        return max(0, int(result.timeline[cut - 1]) - result.initial - reserve) if cut else 0
+        # an input the caller lets go when forward returns is held to the barrier, not past it,
+        # unless the backward reads it (`memplan.passes.output_use.OutputUse.inputs_dropped`)
+        read_after = {str(node) for op, node in steps[cut + 1:] if op == "compute"}
+        let_go = sum(int(problem.mem[problem.index[x]]) for x in dropped_input_names(self.analysis.capture)
+                     if not read_after & {str(problem.names[r]) for r in problem.succs[problem.index[x]]})
+        return max(0, int(result.timeline[cut - 1]) - result.initial - reserve - let_go) if cut else 0
 
     @functools.cached_property
     def phase_peaks(self) -> tuple[int, int]:

@@ -140,6 +140,14 @@ def value_name(node: fx.Node) -> str:
     return f"attr:{node.target}" if node.op == "get_attr" else node.name
 
 
+def dropped_input_names(cap: Capture) -> list[str]:
+    """The placeholders of the input tensors the caller lets go when forward returns
+    (`memplan.passes.output_use.OutputUse.inputs_dropped`), in order."""
+    dropped = cap.output_use.inputs_dropped
+    return [node.name for node, info in zip(cap.placeholders(), cap.primals)
+            if info.kind == "input" and info.index in dropped]
+
+
 def _live_nodes(gm: fx.GraphModule, keep: set[str]) -> set[str]:
     """Nodes that reach an output, plus random ops (dropping one would shift the RNG stream)."""
     live: set[str] = set()
@@ -265,15 +273,28 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
             add_value(t.name + USER_SUFFIX, mem=nbytes, cost=0.0, recomputable=False, preds=[t.name], alias_of=t.name,
                       same_storage=True)
 
+    dropped_inputs = set(dropped_input_names(cap))
     for node in primal_nodes:
-        add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
+        if node.name in dropped_inputs:
+            # An input the caller lets go when forward returns: not a source (held to the end) but a
+            # value made at the start (before every reader: it is there when the step begins) that
+            # lives to the barrier and then as long as the backward reads it. It cannot be made
+            # again, nor copied out (the caller holds it through the forward).
+            if START not in G:
+                add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
+            add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[START],
+                      alias_of=None)
+        else:
+            add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[],
+                      alias_of=None)
         fx_map[node.name] = node
     # Tensors the model holds outside its parameters and buffers (a closure's
     # target, a plain tensor attribute) are graph constants: inputs too.
     for node in gm.graph.nodes:
         if node.op == "get_attr" and value_name(node) not in G:
             add_value(value_name(node), mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[], alias_of=None)
-    add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
+    if START not in G:
+        add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
     barrier_added = False
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.name not in live:
@@ -322,6 +343,9 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
     for name in user_outputs:
         if name + RETURNED_SUFFIX in G:
             G.add_edge(name + RETURNED_SUFFIX, BACKWARD)
+    for name in dropped_inputs:  # the caller holds it until forward returns: a copy to the host frees nothing
+        G.add_edge(name, BACKWARD)
+        G.nodes[name]["offloadable"] = False
     for t in tangent_nodes:
         fx_map[t.name] = t
     G, update_nodes, param_nodes = _add_updates(G, cap, primal_nodes, updates, placement)

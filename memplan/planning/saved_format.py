@@ -116,6 +116,7 @@ def record_to_json(record: dict[str, Any]) -> str:
         "torch_version": torch.__version__,
         "no_grad_outputs": sorted(record["output_use"].no_grad),
         "dropped_outputs": sorted(record["output_use"].dropped),
+        "dropped_inputs": sorted(record["output_use"].inputs_dropped),
         "schedule": record["schedule"].to_list(),
     }
     placement = record.get("placement")
@@ -161,7 +162,8 @@ def record_from_json(text: str, where: str = "document") -> dict[str, Any]:
             num_params=int(data.get("num_params", 0)),
             schedule=solvers.Schedule.from_list(data["schedule"]),
             output_use=OutputUse(frozenset(int(i) for i in data.get("no_grad_outputs", [])),
-                                 frozenset(int(i) for i in data.get("dropped_outputs", []))),
+                                 frozenset(int(i) for i in data.get("dropped_outputs", [])),
+                                 frozenset(int(i) for i in data.get("dropped_inputs", []))),
             **_optimizer_fields(data.get("optimizer")),
         )
     except (KeyError, TypeError, ValueError) as exc:

@@ -343,3 +343,98 @@ def test_a_loss_computed_outside_over_large_outputs_warns_once_with_the_fix():
         # The loss inside the plan: a scalar output, nothing to warn about.
         inside = memplan.optimize(memplan.WithLoss(zm.model, zm.loss_fn), budget)
         inside(tokens).backward()
+
+
+class _LossHead(nn.Module):
+    """A cross-entropy over logits made by code before it: the inputs are not the module's."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, target)
+
+
+def test_an_input_the_caller_lets_go_is_held_through_the_forward_only():
+    """A loss head whose caller keeps no reference to the logits (`memplan.WithLoss`): declared so
+    (``OutputUse.inputs_dropped``), its plan holds them from the start to the end of forward and not
+    in the backward, which never reads them (it reads the log-probabilities), so its peak is one
+    logits-size buffer lower; what it carries into the backward is the same."""
+    head = _LossHead()
+    logits = torch.randn(512, 1000, requires_grad=True)
+    target = torch.randint(0, 1000, (512,))
+    held, _ = make_plan(head, (logits, target), {}, 10**12, profile=get_profile(None))
+    let_go, _ = make_plan(head, (logits, target), {}, 10**12, profile=get_profile(None),
+                          output_use=OutputUse(inputs_dropped=frozenset({0})))
+    assert let_go.analysis.capture.output_use.inputs_dropped == {0}
+    assert held.predicted_peak - let_go.predicted_peak == logits.nbytes, (held.report(), let_go.report())
+    assert let_go.carried_bytes == held.carried_bytes
+    # made first, freed at the barrier (before the backward computes anything)
+    steps = [(op, str(node)) for op, node in let_go.schedule]
+    name = let_go.analysis.lowered.sources[0]
+    made = steps.index(("compute", name))
+    assert all(op != "compute" or node in ("__start__",) for op, node in steps[:made]), steps[:made]
+    barrier, freed = steps.index(("compute", "__backward__")), steps.index(("free", name))
+    assert barrier < freed and all(op == "free" for op, _ in steps[barrier + 1:freed]), steps
+    assert "let go by the caller" in let_go.report()
+
+
+@pytest.mark.slow
+def test_a_loss_graph_lets_its_logits_go_under_the_backend_and_the_budget_holds():
+    """The FSDP2 shape in one process: the blocks planned by the backend, eager code after them (the
+    vocabulary head), and the loss compiled with the same backend inside `memplan.WithLoss`, which
+    lets the logits go. The loss graph's plan holds them through its forward only, and the step's
+    measured peak is the predicted one, under the budget, with eager's gradients. A loss function
+    that keeps the logits after all is caught at its backward: a warning, and the next plans hold them."""
+    from memplan.measure.tracker import profiled_peak
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, WIDTH)
+            self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return h + self.mlp(h)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = Body(), nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, ids, labels):
+            return self.head(self.body(ids)).reshape(-1, VOCAB), labels.reshape(-1)
+
+    torch.manual_seed(0)
+    net = Net()
+    reference = memplan.WithLoss(copy.deepcopy(net), lambda out: F.cross_entropy(*out))
+    ids, labels = _inputs()
+    budget = 3 * LOGITS_BYTES
+    backend = memplan.backend(budget=budget, time_limit=2)
+    net.body.forward = torch.compile(net.body.forward, backend=backend)
+    kept: list = []
+    model = memplan.WithLoss(net, torch.compile(lambda out: F.cross_entropy(*out), backend=backend))
+    peaks = []
+    for _ in range(3):
+        clear_grads(model)
+        clear_grads(reference)
+        peaks.append(profiled_peak(lambda: model(ids, labels).backward(), resident=[*model.parameters(), ids, labels]))
+        reference(ids, labels).backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    loss_graph = backend.graphs[-1]
+    assert loss_graph.inputs_dropped == {0}, loss_graph.inputs_dropped
+    assert max(peaks[1:]) <= budget, (peaks, budget)
+    assert abs(backend.predicted_peak - peaks[-1]) <= 0.02 * peaks[-1], (backend.predicted_peak, peaks)
+
+    def keeping(out):
+        kept.append(out[0])
+        return F.cross_entropy(*out)
+
+    torch._dynamo.reset()
+    backend = memplan.backend(budget=10**9, time_limit=1)
+    net.body.forward = torch.compile(Body.forward.__get__(net.body), backend=backend)
+    model = memplan.WithLoss(net, torch.compile(keeping, backend=backend))
+    model(ids, labels).backward()
+    with pytest.warns(UserWarning, match="still held after its backward"):
+        model(ids, labels).backward()
+    assert backend.graphs[-1].inputs_dropped == frozenset()
+    model(ids, labels).backward()
