@@ -271,24 +271,20 @@ class PlannedGraph:
         if self.unplanned:
             return None
 
-        # Its inputs the caller let go are held all through here (the first step keeps its inputs),
-        # where its plans for the next steps let them go when forward returns.
-        dropped = sum(record.account.dropped.values())
-
         def fits(module: OptimizedModule | None) -> bool:
-            return module is not None and _peak_holding(module.prepare(*args), tangent_bytes) + dropped <= allowance
+            return module is not None and _peak_holding(module.prepare(*args), tangent_bytes) <= allowance
 
         if fits(record.module):
             return record.module
         try:  # the output gradients held through the plan's forward too: a plan for that much less
-            module = self._planned(allowance - tangent_bytes - dropped, None, args)
+            module = self._planned(allowance - tangent_bytes, None, args)
             if module is None:
                 least = self.min_budget.get(_shape_key(args), allowance)
                 module = self._planned(least, None, args, exact=True)
                 if module is None:
                     raise InfeasibleBudgetError(self.backend.budget, least + self.backend.budget - allowance)
                 if not fits(module):
-                    self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) + dropped - allowance)
+                    self.backend.warn_over(self.index, _peak_holding(module.plan, tangent_bytes) - allowance)
         except CaptureError as exc:
             self.mark_unplanned(exc)
             return None
@@ -461,7 +457,9 @@ class _FirstStep(torch.autograd.Function):
         if [t._version for t in tensors] != versions:  # `_changes_inputs` missed an in-place op on an input
             raise RuntimeError(f"memplan backend: graph {record.graph.index} changed one of its inputs in place, "
                                "which its first step cannot run again from its inputs at its backward")
-        ctx.save_for_backward(*tensors)  # changed in place later, before the backward reads them: caught there
+        # changed in place later, before the backward reads them: caught there (inputs the caller lets
+        # go are held by `FirstCall.args` alone, which the backward lets go after its replayed forward)
+        ctx.save_for_backward(*(t for t in tensors if storage_key(t) not in record.account.dropped))
         record.returns_list = isinstance(out, list)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         ctx.mark_non_differentiable(*(o for o in outs if isinstance(o, torch.Tensor)
@@ -483,7 +481,16 @@ class _FirstStep(torch.autograd.Function):
             with torch.enable_grad():
                 backend.rehearse()
                 module = graph._module_at_backward(record, sum(g.untyped_storage().nbytes() for g in given))
-                leaves = tuple(a.detach().requires_grad_() if need else a for a, need in zip(args, needs))
+                # An input the caller let go is held here through the replayed forward only, as its plan
+                # holds it in the next steps: its gradient is caught on its way (`_LetGo`), not by a
+                # leaf that autograd would keep to the end.
+                caught: dict[int, torch.Tensor] = {}
+                anchors = {i: torch.empty(0, device=a.device, requires_grad=True) for i, a in enumerate(args)
+                           if needs[i] and storage_key(a) in record.account.dropped}
+                leaves = [_LetGo.apply(anchors[i], a.detach(), caught, i) if i in anchors
+                          else a.detach().requires_grad_() if need else a for i, (a, need) in enumerate(zip(args, needs))]
+                wrt = [anchors.get(i, leaf) for i, (leaf, need) in enumerate(zip(leaves, needs)) if need]
+                record.args = args = None
                 saved_buffers = dict(graph.stateful._buffers)
                 graph.stateful._buffers.update(record.buffers)
                 try:
@@ -491,6 +498,7 @@ class _FirstStep(torch.autograd.Function):
                         out = module(*leaves) if module is not None else graph.stateful(*leaves)
                 finally:
                     graph.stateful._buffers.update(saved_buffers)
+                del leaves
                 outs = out if isinstance(out, (tuple, list)) else (out,)
                 pairs = [(o, g) for o, g in zip(outs, grads)
                          if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
@@ -498,14 +506,31 @@ class _FirstStep(torch.autograd.Function):
                 # in a later step: the plan learns how the step uses its outputs from this backward too
                 held = [o for o, ref in zip(outs, record.output_refs) if ref is not None and ref() is not None]
                 del out, outs
-                wrt = [leaf for leaf, need in zip(leaves, needs) if need]
                 got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
                            if pairs else [None] * len(wrt))
-                del pairs, held
-            return (None, *(next(got) if need else None for need in needs))
+                del pairs, held, wrt
+            grads_out = [next(got) if need else None for need in needs]
+            return (None, *(caught.pop(i, None) if i in anchors else g for i, g in enumerate(grads_out)))
         finally:
             record.args = None
             backend.ledger.release(record.token)
+
+
+class _LetGo(torch.autograd.Function):
+    """``x`` as a view, differentiable through ``anchor`` (an empty leaf), its gradient put in
+    ``caught[i]``: the first step's replay of an input its caller let go, which no leaf holds
+    (autograd keeps a leaf it differentiates to the end; this node keeps nothing)."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, x: torch.Tensor, caught: dict, i: int):
+        ctx.caught, ctx.i = caught, i
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is not None:
+            ctx.caught[ctx.i] = grad
+        return None, None, None, None
 
 
 def _peak_holding(plan: Plan, extra: int) -> int:
