@@ -28,6 +28,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -70,6 +71,39 @@ class Tail:
             return fut.value()[0] if isinstance(fut.value(), list) else fut.value()
 
         return allreduce_hook(state, bucket).then(done)
+
+
+class ReduceScatterClock:
+    """FSDP2's counterpart of `Tail`: wraps its reduce-scatter (installed once per process) and records
+    when the last one of a backward was issued and when it completed. FSDP2 issues each block's
+    reduce-scatter as the block's backward ends and, on the CPU, waits for it there."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
+
+        self.last_issued = 0.0
+        self.last_done = 0.0
+        original = collectives.DefaultReduceScatter.__call__
+
+        def timed(comm, *args, **kwargs):
+            self.last_issued = time.perf_counter()
+            work = original(comm, *args, **kwargs)
+            if work is not None:
+                work.wait()
+            self.last_done = time.perf_counter()
+            return work
+
+        collectives.DefaultReduceScatter.__call__ = timed
+
+
+_CLOCK: ReduceScatterClock | None = None
+
+
+def _reduce_scatter_clock() -> ReduceScatterClock:
+    global _CLOCK
+    if _CLOCK is None:
+        _CLOCK = ReduceScatterClock()
+    return _CLOCK
 
 
 def _build(size: str, rank: int, checkpointed: bool) -> tuple[nn.Module, tuple]:
@@ -128,7 +162,7 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
     step.resident = lambda: [t.to_local() if hasattr(t, "to_local") else t for t in
                              [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
                                                      if isinstance(v, torch.Tensor))]]
-    return step, model, None
+    return step, model, _reduce_scatter_clock()
 
 
 def _measure(step) -> int:
@@ -222,10 +256,11 @@ def table(result: dict, size: str, rounds: int, seconds: float, command: str = "
         "Budgets are shares of the engine's eager whole-step peak per rank (given by engine). Each cell is "
         "what every rank met: the lowest budget, the peak measured there (memplan's tracker under DDP, the "
         "profiler's allocation events under FSDP2), the step time over the engine's eager step (median of "
-        f"{rounds} interleaved rounds), and under DDP the last collective's time from issue to completion "
-        "(the communication left after backward's last gradient).",
+        f"{rounds} interleaved rounds), and the last collective's time from issue to completion (the "
+        "communication left after backward's last gradient: DDP's last all-reduce, FSDP2's last "
+        "reduce-scatter, the root's).",
         "",
-        "| method | lowest budget met | measured peak | step time / engine's eager | last all-reduce (ms) |",
+        "| method | lowest budget met | measured peak | step time / engine's eager | last collective (ms) |",
         "| --- | --- | --- | --- | --- |",
     ]
     for engine, rows in result.items():
@@ -261,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown engine(s) {unknown}: choose from {list(METHODS)}")
     shares = tuple(int(x) for x in args.shares.split(","))
     result = run(args.size, args.rounds, shares, engines)
-    command = ("python -m benchmarks.studies.data_parallel " + " ".join(argv)) if argv else ""
+    given = sys.argv[1:] if argv is None else argv
+    command = ("python -m benchmarks.studies.data_parallel " + " ".join(given)) if given else ""
     text = table(result, args.size, args.rounds, time.perf_counter() - started, command, shares)
     Path(args.out).write_text(text)
     print(text)

@@ -82,14 +82,15 @@ def _known_targets() -> str:
     return ", ".join(zoo.names() + list(zoo.aliases()))
 
 
-def load_target(spec: str, batch_size: int | None = None) -> Target:
-    """Resolve TARGET: a zoo name (``gpt2-small``, ``gpt:small``), ``file.py:factory`` or ``pkg.mod:factory``."""
+def load_target(spec: str, batch_size: int | None = None, meta: bool = True) -> Target:
+    """Resolve TARGET: a zoo name (``gpt2-small``, ``gpt:small``), ``file.py:factory`` or ``pkg.mod:factory``.
+    A zoo model is built on the meta device (planning needs no values) unless ``meta`` is False."""
     import memplan
     from memplan.models import zoo
 
     if _zoo_name(spec):
         try:
-            zm = zoo.build(spec, batch_size=batch_size, meta=True)
+            zm = zoo.build(spec, batch_size=batch_size, meta=meta)
         except (KeyError, ValueError) as exc:
             raise CLIError(str(exc).strip("'\""), hint="sizes are listed by `memplan.models.zoo.sizes(name)`") from None
         module = memplan.WithLoss(zm.model, zm.loss_fn)
@@ -515,6 +516,10 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
 
     _check_budget_syntax(args.budget)
+    if args.fsdp2:
+        return _report_fully_shard(args, progress)
+    if args.world_size is not None or args.plot:
+        raise CLIError("--world-size and --plot are options of --fsdp2", hint="add --fsdp2")
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
@@ -545,6 +550,73 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
         print_report(console, target, plan, data, args.top)
         if args.save:
             console.print(f"\nplan saved to {args.save}: reuse it with memplan.optimize(model, plan={str(args.save)!r})")
+    return 0
+
+
+def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
+    """``report --fsdp2``: one rank of ``--world-size`` under `memplan.fully_shard`, planned and measured
+    in this process with a fake process group (`memplan.tools.sharded_report`)."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from memplan.frontend.budget import budget_fraction
+    from memplan.tools import sharded_report
+
+    if args.ddp:
+        raise CLIError("--ddp and --fsdp2 plan inside different engines", hint="choose one")
+    if args.budget.strip().lower() == "min":
+        raise CLIError("--fsdp2 plans one budget per rank, not 'min'",
+                       hint="give bytes (16GB) or a share of plain FSDP2's step (60%)")
+    if args.offload or args.device_profile:
+        raise CLIError("--offload and --device-profile are not options of --fsdp2",
+                       hint="its plans take memplan.fully_shard's defaults (the device's own profile)")
+    world = 2 if args.world_size is None else args.world_size
+    if world < 1:
+        raise CLIError(f"--world-size {world}: a run has at least one rank", hint="--world-size 8, say")
+
+    def build():
+        target = load_target(args.target, args.batch_size, meta=False)
+        return target.module, target.args, target.kwargs
+
+    make_optimizer = None
+    if args.optimizer is not None:
+        cls_name, hyper = OPTIMIZERS[args.optimizer]
+        make_optimizer = lambda params: getattr(torch.optim, cls_name)(params, **hyper)  # noqa: E731
+    eager = None
+    if budget_fraction(args.budget) is not None:
+        with progress.stage("eager", f"plain FSDP2's step, one rank of {world}"):
+            eager = sharded_report.eager_peak(build, world, make_optimizer)
+    budget = parse_budget_arg(args.budget, eager)
+    limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s per graph"
+    with progress.stage("solve", f"sharding, planning and running one rank of {world} at {_fmt(budget)}{limit}"):
+        report = sharded_report.plan_one_rank(build, budget, world, make_optimizer, solver=args.solver,
+                                              time_limit=args.time_limit, eager=eager)
+    if args.plot:
+        from memplan.tools.viz import plot_rank_memory
+
+        plot_rank_memory(report).savefig(args.plot)
+    if args.json:
+        print(json.dumps(report.to_json() | ({"plot": str(args.plot)} if args.plot else {}), indent=1))
+        return 0
+    console = Console()
+    table = Table(title=f"{args.target}: one rank of {world} under memplan.fully_shard (fake process group)")
+    table.add_column("")
+    table.add_column("bytes", justify="right")
+    table.add_row("budget", _fmt(report.budget) + (f" ({budget / eager:.0%} of plain FSDP2)" if eager else ""))
+    if eager:
+        table.add_row("plain FSDP2's step (measured)", _fmt(eager))
+    table.add_row("predicted peak", _fmt(report.predicted_peak))
+    table.add_row("measured peak (the profiler's)", _fmt(report.measured_peak))
+    table.add_section()
+    for name, nbytes in report.categories.items():
+        table.add_row(name, _fmt(nbytes))
+    table.add_section()
+    for g in report.graphs:
+        table.add_row(f"graph {g['graph']}: planned peak (allowance {_fmt(g['allowance'])})", _fmt(g["planned_peak"]))
+    console.print(table)
+    if args.plot:
+        console.print(f"memory plot written to {args.plot}")
     return 0
 
 
@@ -667,6 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ddp", action="store_true",
                         help="plan one rank's step inside DistributedDataParallel: its gradient buckets in the "
                              "budget, the updates after backward (as memplan.optimize(DDP(model), ...) plans it)")
+    report.add_argument("--fsdp2", action="store_true",
+                        help="plan and run one rank under memplan.fully_shard, the other ranks a fake process "
+                             "group: its shards, FSDP2's buffers and the planned blocks, predicted and measured")
+    report.add_argument("--world-size", type=int, default=None, help="ranks of the --fsdp2 run (default 2)")
+    report.add_argument("--plot", metavar="PNG", default=None, help="with --fsdp2: draw the rank's memory by holder")
     report.set_defaults(func=cmd_report)
 
     sweep = sub.add_parser("sweep", help="plan several budgets and draw the memory/time trade-off")

@@ -16,7 +16,9 @@ solves one analysis at several budgets for the trade-off curve).
   resident, at each stage);
 * :func:`layer_breakdown` / :func:`plot_layers`: bytes kept, recomputed and
   offloaded per submodule, and the time recomputation costs there;
-* :func:`sweep` / :func:`plot_budget_curve`: predicted overhead against budget.
+* :func:`sweep` / :func:`plot_budget_curve`: predicted overhead against budget;
+* :func:`plot_rank_memory`: one rank's step under ``memplan.fully_shard`` by holder (FSDP2's
+  shards and buffers, the planned graphs), with the budget and the measured peak.
 
 Every number comes from the one simulator (``solvers.simulate``) over the
 plan's own schedule. Figures are ``matplotlib.figure.Figure`` objects built
@@ -45,6 +47,8 @@ from memplan.pipeline.sweep import SweepPoint
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+
+    from memplan.tools.sharded_report import RankReport
 
 def _unit(nbytes: float) -> tuple[float, str]:
     """The decimal unit plots use for values up to ``nbytes`` (plans range from kB to TB)."""
@@ -647,4 +651,41 @@ def plot_budget_curve(points: Sequence[SweepPoint], *, eager_peak: int | None = 
     ax.set_ylabel("predicted step time / store-all")
     ax.set_title(title or "memory / time trade-off")
     ax.legend(fontsize="small")
+    return fig
+
+
+def plot_rank_memory(report: "RankReport", *, title: str | None = None) -> Figure:
+    """One rank's step under `memplan.fully_shard` (`memplan.tools.sharded_report.RankReport`) as one
+    stacked bar: what FSDP2 holds all step (parameter shards, optimizer state shards, the root's
+    gathered parameters), and the rest of the predicted peak (the planned graphs with the gathered
+    blocks, gradients and FSDP2's communication buffers, whose most at once is marked inside it);
+    the budget, the measured peak and plain FSDP2's step as lines."""
+    from matplotlib.figure import Figure
+
+    held = {name: report.categories.get(name, 0)
+            for name in ("parameter shards", "optimizer state (shards)", "root parameters, gathered")}
+    rest = max(0, report.predicted_peak - sum(held.values()))
+    parts = {**held, "planned graphs, gathered blocks, gradients, buffers": rest}
+    scale, unit = _unit(max(report.budget, report.measured_peak, report.predicted_peak, report.eager_peak or 0))
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    left = 0.0
+    for (name, nbytes), color in zip(parts.items(), ("tab:blue", "tab:purple", "tab:cyan", "tab:orange")):
+        ax.barh(0, nbytes / scale, left=left, color=color, label=f"{name} {format_bytes(nbytes)}")
+        left += nbytes / scale
+    comm = report.categories.get("communication buffers (most at once)", 0)
+    if comm:
+        start = sum(held.values()) / scale
+        ax.barh(0, comm / scale, left=start, height=0.25, color="tab:red", alpha=0.6,
+                label=f"of which FSDP2's communication buffers, most at once {format_bytes(comm)}")
+    ax.axvline(report.budget / scale, color="black", linestyle="--", label=f"budget {format_bytes(report.budget)}")
+    ax.axvline(report.measured_peak / scale, color="tab:green", label=f"measured {format_bytes(report.measured_peak)}")
+    if report.eager_peak:
+        ax.axvline(report.eager_peak / scale, color="tab:gray", linestyle=":",
+                   label=f"plain FSDP2 {format_bytes(report.eager_peak)}")
+    ax.set_yticks([])
+    ax.set_xlabel(f"bytes on one rank ({unit})")
+    ax.set_title(title or f"one rank of {report.world_size} under memplan.fully_shard: predicted peak "
+                          f"{format_bytes(report.predicted_peak)}")
+    fig.legend(fontsize="small", loc="outside lower center", ncol=2)
     return fig

@@ -204,6 +204,10 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
         (("report", "{factory}:plain", "--budget", "1GB", "--batch-size", "4"), "takes no batch_size"),
         (("sweep", "mlp", "--budgets", "100%,-5%"), "cannot read budget"),
         (("report", "mlp", "--budget", "0%"), "above 0%"),
+        (("report", "mlp", "--budget", "1GB", "--world-size", "4"), "options of --fsdp2"),
+        (("report", "mlp", "--budget", "min", "--fsdp2"), "one budget per rank"),
+        (("report", "mlp", "--budget", "1GB", "--fsdp2", "--ddp"), "different engines"),
+        (("report", "mlp", "--budget", "1GB", "--fsdp2", "--world-size", "0"), "at least one rank"),
     ],
 )
 def test_more_user_errors_in_process(factory_file, capsys, args, needle):
@@ -301,3 +305,27 @@ def test_report_of_a_rank_inside_ddp_counts_its_buckets(capsys):
     assert m["at_peak"]["engine_buffers"] == m["most"]["engine_buffers"] == buckets
     assert sum(m["at_peak"].values()) == m["peak"] == s["planned_peak"] <= s["budget"]
     assert m["updates_after_backward"]
+
+
+@pytest.mark.slow
+def test_report_of_one_fsdp2_rank_is_planned_run_and_measured_offline(capsys, tmp_path):
+    """``--fsdp2 --world-size 4``: one rank of four under memplan.fully_shard in this process (a fake
+    process group for the others): a share of plain FSDP2's measured step as the budget, the rank's
+    measured peak under it and within 2% of the prediction, FSDP2's holdings as categories (the
+    shards a quarter of the parameters), and the memory plot written."""
+    from memplan.models import zoo
+
+    plot = tmp_path / "rank.png"
+    code, out, err = run_main(capsys, "report", "gpt:tiny", "--budget", "80%", "--optimizer", "adamw", "--fsdp2",
+                              "--world-size", "4", "--time-limit", "2", "--json", "--plot", str(plot), "--quiet")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["world_size"] == 4 and data["budget"] == int(0.8 * data["eager_peak"])
+    assert data["measured_peak"] <= data["budget"], data
+    assert abs(data["predicted_peak"] - data["measured_peak"]) <= 0.02 * data["measured_peak"], data
+    params = sum(p.numel() * p.element_size() for p in zoo.build("gpt", size="tiny").model.parameters())
+    shards = data["categories"]["parameter shards"]  # every parameter's shard, the root's too
+    assert abs(shards - params / 4) <= 0.05 * params / 4, (shards, params)
+    # AdamW's two moments per shard (and a step count per parameter)
+    assert 0 <= data["categories"]["optimizer state (shards)"] - 2 * shards <= 0.01 * shards
+    assert data["graphs"] and plot.stat().st_size > 0
