@@ -74,36 +74,44 @@ class Tail:
 
 
 class ReduceScatterClock:
-    """FSDP2's counterpart of `Tail`: wraps its reduce-scatter (installed once per process) and records
-    when the last one of a backward was issued and when it completed. FSDP2 issues each block's
-    reduce-scatter as the block's backward ends and, on the CPU, waits for it there."""
+    """FSDP2's counterpart of `Tail`: wraps its reduce-scatter (`DefaultReduceScatter`, installed once
+    per process) and records when the last one of a step was issued and when it completed (FSDP2
+    issues each block's as the block's backward ends; on the CPU, gloo's completes before the call
+    returns). `reset` before each step: a step that issued none reads 0 for both."""
 
     def __init__(self) -> None:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
-        self.last_issued = 0.0
-        self.last_done = 0.0
+        self.reset()
         original = collectives.DefaultReduceScatter.__call__
 
         def timed(comm, *args, **kwargs):
             self.last_issued = time.perf_counter()
             work = original(comm, *args, **kwargs)
-            if work is not None:
-                work.wait()
+            if work is not None and kwargs.get("async_op"):
+                work.wait()  # (asked asynchronous: completion is the wait's end)
             self.last_done = time.perf_counter()
             return work
 
         collectives.DefaultReduceScatter.__call__ = timed
 
+    def reset(self) -> None:
+        self.last_issued = 0.0
+        self.last_done = 0.0
 
-_CLOCK: ReduceScatterClock | None = None
+
+_CLOCK: list[ReduceScatterClock | None] = []
 
 
-def _reduce_scatter_clock() -> ReduceScatterClock:
-    global _CLOCK
-    if _CLOCK is None:
-        _CLOCK = ReduceScatterClock()
-    return _CLOCK
+def _reduce_scatter_clock() -> ReduceScatterClock | None:
+    """The process's clock, made once; None where this torch's FSDP2 has no `DefaultReduceScatter`
+    (the column then reads "—")."""
+    if not _CLOCK:
+        try:
+            _CLOCK.append(ReduceScatterClock())
+        except (ImportError, AttributeError):
+            _CLOCK.append(None)
+    return _CLOCK[0]
 
 
 def _build(size: str, rank: int, checkpointed: bool) -> tuple[nn.Module, tuple]:
@@ -218,12 +226,14 @@ def _rank(rank: int, port: int, size: str, rounds: int, queue, shares: tuple[int
             for _ in range(rounds):  # interleaved rounds
                 for name in times:
                     step, _, tail = rows[name][1]
+                    if isinstance(tail, ReduceScatterClock):
+                        tail.reset()  # (one clock for FSDP2's methods: none reads another's)
                     dist.barrier()
                     start = time.perf_counter()
                     step()
                     elapsed = time.perf_counter() - start
                     times[name].append(_agreed_max(elapsed))
-                    if tail is not None:
+                    if tail is not None and tail.last_issued:
                         tails[name].append(max(0.0, tail.last_done - tail.last_issued))
             base = statistics.median(times[names[0]])
             result[engine] = {name: (rows[name][0], rows[name][2], statistics.median(times[name]) / base,

@@ -283,7 +283,9 @@ class MemplanBackend:
                         plan = module.prepare(*record.args)  # the plan for these inputs' shapes
                         ledger.predict(call, *plan.phase_peaks, sources=int(plan.simulated.initial))
                         carried = max(0, plan.carried_bytes - sum(account.outputs.values()))
-                ledger.hold(call, carried, {**account.held_next, **account.outputs})
+                # (a graph that holds its inputs again since the first step let one go holds them all)
+                held = account.held_next if graph.inputs_dropped else account.held
+                ledger.hold(call, carried, {**held, **account.outputs})
             carried_before = sum(c for _, c, _ in ledger.live.values())
             over = self._tail_over(ledger)
             if over:

@@ -149,10 +149,25 @@ class PlannedGraph:
         out = module(*args)
         # (after the call: the module's plan is now the one for these inputs' shapes)
         ledger.predict(call, *module.plan.phase_peaks, sources=int(module.plan.simulated.initial))
+        if dropped and self._returned_let_go(out, dropped):
+            dropped = {}
         self._hold_until_backward(call, module.plan, tensors, out, {k: b for k, b in held.items() if k not in dropped})
         if dropped:
             self._check_let_go(out, [t for t in tensors if storage_key(t) in dropped])
         return out
+
+    def _returned_let_go(self, out: Any, dropped: dict[int, int]) -> bool:
+        """Whether the call returned a view of an input it was to let go (its caller then holds that
+        input through the output): if so, from now on the graph's plans hold their inputs (this call,
+        planned otherwise, holds it beside its plan's peak: warned)."""
+        kept = {storage_key(t) for t in _tensors(out)} & dropped.keys()
+        if not kept:
+            return False
+        warnings.warn(f"memplan backend: graph {self.index} returned a view of an input its caller lets go "
+                      f"({sum(dropped[k] for k in kept)} bytes held beside its plan this step); its next plans "
+                      "hold their inputs", UserWarning, stacklevel=3)
+        self._hold_inputs_again()
+        return True
 
     def _inputs_dropped(self, bound: tuple, let_go: set) -> dict[int, int]:
         """The storages (key -> bytes) of the inputs in ``bound`` that this call's plans may let go
@@ -178,19 +193,23 @@ class PlannedGraph:
     def _check_let_go(self, out: Any, inputs: list[torch.Tensor]) -> None:
         """After this call's backward, the inputs its plan let go must be gone: where one is still
         held (the caller kept a reference after all), say so, and plan the next calls holding them."""
-        refs = [weakref.ref(t) for t in inputs]
-        node = next((t.grad_fn for t in _tensors(out) if t.grad_fn is not None), None)
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        # by storage: a view of the input that the caller kept holds it as well as the input itself
+        refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in inputs]
+        nodes = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        # the planned step's own node (its hook runs once the plan's whole backward has returned)
+        node = next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), nodes[0] if nodes else None)
         if node is None:
             return
 
         def check(*_: Any) -> None:
-            kept = [r() for r in refs if r() is not None]
+            kept = sum(nbytes for ref, nbytes in refs if not ref.expired())
             if kept and self.inputs_dropped:
                 warnings.warn(
-                    f"memplan backend: graph {self.index}'s input(s) of {sum(t.untyped_storage().nbytes() for t in kept)} "
-                    "bytes were still held after its backward, though its caller declared it lets them go "
-                    "(memplan.WithLoss); the step held more than planned, and its next plans hold them",
-                    UserWarning, stacklevel=2)
+                    f"memplan backend: graph {self.index}'s input(s) of {kept} bytes were still held after its "
+                    "backward, though its caller declared it lets them go (memplan.WithLoss); the step held more "
+                    "than planned, and its next plans hold them", UserWarning, stacklevel=2)
                 self._hold_inputs_again()
 
         node.register_hook(check)
@@ -214,6 +233,8 @@ class PlannedGraph:
         self.backend.first_calls.append(record)
         out = _FirstStep.apply(record, *args)
         outputs = _tensors(out)
+        if account.dropped and self._returned_let_go(out, account.dropped):
+            account.dropped = {}
         record.output_refs = [weakref.ref(o) if isinstance(o, torch.Tensor) else None for o in out]
         seen = {storage_key(t) for t in args if isinstance(t, torch.Tensor)}
         for t in outputs:  # what it returned, by storage, as `_hold_until_backward` counts it
@@ -431,6 +452,7 @@ class FirstCall:
         self.returns_list = False
         self.outputs: list[weakref.ref] = []  # what it returned (new storages): alive at its backward or not
         self.output_refs: list[weakref.ref | None] = []  # each output, by position
+        self.let_go_versions: dict[int, int] = {}  # position -> version of an input its caller let go
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         self.rng = _rng_states(tensors)
         # a graph that updates buffers in place (BatchNorm's statistics) runs twice: the second
@@ -460,6 +482,8 @@ class _FirstStep(torch.autograd.Function):
         # changed in place later, before the backward reads them: caught there (inputs the caller lets
         # go are held by `FirstCall.args` alone, which the backward lets go after its replayed forward)
         ctx.save_for_backward(*(t for t in tensors if storage_key(t) not in record.account.dropped))
+        record.let_go_versions = {i: a._version for i, a in enumerate(args)
+                                  if isinstance(a, torch.Tensor) and storage_key(a) in record.account.dropped}
         record.returns_list = isinstance(out, list)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         ctx.mark_non_differentiable(*(o for o in outs if isinstance(o, torch.Tensor)
@@ -473,6 +497,9 @@ class _FirstStep(torch.autograd.Function):
         graph, backend = record.graph, record.graph.backend
         ctx.saved_tensors  # noqa: B018 (raises where an input was changed in place since the forward)
         args = record.args
+        if any(args[i]._version != v for i, v in record.let_go_versions.items()):
+            raise RuntimeError(f"memplan backend: an input of graph {graph.index} was changed in place after its "
+                               "forward, which its first step's backward reads again")
         needs = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         given = [g for g in grads if g is not None]
         try:

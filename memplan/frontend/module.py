@@ -574,5 +574,6 @@ class WithLoss(nn.Module):
             return self.loss_fn(out)
         # The loss function's graph (`memplan.fully_shard` compiles it) gets the model's outputs, to
         # which nothing here holds a reference once it returns: its plan may let them go then.
-        with inputs_dropped_after_call(out):
+        held = (args, kwargs, list(self.parameters()), list(self.buffers()))  # (out may hold views of these)
+        with inputs_dropped_after_call(out, kept=held):
             return self.loss_fn(out)

@@ -462,7 +462,7 @@ def fully_shard(
 def _compile_loss(model: nn.Module, backend: Any) -> None:
     """Where ``model`` is a `memplan.WithLoss`, compile its loss function with the blocks' backend: the
     loss head (a cross-entropy over the logits, the step's largest tensors) is then a plan of the step,
-    its backward in one logits-size buffer where eager code holds three (`memplan.passes.loss_fusion`),
+    its backward holding two logits-size buffers where eager code holds three (`memplan.passes.loss_fusion`),
     and its plan lets the logits go when it returns (``WithLoss`` keeps no reference to them). Any other
     model's loss stays eager code, counted as it runs (`MemplanBackend.end_of_forward`)."""
     from memplan.frontend.module import WithLoss

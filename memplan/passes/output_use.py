@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 from memplan.core.storage import storage_key
 
 
@@ -95,11 +97,18 @@ _DROPPING: contextvars.ContextVar[frozenset] = contextvars.ContextVar("memplan_i
 
 
 @contextlib.contextmanager
-def inputs_dropped_after_call(handed: object):
+def inputs_dropped_after_call(handed: object, kept: object = ()):
     """Declare that the caller keeps no reference to the tensors in ``handed`` (any nesting) once the
-    call inside returns: a planned graph called inside may let those of its inputs go when its
-    forward returns (`OutputUse.inputs_dropped`); its other inputs (a closure's tensors) are held."""
-    keys = frozenset(storage_key(t) for t in torch.utils._pytree.tree_leaves(handed) if isinstance(t, torch.Tensor))
+    call inside returns, but to those sharing storage with a tensor in ``kept`` (what it holds on to:
+    the step's inputs, the model's parameters and buffers, which ``handed`` may hold views of): a
+    planned graph called inside may let those of its inputs go when its forward returns
+    (`OutputUse.inputs_dropped`); its other inputs (a closure's tensors) are held."""
+    def storages(tree: object) -> frozenset:
+        # (a distributed tensor, FSDP2's sharded parameter, has no storage of its own to compare)
+        return frozenset(storage_key(t) for t in torch.utils._pytree.tree_leaves(tree)
+                         if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t))
+
+    keys = storages(handed) - storages(kept)
     token = _DROPPING.set(keys)
     try:
         yield

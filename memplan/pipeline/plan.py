@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import solvers
+from solvers.core.memory import alias_trees
 from solvers.core.sequence import tighten_frees
 from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
@@ -212,9 +213,15 @@ class Plan:
         reserve = problem.mem[problem.index[CUT_RESERVE]] if CUT_RESERVE in problem.index else 0
         # an input the caller lets go when forward returns is held to the barrier, not past it,
         # unless the backward reads it (`memplan.passes.output_use.OutputUse.inputs_dropped`)
-        read_after = {str(node) for op, node in steps[cut + 1:] if op == "compute"}
+        computed_after = {problem.index[node] for op, node in steps[cut + 1:] if op == "compute"}
+        trees = alias_trees(problem)
+
+        def read_after_cut(x: int) -> bool:  # it, or a view of it (which holds its storage), read or made there
+            storage = (x, *trees.descendants.get(x, ()))
+            return any(v in computed_after or computed_after.intersection(problem.succs[v]) for v in storage)
+
         let_go = sum(int(problem.mem[problem.index[x]]) for x in dropped_input_names(self.analysis.capture)
-                     if not read_after & {str(problem.names[r]) for r in problem.succs[problem.index[x]]})
+                     if not read_after_cut(problem.index[x]))
         return max(0, int(result.timeline[cut - 1]) - result.initial - reserve - let_go) if cut else 0
 
     @functools.cached_property

@@ -568,8 +568,8 @@ def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
     if args.budget.strip().lower() == "min":
         raise CLIError("--fsdp2 plans one budget per rank, not 'min'",
                        hint="give bytes (16GB) or a share of plain FSDP2's step (60%)")
-    if args.offload or args.device_profile:
-        raise CLIError("--offload and --device-profile are not options of --fsdp2",
+    if args.offload or args.device_profile or args.save:
+        raise CLIError("--offload, --device-profile and --save are not options of --fsdp2",
                        hint="its plans take memplan.fully_shard's defaults (the device's own profile)")
     world = 2 if args.world_size is None else args.world_size
     if world < 1:

@@ -9,7 +9,9 @@ mean nothing. So one machine can say, before a job is launched, what each rank o
 profiler's allocation events (every thread's), beside the peak the ledger predicts.
 
 A budget given as a share is a share of plain FSDP2's measured step (``fully_shard`` on the same
-blocks and the model), run first in the same fake world.
+blocks and the model), run first in the same fake world. The rank runs on the CPU (the fake
+world's mesh is a CPU mesh, and the witness counts the CPU's allocations): on a GPU machine too,
+it says what a rank of the same step on the CPU holds.
 """
 from __future__ import annotations
 
@@ -47,15 +49,18 @@ class RankReport:
 
 @contextlib.contextmanager
 def fake_world(world_size: int):
-    """A fake process group of ``world_size`` ranks, this process rank 0, for the block inside."""
+    """A fake process group of ``world_size`` ranks, this process rank 0, for the block inside; yields
+    its mesh, on the CPU (FSDP2 would otherwise shard onto an accelerator the inputs are not on; the
+    profiler's witness counts the CPU's allocations)."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized: the offline FSDP2 report makes its own")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        yield
+        yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
 
@@ -89,11 +94,11 @@ def eager_peak(build: Build, world_size: int, make_optimizer: MakeOptimizer) -> 
 
     from memplan.frontend.sharded import find_units
 
-    with fake_world(world_size):
+    with fake_world(world_size) as mesh:
         model, args, kwargs = build()
         for block in find_units(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = make_optimizer(model.parameters()) if make_optimizer else None
         return _measured_step(model, args, kwargs, opt, warmup=1)
 
@@ -104,10 +109,10 @@ def plan_one_rank(build: Build, budget: int, world_size: int, make_optimizer: Ma
     0 of a fake world of ``world_size`` ranks; run it, and report what it predicts and measures."""
     import memplan
 
-    with fake_world(world_size):
+    with fake_world(world_size) as mesh:
         model, args, kwargs = build()
         opt = make_optimizer(model.parameters()) if make_optimizer else None
-        memplan.fully_shard(model, budget, optimizer=opt, solver=solver, time_limit=time_limit)
+        memplan.fully_shard(model, budget, optimizer=opt, mesh=mesh, solver=solver, time_limit=time_limit)
         measured = _measured_step(model, args, kwargs, opt, warmup=2)
         backend = model.memplan_backend
         graphs = [{"graph": g.index, "allowance": g.last_allowance or 0, "planned_peak": g.latest_plan.predicted_peak,
