@@ -560,6 +560,7 @@ def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    import memplan
     from memplan.frontend.budget import budget_fraction
     from memplan.tools import sharded_report
 
@@ -590,8 +591,13 @@ def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
     budget = parse_budget_arg(args.budget, eager)
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s per graph"
     with progress.stage("solve", f"sharding, planning and running one rank of {world} at {_fmt(budget)}{limit}"):
-        report = sharded_report.plan_one_rank(build, budget, world, make_optimizer, solver=args.solver,
-                                              time_limit=args.time_limit, eager=eager)
+        try:
+            report = sharded_report.plan_one_rank(build, budget, world, make_optimizer, solver=args.solver,
+                                                  time_limit=args.time_limit, eager=eager)
+        except memplan.InfeasibleBudgetError as exc:  # (the generic hint offers --budget min, not an --fsdp2 budget)
+            raise CLIError(f"budget {_fmt(exc.budget)} is below the smallest split memplan found for one rank of "
+                           f"{world}, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
+                           hint=f"use --budget {_round_up(exc.min_budget)} or more, or more ranks") from None
     if args.plot:
         from memplan.tools.viz import plot_rank_memory
 

@@ -329,3 +329,8 @@ def test_report_of_one_fsdp2_rank_is_planned_run_and_measured_offline(capsys, tm
     # AdamW's two moments per shard (and a step count per parameter)
     assert 0 <= data["categories"]["optimizer state (shards)"] - 2 * shards <= 0.01 * shards
     assert data["graphs"] and plot.stat().st_size > 0
+    # a budget below one rank's smallest split: one error line, a budget to ask for, no traceback
+    code, _, err = run_main(capsys, "report", "gpt:tiny", "--budget", "500kB", "--optimizer", "adamw", "--fsdp2",
+                            "--world-size", "4", "--time-limit", "1", "--quiet")
+    assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
+    assert "smallest split memplan found for one rank of 4" in err and "hint: use --budget" in err, err
