@@ -235,6 +235,14 @@ class Progress:
 OPTIMIZERS = {"sgd": ("SGD", {"lr": 0.01, "momentum": 0.9}), "adam": ("Adam", {}), "adamw": ("AdamW", {})}
 
 
+def make_named_optimizer(name: str, params: Any) -> Any:
+    """The optimizer ``--optimizer name`` means (`OPTIMIZERS`: torch's class, its default hyperparameters) over ``params``."""
+    import torch
+
+    cls_name, hyper = OPTIMIZERS[name]
+    return getattr(torch.optim, cls_name)(params, **hyper)
+
+
 def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None):
     from memplan.costs.cost_model import get_profile
     from memplan.pipeline.stages import analyze
@@ -246,10 +254,7 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         profile = get_profile(device_profile, device)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    opt = None
-    if optimizer is not None:
-        cls_name, hyper = OPTIMIZERS[optimizer]
-        opt = getattr(torch.optim, cls_name)(target.module.parameters(), **hyper)
+    opt = make_named_optimizer(optimizer, target.module.parameters()) if optimizer is not None else None
     return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
                    stage=progress.stage)
 
@@ -554,75 +559,44 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
 
 def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
-    """``report --fsdp2``: one rank of ``--world-size`` under `memplan.fully_shard`, planned and measured
-    in this process with a fake process group (`memplan.tools.sharded_report`)."""
-    import torch
+    """``report --fsdp2``: one rank of ``--world-size`` under `memplan.fully_shard` (`memplan.tools.sharded_report`)."""
     from rich.console import Console
-    from rich.table import Table
 
     import memplan
-    from memplan.frontend.budget import budget_fraction
-    from memplan.tools import sharded_report
+    from memplan.tools.sharded_report import report_rank
 
-    if args.ddp:
-        raise CLIError("--ddp and --fsdp2 plan inside different engines", hint="choose one")
-    if args.budget.strip().lower() == "min":
-        raise CLIError("--fsdp2 plans one budget per rank, not 'min'",
-                       hint="give bytes (16GB) or a share of plain FSDP2's step (60%)")
-    if args.offload or args.device_profile or args.save:
-        raise CLIError("--offload, --device-profile and --save are not options of --fsdp2",
-                       hint="its plans take memplan.fully_shard's defaults (the device's own profile)")
     world = 2 if args.world_size is None else args.world_size
-    if world < 1:
-        raise CLIError(f"--world-size {world}: a run has at least one rank", hint="--world-size 8, say")
+    for refused, message, hint in [
+        (args.ddp, "--ddp and --fsdp2 plan inside different engines", "choose one"),
+        (args.budget.strip().lower() == "min", "--fsdp2 plans one budget per rank, not 'min'",
+         "give bytes (16GB) or a share of plain FSDP2's step (60%)"),
+        (args.offload or args.device_profile or args.save, "--offload, --device-profile and --save are not options "
+         "of --fsdp2", "its plans take memplan.fully_shard's defaults (the device's own profile)"),
+        (world < 1, f"--world-size {world}: a run has at least one rank", "--world-size 8, say")]:
+        if refused:
+            raise CLIError(message, hint=hint)
 
     def build():
         target = load_target(args.target, args.batch_size, meta=False)
         return target.module, target.args, target.kwargs
 
-    make_optimizer = None
-    if args.optimizer is not None:
-        cls_name, hyper = OPTIMIZERS[args.optimizer]
-        make_optimizer = lambda params: getattr(torch.optim, cls_name)(params, **hyper)  # noqa: E731
-    eager = None
-    if budget_fraction(args.budget) is not None:
-        with progress.stage("eager", f"plain FSDP2's step, one rank of {world}"):
-            eager = sharded_report.eager_peak(build, world, make_optimizer)
-    budget = parse_budget_arg(args.budget, eager)
-    limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s per graph"
-    with progress.stage("solve", f"sharding, planning and running one rank of {world} at {_fmt(budget)}{limit}"):
-        try:
-            report = sharded_report.plan_one_rank(build, budget, world, make_optimizer, solver=args.solver,
-                                                  time_limit=args.time_limit, eager=eager)
-        except memplan.InfeasibleBudgetError as exc:  # (the generic hint offers --budget min, not an --fsdp2 budget)
-            raise CLIError(f"budget {_fmt(exc.budget)} is below the smallest split memplan found for one rank of "
-                           f"{world}, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
-                           hint=f"use --budget {_round_up(exc.min_budget)} or more, or more ranks") from None
+    make_optimizer = functools.partial(make_named_optimizer, args.optimizer) if args.optimizer else None
+    try:
+        report = report_rank(build, args.budget, world, make_optimizer, solver=args.solver,
+                             time_limit=args.time_limit, stage=progress.stage)
+    except memplan.InfeasibleBudgetError as exc:  # (the generic hint offers --budget min)
+        raise CLIError(f"budget {_fmt(exc.budget)} is below the smallest split memplan found for one rank of "
+                       f"{world}, {_fmt(exc.min_budget)} ({exc.min_budget} bytes)",
+                       hint=f"use --budget {_round_up(exc.min_budget)} or more, or more ranks") from None
     if args.plot:
         from memplan.tools.viz import plot_rank_memory
 
         plot_rank_memory(report).savefig(args.plot)
     if args.json:
         print(json.dumps(report.to_json() | ({"plot": str(args.plot)} if args.plot else {}), indent=1))
-        return 0
-    console = Console()
-    table = Table(title=f"{args.target}: one rank of {world} under memplan.fully_shard (fake process group)")
-    table.add_column("")
-    table.add_column("bytes", justify="right")
-    table.add_row("budget", _fmt(report.budget) + (f" ({budget / eager:.0%} of plain FSDP2)" if eager else ""))
-    if eager:
-        table.add_row("plain FSDP2's step (measured)", _fmt(eager))
-    table.add_row("predicted peak", _fmt(report.predicted_peak))
-    table.add_row("measured peak (the profiler's)", _fmt(report.measured_peak))
-    table.add_section()
-    for name, nbytes in report.categories.items():
-        table.add_row(name, _fmt(nbytes))
-    table.add_section()
-    for g in report.graphs:
-        table.add_row(f"graph {g['graph']}: planned peak (allowance {_fmt(g['allowance'])})", _fmt(g["planned_peak"]))
-    console.print(table)
-    if args.plot:
-        console.print(f"memory plot written to {args.plot}")
+    else:
+        Console().print(report.table(f"{args.target}: one rank of {world} under memplan.fully_shard (fake process "
+                                     "group)"), *([f"memory plot written to {args.plot}"] if args.plot else []))
     return 0
 
 

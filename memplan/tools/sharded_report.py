@@ -41,6 +41,30 @@ class RankReport:
     graphs: list[dict] = field(default_factory=list)  # per planned graph: allowance, planned peak, carried
     text: str = ""  # `MemplanBackend.report()`
 
+    def table(self, title: str) -> Any:
+        """The report as a ``rich`` table: budget, prediction and measurement, FSDP2's holdings, each graph."""
+        from rich.table import Table
+
+        from memplan.core.units import format_bytes
+
+        table = Table(title=title)
+        table.add_column("")
+        table.add_column("bytes", justify="right")
+        share = f" ({self.budget / self.eager_peak:.0%} of plain FSDP2)" if self.eager_peak else ""
+        table.add_row("budget", format_bytes(self.budget) + share)
+        if self.eager_peak:
+            table.add_row("plain FSDP2's step (measured)", format_bytes(self.eager_peak))
+        table.add_row("predicted peak", format_bytes(self.predicted_peak))
+        table.add_row("measured peak (the profiler's)", format_bytes(self.measured_peak))
+        table.add_section()
+        for name, nbytes in self.categories.items():
+            table.add_row(name, format_bytes(nbytes))
+        table.add_section()
+        for g in self.graphs:
+            table.add_row(f"graph {g['graph']}: planned peak (allowance {format_bytes(g['allowance'])})",
+                          format_bytes(g["planned_peak"]))
+        return table
+
     def to_json(self) -> dict:
         return {"world_size": self.world_size, "budget": self.budget, "eager_peak": self.eager_peak,
                 "predicted_peak": self.predicted_peak, "measured_peak": self.measured_peak,
@@ -119,3 +143,23 @@ def plan_one_rank(build: Build, budget: int, world_size: int, make_optimizer: Ma
                    "carried": g.latest_plan.carried_bytes} for g in backend.graphs if g.latest_plan is not None]
         return RankReport(world_size, budget, eager, backend.predicted_peak, measured, backend.sharding.categories(),
                           graphs, backend.report())
+
+
+def report_rank(build: Build, budget: str, world_size: int, make_optimizer: MakeOptimizer, *, solver: str = "auto",
+                time_limit: float | None = None, stage: Callable[[str, str], Any] | None = None) -> RankReport:
+    """What ``memplan report --fsdp2`` does: where ``budget`` (``"16GB"``, bytes, ``"60%"``) is a share,
+    plain FSDP2's step is measured first (`eager_peak`); then `plan_one_rank`. ``stage(name, text)``: a
+    context for each phase (the CLI's progress display)."""
+    from memplan.core.units import format_bytes
+    from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
+
+    stage = stage or (lambda name, text: contextlib.nullcontext())
+    fraction, eager = budget_fraction(budget), None
+    if fraction is not None:
+        with stage("eager", f"plain FSDP2's step, one rank of {world_size}"):
+            eager = eager_peak(build, world_size, make_optimizer)
+    nbytes = share_of_peak(fraction, eager) if fraction is not None else parse_budget(
+        int(budget) if budget.strip().isdigit() else budget)
+    with stage("solve", f"sharding, planning and running one rank of {world_size} at {format_bytes(nbytes)}"):
+        return plan_one_rank(build, nbytes, world_size, make_optimizer, solver=solver, time_limit=time_limit,
+                             eager=eager)
