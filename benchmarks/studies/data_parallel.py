@@ -150,7 +150,7 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
     """(step function, model, None) for one FSDP2 method; None where memplan finds no plan."""
     from torch.distributed.fsdp import fully_shard
 
-    from memplan.frontend.sharded import find_units
+    from memplan.frontend.sharded import find_units, local_state
 
     model, args = _build(size, rank, checkpointed=name == "FSDP2 + checkpoint per block")
     if name == "FSDP2 + memplan":  # the optimizer made over the unsharded model, pointed at the shards
@@ -167,9 +167,7 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
         opt.step()
         opt.zero_grad()
 
-    step.resident = lambda: [t.to_local() if hasattr(t, "to_local") else t for t in
-                             [*model.parameters(), *(v for st in opt.state.values() for v in st.values()
-                                                     if isinstance(v, torch.Tensor))]]
+    step.resident = lambda: local_state(model, opt)
     return step, model, _reduce_scatter_clock()
 
 

@@ -129,9 +129,8 @@ class PlannedGraph:
         let_go = {k for k in held if k not in eager_saved} & inputs_let_go()
         dropped = self._inputs_dropped(bound, let_go)
         if ledger.steps_seen == 0:  # the first step: its graphs are not all known yet
-            account = _Account(resident, final, step_inputs, {**others, **gathered}, held, eager_saved, unit, dropped)
-            account.after_blocks = after_blocks
-            return self._discover(call, bound, account)
+            return self._discover(call, bound, _Account(resident, final, step_inputs, {**others, **gathered}, held,
+                                                        eager_saved, unit, dropped, after_blocks))
         allowance = self.last_allowance = ledger.allowance(call)
         limit = ledger.carry_limit(call)
         args = bound
@@ -174,7 +173,8 @@ class PlannedGraph:
         when forward returns: those in ``let_go``, where the graph's first planned call let go of the
         same positions (its plans are made for one set); the modules it makes assume them."""
         tensors = [a for a in bound if isinstance(a, torch.Tensor)]
-        positions = frozenset(i for i, t in enumerate(tensors) if storage_key(t) in let_go)
+        # (this runs every call: no storage is looked up where the caller declared nothing)
+        positions = frozenset(i for i, t in enumerate(tensors) if storage_key(t) in let_go) if let_go else frozenset()
         if self.inputs_dropped is None:
             self.inputs_dropped = positions
         elif positions != self.inputs_dropped and self.inputs_dropped:
@@ -197,9 +197,8 @@ class PlannedGraph:
 
         # by storage: a view of the input that the caller kept holds it as well as the input itself
         refs = [(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()) for t in inputs]
-        nodes = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
-        # the planned step's own node (its hook runs once the plan's whole backward has returned)
-        node = next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), nodes[0] if nodes else None)
+        step, nodes = _step_node(_tensors(out))
+        node = step or (nodes[0] if nodes else None)
         if node is None:
             return
 
@@ -395,8 +394,7 @@ class PlannedGraph:
             while handle:
                 handle.pop().remove()
 
-        nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
-        step = next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), None)
+        step, nodes = _step_node(outputs)
         if step is not None:
             # The planned step's own autograd node: its post-hook runs once its backward (the
             # plan's whole backward) has returned, and goes with the node. One hook, where a hook
@@ -413,12 +411,19 @@ class PlannedGraph:
                 pass
 
 
+def _step_node(outputs: list[torch.Tensor]) -> tuple[Any, list]:
+    """The planned step's own autograd node among ``outputs``' (None where none is: a graph run
+    unplanned), and every output's node. Its hooks run once the plan's whole backward has returned."""
+    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    return next((n for n in nodes if getattr(n, "_forward_cls", None) is PlannedStep), None), nodes
+
+
 class _Account:
     """What one call holds in the step's ledger, by storage (key -> bytes), kept from the first
     step so that its rehearsal of the next steps opens the same accounts."""
 
     def __init__(self, resident: dict, final: dict, step_inputs: dict, inputs: dict, held: dict, eager_saved: dict,
-                 unit: int | None = None, dropped: dict | None = None):
+                 unit: int | None = None, dropped: dict | None = None, after_blocks: bool = False):
         self.resident = resident  # parameters and buffers
         self.final = final  # the gradients its backward makes
         self.step_inputs = step_inputs  # the step's own inputs (the first call only)
@@ -430,7 +435,7 @@ class _Account:
         # inputs its caller lets go when it returns: held to its backward in the first step (which
         # keeps its inputs), in the next steps by its plan where the backward reads them
         self.dropped = dropped or {}
-        self.after_blocks = False  # a root call of FSDP2 after its last block (`MemplanBackend.outside`)
+        self.after_blocks = after_blocks  # a root call of FSDP2 after its last block (`MemplanBackend.outside`)
 
     @property
     def held_next(self) -> dict:

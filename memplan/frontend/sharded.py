@@ -313,6 +313,13 @@ class ShardedAccounts:
         }
 
 
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
+    """What a rank holds between steps under FSDP2: its parameters' local shards (a DTensor's
+    ``to_local``; plain tensors as they are) and the optimizer's state tensors."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)] if optimizer else []
+    return [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *state]]
+
+
 def find_units(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model``, in order: the modules of the one class, held in a
     ``ModuleList`` / ``Sequential`` at least twice, whose instances hold the most parameters

@@ -275,18 +275,15 @@ def lower(cap: Capture, costs: GraphCosts, budget: int | None = None,
 
     dropped_inputs = set(dropped_input_names(cap))
     for node in primal_nodes:
-        if node.name in dropped_inputs:
-            # An input the caller lets go when forward returns: not a source (held to the end) but a
-            # value made at the start (before every reader: it is there when the step begins) that
-            # lives to the barrier and then as long as the backward reads it. It cannot be made
-            # again, nor copied out (the caller holds it through the forward).
-            if START not in G:
-                add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
-            add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[START],
-                      alias_of=None)
-        else:
-            add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False, preds=[],
-                      alias_of=None)
+        # An input the caller lets go when forward returns: not a source (held to the end) but a
+        # value made at the start (before every reader: it is there when the step begins) that
+        # lives to the barrier and then as long as the backward reads it. It cannot be made
+        # again, nor copied out (the caller holds it through the forward).
+        let_go = node.name in dropped_inputs
+        if let_go and START not in G:
+            add_value(START, mem=0, cost=0.0, recomputable=False, preds=[], alias_of=None)
+        add_value(node.name, mem=costs.values[node.name].nbytes, cost=0.0, recomputable=False,
+                  preds=[START] if let_go else [], alias_of=None)
         fx_map[node.name] = node
     # Tensors the model holds outside its parameters and buffers (a closure's
     # target, a plain tensor attribute) are graph constants: inputs too.

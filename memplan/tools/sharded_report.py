@@ -89,15 +89,10 @@ def fake_world(world_size: int):
         dist.destroy_process_group()
 
 
-def _local_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """What the rank holds between steps: its parameter shards and optimizer state (local tensors)."""
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)] if opt else []
-    return [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *state]]
-
-
 def _measured_step(model: nn.Module, args: tuple, kwargs: dict, opt: torch.optim.Optimizer | None,
                    warmup: int) -> int:
     """The peak of one whole step after ``warmup`` steps (planning, the optimizer's state made)."""
+    from memplan.frontend.sharded import local_state
     from memplan.measure.tracker import profiled_peak
 
     def step() -> None:
@@ -108,7 +103,7 @@ def _measured_step(model: nn.Module, args: tuple, kwargs: dict, opt: torch.optim
 
     for _ in range(warmup):
         step()
-    return profiled_peak(step, resident=_local_state(model, opt))
+    return profiled_peak(step, resident=local_state(model, opt))
 
 
 def eager_peak(build: Build, world_size: int, make_optimizer: MakeOptimizer) -> int:
@@ -158,8 +153,7 @@ def report_rank(build: Build, budget: str, world_size: int, make_optimizer: Make
     if fraction is not None:
         with stage("eager", f"plain FSDP2's step, one rank of {world_size}"):
             eager = eager_peak(build, world_size, make_optimizer)
-    nbytes = share_of_peak(fraction, eager) if fraction is not None else parse_budget(
-        int(budget) if budget.strip().isdigit() else budget)
+    nbytes = share_of_peak(fraction, eager) if fraction is not None else parse_budget(budget)
     with stage("solve", f"sharding, planning and running one rank of {world_size} at {format_bytes(nbytes)}"):
         return plan_one_rank(build, nbytes, world_size, make_optimizer, solver=solver, time_limit=time_limit,
                              eager=eager)

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 import memplan
-from memplan.frontend.sharded import find_units
+from memplan.frontend.sharded import find_units, local_state
 from memplan.measure.tracker import profiled_peak
 from memplan.models import zoo
 from .helpers import library_llama, run_torchrun_example
@@ -83,10 +83,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _locals(tensors) -> list[torch.Tensor]:
-    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
-
-
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple]) -> list[int]:
     """Each step's peak over its forwards and backwards, one per batch in ``batches`` (gradients
     accumulated unreduced, ``set_requires_gradient_sync(False)``, until the last: FSDP2 keeps them
@@ -103,12 +99,10 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple]) -
 
     peaks = []
     for step in range(STEPS):
-        state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         if step == 0:
             forwards_and_backwards()
         else:
-            held = _locals([*model.parameters(), *state])
-            peaks.append(profiled_peak(forwards_and_backwards, resident=held))
+            peaks.append(profiled_peak(forwards_and_backwards, resident=local_state(model, opt)))
         opt.step()
         opt.zero_grad()
     return peaks
