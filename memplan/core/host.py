@@ -29,10 +29,28 @@ _HOST: dict[int, weakref.ref] = {}
 _TLS = threading.local()
 
 
+HOST_EVENT_PREFIX = "memplan.host:"  # a profiler event naming the address of a storage marked as host
+
+
 def mark_storage_host(st: torch.UntypedStorage) -> None:
     key = id(st)
     if key not in _HOST:
         _HOST[key] = weakref.ref(st, lambda _ref, key=key: _HOST.pop(key, None))
+        if torch.autograd.profiler._is_profiler_enabled:
+            _tell_profiler(st)
+
+
+def _tell_profiler(st: torch.UntypedStorage) -> None:
+    """A profiler counting the CPU allocator's events (`memplan.measure.tracker.profiled_peak`) sees
+    host and "device" allocations alike: an event naming the storage's address tells it which block
+    is host memory. (A fake storage, planning's, has no address: nothing to tell.)"""
+    try:
+        address = st.data_ptr()
+    except Exception:  # noqa: BLE001 - runs inside a dispatch callback, where raising aborts
+        return
+    if address:
+        with torch.profiler.record_function(f"{HOST_EVENT_PREFIX}{address}"):
+            pass
 
 
 def host_storage_depth() -> int:

@@ -40,9 +40,11 @@ import torch.nn as nn
 import warnings
 import weakref
 
+from memplan.core.host import is_host
 from memplan.core.storage import storage_key
 from memplan.core.units import format_bytes
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
+from memplan.updates.host_state import check_elementwise, keep_sharded_state_on_host
 
 
 class ShardedAccounts:
@@ -66,6 +68,7 @@ class ShardedAccounts:
         self.root_gathered = 0  # the root's gathered parameters' bytes
         # optimizer -> the state it keeps on this rank, in bytes (weakly: a dropped optimizer is forgotten)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.host_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # those keeping it on the host
         self.group: Any = None  # the process group of FSDP2's mesh (None: the default group)
         self.device = next(root.parameters()).device  # where FSDP2's collectives run (NCCL: CUDA tensors only)
         # reduce-scatter bytes per gathered byte: FSDP2 reduces in MixedPrecisionPolicy.reduce_dtype
@@ -81,11 +84,15 @@ class ShardedAccounts:
         self.unreduced_finals: dict[Any, int] = {}  # ("grad", shard key) -> shard bytes, of those gradients
         self._record_of: dict[int, Any] = {}  # id(gathered parameter) -> its FSDPParam
 
-    def count_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step."""
+    def count_optimizer(self, optimizer: torch.optim.Optimizer, on_host: bool = False) -> None:
+        """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step; state
+        kept in host memory (``on_host``) is in no budget, and reported as the host's."""
         from memplan.updates.probe import optimizer_state_bytes
 
         state = optimizer_state_bytes(optimizer, lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+        if on_host:
+            self.host_optimizers[optimizer] = state
+            return
         self.optimizers[optimizer] = state
         self.held_all_step()[("optimizer state", id(optimizer))] = state
         self.hold_in(self.backend.ledger)
@@ -94,7 +101,7 @@ class ShardedAccounts:
         """Before an optimizer's step (a global hook): an optimizer not given to `fully_shard` that
         steps this model's parameters has its state counted from now on; the plans made before
         left no room for it, so the next step can go over the budget by about it (said once)."""
-        if optimizer in self.optimizers or not any(
+        if optimizer in self.optimizers or optimizer in self.host_optimizers or not any(
                 id(p) in self.param_ids for group in optimizer.param_groups for p in group["params"]):
             return
         self.count_optimizer(optimizer)
@@ -301,9 +308,11 @@ class ShardedAccounts:
         shards = sum(held.values()) - optimizer - self.root_gathered
         comm = max([self.closing, *(max(self.outside(i)) for i in range(len(self.units)))])
         unreduced = {"unreduced gradients (accumulating)": sum(self.unreduced.values())} if self.unreduced else {}
+        host = sum(self.host_optimizers.values())
         return {
             "parameter shards": shards,
             "optimizer state (shards)": optimizer,
+            **({"optimizer state (shards, host memory: in no budget)": host} if host else {}),
             "root parameters, gathered": self.root_gathered,
             "root gradients": sum(self.root_grads.values()),
             "gradient shards (blocks)": sum(nbytes for _, nbytes in self._by_gathered.values()),
@@ -314,10 +323,13 @@ class ShardedAccounts:
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
-    """What a rank holds between steps under FSDP2: its parameters' local shards (a DTensor's
-    ``to_local``; plain tensors as they are) and the optimizer's state tensors."""
+    """What a rank holds on its device between steps under FSDP2: its parameters' local shards (a
+    DTensor's ``to_local``; plain tensors as they are) and the optimizer's state tensors, but those
+    in host memory (``optimizer_state="host"``)."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)] if optimizer else []
-    return [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *state]]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *state]]
+    device = local[0].device if local else None
+    return [t for t in local if t.device == device and not is_host(t)]
 
 
 def find_units(model: nn.Module) -> list[nn.Module]:
@@ -362,6 +374,7 @@ def fully_shard(
     solver: str = "auto",
     time_limit: float | None = None,
     kernel_scratch: bool | None = None,
+    optimizer_state: str = "device",
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) and plan it under ``budget``
     bytes per rank (``"16GB"``): see :mod:`memplan.frontend.sharded`. Returns ``model``, now FSDP2's
@@ -372,6 +385,10 @@ def fully_shard(
     and not yet stepped: it is pointed at FSDP2's sharded parameters (FSDP2 replaces them), and the
     state it will keep on this rank is counted in the budget from the first step on. An optimizer
     made after this call is met at its first step (counted from then on, with a warning).
+    ``optimizer_state="host"``: the optimizer's state lives in host memory and ``optimizer.step()``
+    runs there, on host copies of the rank's shards, which are then copied back (ZeRO-Offload's
+    arrangement: `memplan.updates.host_state.step_sharded_on_host`); the state is then in no budget.
+    Needs ``optimizer`` given, and an elementwise one (SGD, Adam, AdamW, ...): default ``"device"``.
     ``units``: the modules sharded and planned one by one (default: the model's repeated blocks,
     `find_units`). ``mesh`` and ``mp_policy``: FSDP2's own (a 1-D mesh: HSDP is not planned).
     ``solver``, ``time_limit`` and ``kernel_scratch``: each block's plan's, as for
@@ -404,6 +421,12 @@ def fully_shard(
     if not blocks:
         raise ValueError("memplan.fully_shard found no repeated blocks in this model (a module class held at "
                          "least twice in a ModuleList or Sequential): name the modules to shard and plan with units=[...]")
+    if optimizer_state not in ("device", "host"):
+        raise ValueError(f"memplan.fully_shard: optimizer_state={optimizer_state!r}; give \"device\" or \"host\"")
+    if optimizer_state == "host":
+        if optimizer is None:
+            raise ValueError("memplan.fully_shard(..., optimizer_state=\"host\") needs the optimizer: give optimizer=opt")
+        check_elementwise(optimizer, "memplan.fully_shard(..., optimizer_state=\"host\")")
     if optimizer is not None and optimizer.state:
         raise DistributedTrainingError(
             "memplan.fully_shard: the optimizer has already stepped; give one made over the model's parameters that "
@@ -445,7 +468,9 @@ def fully_shard(
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        accounts.count_optimizer(optimizer)
+        if optimizer_state == "host":
+            keep_sharded_state_on_host(optimizer)
+        accounts.count_optimizer(optimizer, on_host=optimizer_state == "host")
     model.memplan_backend = backend
     # The loss head after the last block is eager code in no plan: the backend learns what it holds.
     def forward_done(module: nn.Module, args: Any, output: Any) -> None:

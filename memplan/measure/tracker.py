@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import (
     _get_current_dispatch_mode_stack,
 )
 
-from memplan.core.host import host_storage_depth, is_host_storage, mark_storage_host
+from memplan.core.host import HOST_EVENT_PREFIX, host_storage_depth, is_host_storage, mark_storage_host
 from memplan.core.storage import FAKE_REACHED, PLAIN_TENSOR_TYPES, fake_tensor_types, is_fake, sparse_parts, storage_key, storages_of
 
 __all__ = [
@@ -434,28 +434,58 @@ def profiled_peak(fn: Callable[[], Any], resident: Iterable[torch.Tensor] = ()) 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: list[tuple[int, int, int]] = []
+    host_marks: list[tuple[int, int]] = []  # (time, address) of each storage marked as host memory
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
             events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.ptr))
+        elif node.name.startswith(HOST_EVENT_PREFIX):
+            host_marks.append((node.start_time_ns, int(node.name[len(HOST_EVENT_PREFIX):])))
         stack.extend(node.children)
+    events.sort()
+    host = _host_blocks(events, host_marks)
     # A free is counted only when its block was allocated inside this window: the profiler also
     # reports frees of blocks it saw allocated in an *earlier* profiling session (last step's
     # gradients, freed by this step's zero_grad), which would otherwise lower the peak by their
-    # bytes; what was allocated before ``fn`` counts through ``resident`` alone.
+    # bytes; what was allocated before ``fn`` counts through ``resident`` alone. Host memory
+    # (storages `memplan.core.host` marked: offloaded copies, host-resident optimizer state) is
+    # on the same allocator here and is left out, as the device's allocator would not see it.
     live: dict[int, int] = {}
     running = peak = 0
-    for _, size, ptr in sorted(events):
+    for i, (_, size, ptr) in enumerate(events):
         if size < 0:
             if live.pop(ptr, None) is None:
                 continue
+        elif i in host:
+            continue
         else:
             live[ptr] = size
         running += size
         peak = max(peak, running)
     storages = {storage_key(t): t.untyped_storage().nbytes() for t in resident}
     return peak + sum(storages.values())
+
+
+def _host_blocks(events: list[tuple[int, int, int]], marks: list[tuple[int, int]]) -> set[int]:
+    """Indices into ``events`` (time-sorted allocator events: time, bytes, address) of the allocations
+    that ``marks`` (time, address) name as host memory: at each mark, the latest allocation at its
+    address before it."""
+    latest: dict[int, int] = {}  # address -> index of its latest allocation so far
+    host: set[int] = set()
+    marks = sorted(marks)
+    m = 0
+    for i, (time, size, ptr) in enumerate(events):
+        while m < len(marks) and marks[m][0] < time:
+            if marks[m][1] in latest:
+                host.add(latest[marks[m][1]])
+            m += 1
+        if size > 0:
+            latest[ptr] = i
+    for _, address in marks[m:]:
+        if address in latest:
+            host.add(latest[address])
+    return host
 
 
 def allocated_during(fn: Callable[[], Any], device: torch.device) -> int:

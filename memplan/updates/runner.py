@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 import torch
 import torch.nn as nn
-from memplan.core.host import host_storage, is_host
+from memplan.core.host import host_storage
 from memplan.ops.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
+from memplan.updates.host_state import in_host_memory, state_under, to_host
 
 
 @dataclass
@@ -102,9 +103,9 @@ class UpdateRunner(nn.Module):
             for key, value in list(held.items()):
                 if not isinstance(value, torch.Tensor) or value.device.type == "meta":
                     continue
-                if on_host and not _in_host_memory(value, p):
-                    held[key] = _to_host(value)
-                elif not on_host and _in_host_memory(value, p) and value.shape == p.shape:
+                if on_host and not in_host_memory(value, p):
+                    held[key] = to_host(value)
+                elif not on_host and in_host_memory(value, p) and value.shape == p.shape:
                     # Per-element state only: scalars such as Adam's ``step`` stay where the
                     # optimizer itself keeps them (on the CPU unless capturable or fused).
                     held[key] = value.to(p.device, copy=True)
@@ -296,15 +297,11 @@ class UpdateRunner(nn.Module):
             for work, gi in zip(works, groups):
                 if gi is not None:
                     view.param_groups[gi]["params"].append(work)
-            for p, work in zip(params, works):
-                if p in state:
-                    state[work] = state.pop(p)
             try:
-                view.step()
+                with state_under(state, list(zip(params, works))):
+                    view.step()
             finally:
-                for p, work in zip(params, works):
-                    if work in state:
-                        state[p] = state.pop(work)
+                for work in works:
                     work.grad = None
         with torch.no_grad():
             landed = None
@@ -366,17 +363,6 @@ def _placement_mark(optimizer: torch.optim.Optimizer) -> _PlacementMark:
         mark = _PLACEMENT_MARKS[optimizer] = _PlacementMark()
         optimizer.register_load_state_dict_post_hook(mark.loaded)
     return mark
-
-
-def _in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether optimizer state ``t`` of parameter ``p`` is in host memory: on the CPU beside a
-    device parameter, or (a CPU "device", in tests) in a storage marked as host."""
-    return (t.device.type == "cpu" and p.device.type != "cpu") or is_host(t)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory (pinned beside a CUDA device), complete on return."""
-    return wait_host_copy(offload_tensor(t))
 
 
 class GradClip(nn.Module):

@@ -64,7 +64,10 @@ def _batches(case: str, rank: int, args: tuple) -> list[tuple]:
 CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
 # The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest.
-SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.92}
+SHARE = {"gpt": 0.5, "llama": 0.8, "cnn": 0.92}
+# Where each case keeps its optimizer's state: the GPT's on the host (stepped there, ZeRO-Offload's
+# arrangement), which leaves the AdamW moments (a third of plain FSDP2's resident bytes) out of its budget.
+OPTIMIZER_STATE = {"gpt": "host", "llama": "device", "cnn": "device"}
 
 
 def _policy(case: str) -> dict:
@@ -119,7 +122,8 @@ def _checkpoint_resumes(case: str, rank: int, budget: int, directory: str) -> No
         torch.manual_seed(0)  # the same initial parameters on every rank and in both runs
         model, args = CASES[case](rank)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        return memplan.fully_shard(model, budget, optimizer=opt, time_limit=2), opt, args
+        return memplan.fully_shard(model, budget, optimizer=opt, time_limit=2,
+                                   optimizer_state=OPTIMIZER_STATE[case]), opt, args
 
     def step(model: nn.Module, opt: torch.optim.Optimizer, args: tuple) -> None:
         model(*args).backward()
@@ -170,7 +174,7 @@ def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
         # (2 s of solving: make test's time; the library Llama's case failed 2 of 3 runs at 2 s, cause not
         # read yet, and passes at 5 s)
         sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5 if case == "llama" else 2,
-                                      **_policy(case))
+                                      optimizer_state=OPTIMIZER_STATE[case], **_policy(case))
         assert sharded is model and len(model.memplan_backend.graphs) == 0
         peaks = _train(model, opt, batches)
         assert max(peaks) <= budget, (case, peaks, budget, eager)
@@ -209,6 +213,45 @@ def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_s
         memplan.fully_shard(model, "1GB", optimizer=opt)
     with pytest.raises(ValueError, match="no repeated blocks"):
         memplan.fully_shard(nn.Linear(2, 2), "1GB")
+    with pytest.raises(ValueError, match="give \"device\" or \"host\""):
+        memplan.fully_shard(model, "1GB", optimizer_state="cpu")
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        memplan.fully_shard(model, "1GB", optimizer_state="host")
+    with pytest.raises(ValueError, match="not an elementwise optimizer"):
+        memplan.fully_shard(model, "1GB", optimizer=torch.optim.LBFGS(model.parameters()), optimizer_state="host")
+    assert not any(type(p).__name__ == "DTensor" for p in model.parameters())  # nothing sharded
+
+
+def test_a_step_on_the_host_updates_as_the_optimizer_does_and_keeps_its_state_there():
+    """The host step (`step_sharded_on_host`) on plain tensors, three steps against the same optimizer
+    stepped as usual: the same parameters and state, the state in host memory, the state dict's keys the
+    usual ones; state a load_state_dict put back beside the parameters is moved to the host again."""
+    from memplan.core.host import is_host
+    from memplan.updates.host_state import keep_sharded_state_on_host
+
+    torch.manual_seed(0)
+    plain, hosted = nn.Linear(8, 4), nn.Linear(8, 4)
+    hosted.load_state_dict(plain.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, hosted)]
+    keep_sharded_state_on_host(opts[1])
+    scheduler = torch.optim.lr_scheduler.StepLR(opts[1], step_size=1, gamma=0.5)  # wraps the host step
+    x = torch.randn(16, 8)
+    for step in range(3):
+        for m, opt in zip((plain, hosted), opts):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opts[0].param_groups[0]["lr"] *= 0.5
+        scheduler.step()
+        if step == 1:  # a resume: load_state_dict casts the state to the parameters' device
+            opts[1].load_state_dict(copy.deepcopy(opts[1].state_dict()))
+            assert not is_host(opts[1].state[hosted.weight]["exp_avg"])
+    for p, q in zip(plain.parameters(), hosted.parameters()):
+        torch.testing.assert_close(q, p)
+        for key, value in opts[0].state[p].items():
+            torch.testing.assert_close(opts[1].state[q][key], value)
+        assert is_host(opts[1].state[q]["exp_avg"]) and is_host(opts[1].state[q]["exp_avg_sq"])
+    assert opts[1].state_dict()["state"].keys() == opts[0].state_dict()["state"].keys()
 
 
 class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
