@@ -1,7 +1,7 @@
 """memplan inside DDP and FSDP2 against each engine's usual ways to fit a rank's step in memory.
 
 Two processes (gloo, CPU, one thread each), each rank its own batch, the zoo GPT at the size
-given, AdamW. Per rank and engine, three methods of the whole step (forward, backward, update):
+given, AdamW. Per rank and engine, the methods of the whole step (forward, backward, update):
 
 * ``DDP eager``: ``DDP(model)``, ``loss.backward()``, ``optimizer.step()``, ``zero_grad``;
 * ``DDP + checkpoint per block``: the same with every transformer block under non-reentrant
@@ -9,7 +9,9 @@ given, AdamW. Per rank and engine, three methods of the whole step (forward, bac
 * ``DDP + memplan``: ``memplan.optimize(DDP(model), budget, optimizer=opt)``;
 * ``FSDP2 eager``: ``fully_shard`` on every block and on the model, the same loop;
 * ``FSDP2 + checkpoint per block``: the same with the blocks checkpointed;
-* ``FSDP2 + memplan``: ``memplan.fully_shard(model, budget, optimizer=opt)``, the same loop.
+* ``FSDP2 + memplan``: ``memplan.fully_shard(model, budget, optimizer=opt)``, the same loop;
+* ``FSDP2 + memplan, state on host``: the same with ``optimizer_state="host"`` (the AdamW state in
+  host memory, ``optimizer.step()`` on host copies of the shards; host memory is in no budget).
 
 Budgets are shares of the engine's eager whole-step peak (100/80/65/50%). A method meets a budget
 when each rank's measured peak is at or under it; memplan meets it when it plans within it (each
@@ -49,7 +51,7 @@ SHARES = (100, 80, 65, 50)
 WORLD_SIZE = 2
 METHODS = {
     "DDP": ("DDP eager", "DDP + checkpoint per block", "DDP + memplan"),
-    "FSDP2": ("FSDP2 eager", "FSDP2 + checkpoint per block", "FSDP2 + memplan"),
+    "FSDP2": ("FSDP2 eager", "FSDP2 + checkpoint per block", "FSDP2 + memplan", "FSDP2 + memplan, state on host"),
 }
 
 
@@ -153,9 +155,10 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
     from memplan.frontend.sharded import find_units, local_state
 
     model, args = _build(size, rank, checkpointed=name == "FSDP2 + checkpoint per block")
-    if name == "FSDP2 + memplan":  # the optimizer made over the unsharded model, pointed at the shards
+    if name.startswith("FSDP2 + memplan"):  # the optimizer made over the unsharded model, pointed at the shards
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        memplan.fully_shard(model, budget, optimizer=opt, time_limit=20)
+        memplan.fully_shard(model, budget, optimizer=opt, time_limit=20,
+                            optimizer_state="host" if name.endswith("on host") else "device")
     else:
         for block in find_units(model):
             fully_shard(block)
