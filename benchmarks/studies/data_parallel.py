@@ -85,7 +85,15 @@ class ReduceScatterClock:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives as collectives
 
         self.reset()
-        original = collectives.DefaultReduceScatter.__call__
+        self._watched: set[type] = set()
+        self.watch(collectives.DefaultReduceScatter)
+
+    def watch(self, comm_class: type) -> None:
+        """Time the reduce-scatters of ``comm_class`` too (memplan's over gloo: an in-place all-reduce)."""
+        if comm_class in self._watched:
+            return
+        self._watched.add(comm_class)
+        original = comm_class.__call__
 
         def timed(comm, *args, **kwargs):
             self.last_issued = time.perf_counter()
@@ -95,7 +103,7 @@ class ReduceScatterClock:
             self.last_done = time.perf_counter()
             return work
 
-        collectives.DefaultReduceScatter.__call__ = timed
+        comm_class.__call__ = timed
 
     def reset(self) -> None:
         self.last_issued = 0.0
@@ -171,7 +179,10 @@ def _fsdp_method(name: str, size: str, rank: int, budget: int | None):
         opt.zero_grad()
 
     step.resident = lambda: local_state(model, opt)
-    return step, model, _reduce_scatter_clock()
+    clock = _reduce_scatter_clock()
+    if clock is not None:  # the reduce-scatter FSDP2 runs for this model (memplan's own over gloo)
+        clock.watch(type(model._get_fsdp_state()._fsdp_param_groups[0]._reduce_scatter_comm))
+    return step, model, clock
 
 
 def _measure(step) -> int:

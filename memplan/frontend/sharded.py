@@ -83,6 +83,10 @@ class ShardedAccounts:
         self.unreduced: dict[int, int] = {}
         self.unreduced_finals: dict[Any, int] = {}  # ("grad", shard key) -> shard bytes, of those gradients
         self._record_of: dict[int, Any] = {}  # id(gathered parameter) -> its FSDPParam
+        # With updates in backward (`memplan.frontend.sharded_updates`): the optimizer, and per block the
+        # bytes its gradient shards and its update's temporaries take while it waits and is updated
+        self.updated_by: torch.optim.Optimizer | None = None
+        self._awaiting: dict[int, int] = {}
 
     def count_optimizer(self, optimizer: torch.optim.Optimizer, on_host: bool = False) -> None:
         """Count the state ``optimizer`` will keep on this rank (its local shards') as held all step; state
@@ -155,7 +159,8 @@ class ShardedAccounts:
         more where an earlier step's is held already (this one is added into it)."""
         state = self.units[unit]._get_fsdp_state()
         if all(group.reduce_grads for group in state._fsdp_param_groups):
-            return shard_bytes
+            # updated in backward, the shard is gone before the step's end (`awaiting_update`)
+            return 0 if self.updated_by is not None else shard_bytes
         whole = int(gathered.untyped_storage().nbytes() * self.reduce_ratio)
         self.unreduced[unit] = self.unreduced.get(unit, 0) + whole
         self.unreduced_finals[("grad", shard_key)] = shard_bytes
@@ -257,8 +262,25 @@ class ShardedAccounts:
         its own all-gather output, before it is copied into its parameters. A block not seen yet
         counts as the largest seen."""
         prefetch = self._gathered(unit - 1) if unit > 0 else 0
-        reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if unit + 1 < len(self.units) else 0
-        return prefetch + reduce_input, self._gathered(unit)
+        after = unit + 1 < len(self.units)
+        reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if after else 0
+        return prefetch + reduce_input + (self.awaiting_update(unit + 1) if after else 0), self._gathered(unit)
+
+    def awaiting_update(self, unit: int) -> int:
+        """With updates in backward: block ``unit``'s gradient shards, which wait for its update until the
+        next block's post-backward, and that update's temporaries (the next block's transient, a bound);
+        0 otherwise."""
+        if self.updated_by is None:
+            return 0
+        if unit not in self._awaiting:
+            from memplan.updates.probe import update_temp_bytes
+
+            shards = [fp.sharded_param for fp in self._params(self.units[unit])]
+            grads = sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
+                        for fp in self._params(self.units[unit]))
+            temps = update_temp_bytes(self.updated_by, shards, lambda p: p.to_local().numel())
+            self._awaiting[unit] = grads + temps
+        return self._awaiting[unit]
 
     @property
     def blocks_done(self) -> bool:
@@ -322,6 +344,30 @@ class ShardedAccounts:
         }
 
 
+def in_place_reduce_scatter() -> Any:
+    """A reduce-scatter for FSDP2 (``set_custom_reduce_scatter``) over gloo that allocates nothing.
+
+    Gloo's reduce-scatter clones its whole input (a block's gradients) and frees the clone when its
+    worker thread lets the work go: while the next block's backward runs, or not, as the threads
+    happen to run, one block's gradients more than the plan counts (seen at 0.45 of the zoo GPT's
+    step under FSDP2, in one step of about four: 155,584 B over the budget). This one all-reduces
+    FSDP2's input buffer in place (it is FSDP2's own, dropped afterwards) and copies the rank's chunk
+    out: twice the bytes on the wire, none allocated. NCCL's reduce-scatter allocates nothing: it
+    is left as it is."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class InPlaceReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                     async_op: bool = False) -> Any:
+            dist.all_reduce(input_tensor, op=op, group=group)
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            output_tensor.copy_(input_tensor.view(size, -1)[rank].view_as(output_tensor))
+            return None
+
+    return InPlaceReduceScatter()
+
+
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list[torch.Tensor]:
     """What a rank holds on its device between steps under FSDP2: its parameters' local shards (a
     DTensor's ``to_local``; plain tensors as they are) and the optimizer's state tensors, but those
@@ -375,6 +421,7 @@ def fully_shard(
     time_limit: float | None = None,
     kernel_scratch: bool | None = None,
     optimizer_state: str = "device",
+    updates_in_backward: bool = False,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``) and plan it under ``budget``
     bytes per rank (``"16GB"``): see :mod:`memplan.frontend.sharded`. Returns ``model``, now FSDP2's
@@ -389,6 +436,10 @@ def fully_shard(
     runs there, on host copies of the rank's shards, which are then copied back (ZeRO-Offload's
     arrangement: `memplan.updates.host_state.step_sharded_on_host`); the state is then in no budget.
     Needs ``optimizer`` given, and an elementwise one (SGD, Adam, AdamW, ...): default ``"device"``.
+    ``updates_in_backward=True``: each block's shards are updated inside backward, once its reduce-scatter
+    has left their gradients (`memplan.frontend.sharded_updates`), which are then dropped: the rank holds
+    one block's gradient shards at a time. ``optimizer.step()`` after backward then finds no gradients,
+    and so would ``clip_grad_norm_``: clipping needs the updates after backward (the default).
     ``units``: the modules sharded and planned one by one (default: the model's repeated blocks,
     `find_units`). ``mesh`` and ``mp_policy``: FSDP2's own (a 1-D mesh: HSDP is not planned).
     ``solver``, ``time_limit`` and ``kernel_scratch``: each block's plan's, as for
@@ -427,6 +478,8 @@ def fully_shard(
         if optimizer is None:
             raise ValueError("memplan.fully_shard(..., optimizer_state=\"host\") needs the optimizer: give optimizer=opt")
         check_elementwise(optimizer, "memplan.fully_shard(..., optimizer_state=\"host\")")
+    if updates_in_backward and optimizer is None:
+        raise ValueError("memplan.fully_shard(..., updates_in_backward=True) needs the optimizer: give optimizer=opt")
     if optimizer is not None and optimizer.state:
         raise DistributedTrainingError(
             "memplan.fully_shard: the optimizer has already stepped; give one made over the model's parameters that "
@@ -462,6 +515,12 @@ def fully_shard(
         block.register_forward_pre_hook(lambda module, args, index=index: accounts.ran.add(index))
         torch_fully_shard(block, reshard_after_forward=True, **options)
     torch_fully_shard(model, **options)
+    import torch.distributed as dist
+
+    if dist.get_backend(accounts.group) == "gloo":
+        comm = in_place_reduce_scatter()
+        for module in [*blocks, model]:
+            module.set_custom_reduce_scatter(comm)
     _compile_loss(model, backend)
     sharded = dict(model.named_parameters())  # FSDP2's sharded parameters now
     accounts.param_ids = {id(p) for p in sharded.values()}
@@ -471,6 +530,11 @@ def fully_shard(
         if optimizer_state == "host":
             keep_sharded_state_on_host(optimizer)
         accounts.count_optimizer(optimizer, on_host=optimizer_state == "host")
+        if updates_in_backward:
+            from memplan.frontend.sharded_updates import UpdatesInBackward
+
+            accounts.updated_by = optimizer
+            model.memplan_updates = UpdatesInBackward(optimizer, [*blocks, model])
     model.memplan_backend = backend
     # The loss head after the last block is eager code in no plan: the backend learns what it holds.
     def forward_done(module: nn.Module, args: Any, output: Any) -> None:

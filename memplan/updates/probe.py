@@ -250,6 +250,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, numel_of: Callable[[
     return total
 
 
+def update_temp_bytes(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                      numel_of: Callable[[nn.Parameter], int]) -> int:
+    """Bytes one call of ``optimizer`` over ``params`` alone allocates while it runs (`bucket_temp_bytes`),
+    each parameter counted as ``numel_of(p)`` elements, learned by the same probes as `learn_updates`."""
+    group_of = {id(p): (gi, g) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    learned: dict[tuple, tuple[_Linear, _Linear, tuple[float, float]]] = {}
+    updates = []
+    with unmeasured():
+        for p in params:
+            if id(p) not in group_of:
+                continue
+            gi, group = group_of[id(p)]
+            key = (gi, p.dtype, p.device)
+            if key not in learned:
+                learned[key] = _learn_bytes(optimizer, group, p.dtype, p.device)
+            _, temp_fit, (share, carry) = learned[key]
+            updates.append(ParamUpdate(0, "", 0, temp_fit.at(numel_of(p)), 0.0, temp_share=share, temp_carry=carry))
+    return bucket_temp_bytes(updates)
+
+
 def _learn_bytes(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
                  device: torch.device) -> tuple[_Linear, _Linear, tuple[float, float]]:
     """State and temporary bytes of one parameter's update as ``fixed + per_element * numel``, and how
