@@ -223,6 +223,8 @@ def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_s
         memplan.fully_shard(model, "1GB", optimizer_state="cpu")
     with pytest.raises(ValueError, match="needs the optimizer"):
         memplan.fully_shard(model, "1GB", optimizer_state="host")
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        memplan.fully_shard(model, "1GB", updates_in_backward=True)
     with pytest.raises(ValueError, match="not an elementwise optimizer"):
         memplan.fully_shard(model, "1GB", optimizer=torch.optim.LBFGS(model.parameters()), optimizer_state="host")
     assert not any(type(p).__name__ == "DTensor" for p in model.parameters())  # nothing sharded
