@@ -44,7 +44,7 @@ from memplan.core.host import is_host
 from memplan.core.storage import storage_key
 from memplan.core.units import format_bytes
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
-from memplan.updates.host_state import check_elementwise, keep_sharded_state_on_host
+from memplan.updates.host_state import check_host_steppable, keep_sharded_state_on_host
 
 
 class ShardedAccounts:
@@ -160,7 +160,7 @@ class ShardedAccounts:
         state = self.units[unit]._get_fsdp_state()
         if all(group.reduce_grads for group in state._fsdp_param_groups):
             # updated in backward, the shard is gone before the step's end (`awaiting_update`)
-            return 0 if self.updated_by is not None else shard_bytes
+            return 0 if self._updated_in_backward(gathered) else shard_bytes
         whole = int(gathered.untyped_storage().nbytes() * self.reduce_ratio)
         self.unreduced[unit] = self.unreduced.get(unit, 0) + whole
         self.unreduced_finals[("grad", shard_key)] = shard_bytes
@@ -266,6 +266,15 @@ class ShardedAccounts:
         reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if after else 0
         return prefetch + reduce_input + (self.awaiting_update(unit + 1) if after else 0), self._gathered(unit)
 
+    def _updated_in_backward(self, gathered: torch.Tensor) -> bool:
+        """Whether the gradient shard of the all-gathered parameter ``gathered`` is updated (and dropped)
+        in backward: with updates in backward, where the optimizer holds its sharded parameter."""
+        if self.updated_by is None:
+            return False
+        record = self._record_of.get(id(gathered))
+        held = {id(p) for g in self.updated_by.param_groups for p in g["params"]}
+        return record is not None and id(record.sharded_param) in held
+
     def awaiting_update(self, unit: int) -> int:
         """With updates in backward: block ``unit``'s gradient shards, which wait for its update until the
         next block's post-backward, and that update's temporaries (the next block's transient, a bound);
@@ -315,10 +324,13 @@ class ShardedAccounts:
         """Bytes FSDP2 holds at the end of the step's backward beside every gradient shard and the
         code after the last block's gradients: the root's other gradients (its embedding's, made
         by the root's own backward after the first block's) and its reduce-scatter input (all its
-        gradients, in the reduce dtype)."""
+        gradients, in the reduce dtype); with updates in backward, the first block's gradient shards
+        and update temporaries too, which wait for the root's post-backward (`awaiting_update`)."""
         root = sum(self.root_grads.values())
         late = sum(b for k, b in self.root_grads.items() if k not in self.eager_grads)
-        return late + int(root * self.reduce_ratio)
+        # with updates in backward, the first block's shards wait for their update until the root's post-backward
+        first = self.awaiting_update(0) if self.units else 0
+        return late + int(root * self.reduce_ratio) + first
 
 
     def categories(self) -> dict[str, int]:
@@ -477,7 +489,7 @@ def fully_shard(
     if optimizer_state == "host":
         if optimizer is None:
             raise ValueError("memplan.fully_shard(..., optimizer_state=\"host\") needs the optimizer: give optimizer=opt")
-        check_elementwise(optimizer, "memplan.fully_shard(..., optimizer_state=\"host\")")
+        check_host_steppable(optimizer, "memplan.fully_shard(..., optimizer_state=\"host\")")
     if updates_in_backward and optimizer is None:
         raise ValueError("memplan.fully_shard(..., updates_in_backward=True) needs the optimizer: give optimizer=opt")
     if optimizer is not None and optimizer.state:
@@ -534,7 +546,7 @@ def fully_shard(
             from memplan.frontend.sharded_updates import UpdatesInBackward
 
             accounts.updated_by = optimizer
-            model.memplan_updates = UpdatesInBackward(optimizer, [*blocks, model])
+            model.memplan_updates = UpdatesInBackward(optimizer, [*blocks, model], model)
     model.memplan_backend = backend
     # The loss head after the last block is eager code in no plan: the backend learns what it holds.
     def forward_done(module: nn.Module, args: Any, output: Any) -> None:

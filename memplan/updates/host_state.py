@@ -22,10 +22,10 @@ from memplan.ops.transfer import copy_back, offload_tensor, wait_host_copy
 
 # The optimizers whose update of a tensor reads nothing but that tensor's own elements (its gradient
 # and state, elementwise): stepping a rank's local shard of a parameter then gives what stepping the
-# whole sharded parameter gives. (Adafactor's factored moments and L-BFGS's line search read more.)
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                          torch.optim.Adadelta)
+# whole sharded parameter gives. (Adafactor's factored moments and L-BFGS's line search read more;
+# Adagrad is elementwise but makes its state when built, before `memplan.fully_shard` could place it.)
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop,
+                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
 
 
 def in_host_memory(t: torch.Tensor, p: torch.Tensor) -> bool:
@@ -73,19 +73,34 @@ def _sharded_like(value: Any, p: torch.Tensor) -> Any:
     return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def check_elementwise(optimizer: torch.optim.Optimizer, what: str) -> None:
-    """Raise where ``optimizer``'s update of a shard would differ from its update of the whole parameter."""
+def check_host_steppable(optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Raise where `step_sharded_on_host` would step ``optimizer`` differently than its own ``step``: an
+    optimizer whose update of a shard differs from its update of the whole parameter, or one that keeps
+    its step count on the device (``capturable``, ``fused``: their kernels run on the device only)."""
     if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"{what}: {type(optimizer).__name__} is not an elementwise optimizer ({names}): stepped "
                          "on a rank's shards it could update differently than on the whole parameters")
+    flags = sorted({flag for g in optimizer.param_groups for flag in ("capturable", "fused") if g.get(flag)})
+    if flags:
+        raise ValueError(f"{what}: the optimizer is made with {' and '.join(f'{f}=True' for f in flags)}, which "
+                         "runs on the device only; make it without, so that its steps can run on the host")
 
 
 def keep_sharded_state_on_host(optimizer: torch.optim.Optimizer) -> None:
     """Make ``optimizer.step()`` run `step_sharded_on_host`: the optimizer's state in host memory, each
     step on host copies of the rank's shards. (A bound method on the instance, as an LR scheduler made
-    after this wraps it.)"""
+    after this wraps it.) A ``load_state_dict`` (a checkpoint's resume), which puts every state tensor
+    beside its parameter, is followed by moving the state back to the host at once."""
     optimizer.step = types.MethodType(step_sharded_on_host, optimizer)
+    optimizer.register_load_state_dict_post_hook(state_to_host)
+
+
+def state_to_host(optimizer: torch.optim.Optimizer) -> None:
+    """Move ``optimizer``'s per-element state that is not in host memory there (sharded as before)."""
+    with torch.no_grad():
+        for p, held in optimizer.state.items():
+            optimizer.state[p] = {k: _sharded_like(_host_local(v, p), p) for k, v in held.items()}
 
 
 def step_sharded_on_host(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
@@ -101,30 +116,32 @@ def step_sharded_on_host(optimizer: torch.optim.Optimizer, closure: Any = None) 
     groups = optimizer.param_groups
     held = [g["params"] for g in groups]
     stand_ins: list[tuple[torch.Tensor, torch.Tensor]] = []
-    with torch.no_grad():
-        for group in groups:
-            works = []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                work = to_host(_local(p))
-                work.grad = to_host(_local(p.grad))
-                if p in state:
-                    state[p] = {k: _host_local(v, p) for k, v in state[p].items()}
-                works.append(work)
-                stand_ins.append((p, work))
-            group["params"] = works
     try:
+        with torch.no_grad():
+            for group in groups:
+                works = []
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    work = to_host(_local(p))
+                    work.grad = to_host(_local(p.grad))
+                    works.append(work)
+                    stand_ins.append((p, work))
+                    if p in state:
+                        state[p] = {k: _host_local(v, p) for k, v in state[p].items()}
+                group["params"] = works
         with state_under(state, stand_ins), host_storage():
             type(optimizer).step(optimizer)
     finally:
+        # (also where a step raised: the groups hold the parameters again, the state is sharded as before)
         for group, params in zip(groups, held):
             group["params"] = params
-    with torch.no_grad():
         for p, work in stand_ins:
             work.grad = None
             if p in state:
                 state[p] = {k: _sharded_like(v, p) for k, v in state[p].items()}
+    with torch.no_grad():
+        for p, work in stand_ins:
             landed = copy_back(_local(p), work)
             if landed is not None:  # (CUDA: compute reads the shard after its copy back)
                 torch.cuda.current_stream().wait_event(landed)

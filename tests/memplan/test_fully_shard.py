@@ -233,9 +233,10 @@ def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_s
 def test_a_step_on_the_host_updates_as_the_optimizer_does_and_keeps_its_state_there():
     """The host step (`step_sharded_on_host`) on plain tensors, three steps against the same optimizer
     stepped as usual: the same parameters and state, the state in host memory, the state dict's keys the
-    usual ones; state a load_state_dict put back beside the parameters is moved to the host again."""
+    usual ones; state a load_state_dict put beside the parameters is moved back to the host at once. An
+    optimizer stepped on the device only (capturable, fused) is refused."""
     from memplan.core.host import is_host
-    from memplan.updates.host_state import keep_sharded_state_on_host
+    from memplan.updates.host_state import check_host_steppable, keep_sharded_state_on_host
 
     torch.manual_seed(0)
     plain, hosted = nn.Linear(8, 4), nn.Linear(8, 4)
@@ -251,15 +252,17 @@ def test_a_step_on_the_host_updates_as_the_optimizer_does_and_keeps_its_state_th
             opt.zero_grad()
         opts[0].param_groups[0]["lr"] *= 0.5
         scheduler.step()
-        if step == 1:  # a resume: load_state_dict casts the state to the parameters' device
+        if step == 1:  # a resume: load_state_dict casts the state to the parameters' device, memplan back
             opts[1].load_state_dict(copy.deepcopy(opts[1].state_dict()))
-            assert not is_host(opts[1].state[hosted.weight]["exp_avg"])
+            assert is_host(opts[1].state[hosted.weight]["exp_avg"])
     for p, q in zip(plain.parameters(), hosted.parameters()):
         torch.testing.assert_close(q, p)
         for key, value in opts[0].state[p].items():
             torch.testing.assert_close(opts[1].state[q][key], value)
         assert is_host(opts[1].state[q]["exp_avg"]) and is_host(opts[1].state[q]["exp_avg_sq"])
     assert opts[1].state_dict()["state"].keys() == opts[0].state_dict()["state"].keys()
+    with pytest.raises(ValueError, match="capturable=True"):
+        check_host_steppable(torch.optim.AdamW(plain.parameters(), capturable=True), "host")
 
 
 class OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
