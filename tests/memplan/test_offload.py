@@ -69,8 +69,10 @@ def test_offload_is_never_predicted_slower_than_recompute():
         budget = int(store_all * fraction)
         remat = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=False,
                                  time_limit=4).plan
+        # (the offload search has more candidates to try than the remat one: under a loaded CI's CPU, 4 s
+        # left it at a remat-like plan 0.2% slower than the remat solve's, 8.4638 against 8.4468 ms)
         paged = memplan.optimize(module, budget, example_inputs=args, example_kwargs=kwargs, offload=True,
-                                 time_limit=4).plan
+                                 time_limit=10).plan
         print(f"{fraction:.0%}: remat {remat.predicted_time * 1e3:.3f} ms, with offload "
               f"{paged.predicted_time * 1e3:.3f} ms ({len(paged.transfers)} offloaded)")
         assert paged.predicted_peak <= budget
