@@ -44,7 +44,7 @@ from memplan.core.host import is_host
 from memplan.core.storage import storage_key
 from memplan.core.units import format_bytes
 from memplan.frontend.distributed import DistributedTrainingError, DistributedWarning
-from memplan.updates.host_state import check_host_steppable, keep_sharded_state_on_host
+from memplan.updates.host_state import check_host_steppable, keep_sharded_state_on_host, local_tensor
 
 
 class ShardedAccounts:
@@ -86,6 +86,7 @@ class ShardedAccounts:
         # With updates in backward (`memplan.frontend.sharded_updates`): the optimizer, and per block the
         # bytes its gradient shards and its update's temporaries take while it waits and is updated
         self.updated_by: torch.optim.Optimizer | None = None
+        self._updated_ids: frozenset[int] = frozenset()  # id() of the sharded parameters it holds
         self._awaiting: dict[int, int] = {}
 
     def count_optimizer(self, optimizer: torch.optim.Optimizer, on_host: bool = False) -> None:
@@ -93,7 +94,7 @@ class ShardedAccounts:
         kept in host memory (``on_host``) is in no budget, and reported as the host's."""
         from memplan.updates.probe import optimizer_state_bytes
 
-        state = optimizer_state_bytes(optimizer, lambda p: p.to_local().numel() if hasattr(p, "to_local") else p.numel())
+        state = optimizer_state_bytes(optimizer, lambda p: local_tensor(p).numel())
         if on_host:
             self.host_optimizers[optimizer] = state
             return
@@ -269,11 +270,13 @@ class ShardedAccounts:
     def _updated_in_backward(self, gathered: torch.Tensor) -> bool:
         """Whether the gradient shard of the all-gathered parameter ``gathered`` is updated (and dropped)
         in backward: with updates in backward, where the optimizer holds its sharded parameter."""
-        if self.updated_by is None:
-            return False
         record = self._record_of.get(id(gathered))
-        held = {id(p) for g in self.updated_by.param_groups for p in g["params"]}
-        return record is not None and id(record.sharded_param) in held
+        return record is not None and id(record.sharded_param) in self._updated_ids
+
+    def update_in_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Count ``optimizer``'s updates as run in backward, block by block (`memplan.frontend.sharded_updates`)."""
+        self.updated_by = optimizer
+        self._updated_ids = frozenset(id(p) for g in optimizer.param_groups for p in g["params"])
 
     def awaiting_update(self, unit: int) -> int:
         """With updates in backward: block ``unit``'s gradient shards, which wait for its update until the
@@ -287,7 +290,7 @@ class ShardedAccounts:
             shards = [fp.sharded_param for fp in self._params(self.units[unit])]
             grads = sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
                         for fp in self._params(self.units[unit]))
-            temps = update_temp_bytes(self.updated_by, shards, lambda p: p.to_local().numel())
+            temps = update_temp_bytes(self.updated_by, shards, lambda p: local_tensor(p).numel())
             self._awaiting[unit] = grads + temps
         return self._awaiting[unit]
 
@@ -385,7 +388,7 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     DTensor's ``to_local``; plain tensors as they are) and the optimizer's state tensors, but those
     in host memory (``optimizer_state="host"``)."""
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)] if optimizer else []
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *state]]
+    local = [local_tensor(t) for t in [*model.parameters(), *state]]
     device = local[0].device if local else None
     return [t for t in local if t.device == device and not is_host(t)]
 
@@ -545,7 +548,7 @@ def fully_shard(
         if updates_in_backward:
             from memplan.frontend.sharded_updates import UpdatesInBackward
 
-            accounts.updated_by = optimizer
+            accounts.update_in_backward(optimizer)
             model.memplan_updates = UpdatesInBackward(optimizer, [*blocks, model], model)
     model.memplan_backend = backend
     # The loss head after the last block is eager code in no plan: the backend learns what it holds.

@@ -55,7 +55,7 @@ def state_under(state: dict, stand_ins: list[tuple[torch.Tensor, torch.Tensor]])
                 state[p] = state.pop(stand_in)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A ``DTensor``'s local shard (a view of its storage); any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -123,8 +123,8 @@ def step_sharded_on_host(optimizer: torch.optim.Optimizer, closure: Any = None) 
                 for p in group["params"]:
                     if p.grad is None:
                         continue
-                    work = to_host(_local(p))
-                    work.grad = to_host(_local(p.grad))
+                    work = to_host(local_tensor(p))
+                    work.grad = to_host(local_tensor(p.grad))
                     works.append(work)
                     stand_ins.append((p, work))
                     if p in state:
@@ -142,7 +142,7 @@ def step_sharded_on_host(optimizer: torch.optim.Optimizer, closure: Any = None) 
                 state[p] = {k: _sharded_like(v, p) for k, v in state[p].items()}
     with torch.no_grad():
         for p, work in stand_ins:
-            landed = copy_back(_local(p), work)
+            landed = copy_back(local_tensor(p), work)
             if landed is not None:  # (CUDA: compute reads the shard after its copy back)
                 torch.cuda.current_stream().wait_event(landed)
 
@@ -153,7 +153,7 @@ def _host_local(value: Any, p: torch.Tensor) -> Any:
     scalars where the optimizer keeps them."""
     if not isinstance(value, torch.Tensor):
         return value
-    local = _local(value)
-    if local.dim() == 0 or in_host_memory(local, _local(p)):
+    local = local_tensor(value)
+    if local.dim() == 0 or in_host_memory(local, local_tensor(p)):
         return local
     return to_host(local)

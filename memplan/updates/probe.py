@@ -236,27 +236,25 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, numel_of: Callable[[
     """The bytes of state ``optimizer`` keeps once it has stepped every parameter it holds (with a
     gradient), each parameter counted as ``numel_of(p)`` elements (a rank's local shard of a
     ``DTensor`` parameter), learned by the same probes as `learn_updates`."""
-    learned: dict[tuple, _Linear] = {}
-    total = 0
-    with unmeasured():
-        for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                key = (gi, p.dtype, p.device)
-                if key not in learned:
-                    learned[key] = _learn_bytes(optimizer, group, p.dtype, p.device)[0]
-                total += learned[key].at(numel_of(p))
-    return total
+    held = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return sum(state_fit.at(numel_of(p)) for p, (state_fit, _, _) in _learned_per_param(optimizer, held))
 
 
 def update_temp_bytes(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
                       numel_of: Callable[[nn.Parameter], int]) -> int:
     """Bytes one call of ``optimizer`` over ``params`` alone allocates while it runs (`bucket_temp_bytes`),
     each parameter counted as ``numel_of(p)`` elements, learned by the same probes as `learn_updates`."""
+    return bucket_temp_bytes([ParamUpdate(0, "", 0, temp_fit.at(numel_of(p)), 0.0, temp_share=share, temp_carry=carry)
+                              for p, (_, temp_fit, (share, carry)) in _learned_per_param(optimizer, params)])
+
+
+def _learned_per_param(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]
+                       ) -> list[tuple[nn.Parameter, tuple[_Linear, _Linear, tuple[float, float]]]]:
+    """Each of ``params`` that ``optimizer`` holds, with what `_learn_bytes` learns for its group, dtype
+    and device (probed once for each)."""
     group_of = {id(p): (gi, g) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     learned: dict[tuple, tuple[_Linear, _Linear, tuple[float, float]]] = {}
-    updates = []
+    out = []
     with unmeasured():
         for p in params:
             if id(p) not in group_of:
@@ -265,9 +263,8 @@ def update_temp_bytes(optimizer: torch.optim.Optimizer, params: list[nn.Paramete
             key = (gi, p.dtype, p.device)
             if key not in learned:
                 learned[key] = _learn_bytes(optimizer, group, p.dtype, p.device)
-            _, temp_fit, (share, carry) = learned[key]
-            updates.append(ParamUpdate(0, "", 0, temp_fit.at(numel_of(p)), 0.0, temp_share=share, temp_carry=carry))
-    return bucket_temp_bytes(updates)
+            out.append((p, learned[key]))
+    return out
 
 
 def _learn_bytes(optimizer: torch.optim.Optimizer, group: dict, dtype: torch.dtype,
