@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import Callable
 
 import pytest
 import torch
@@ -131,6 +132,38 @@ def hf_step(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
         step = HFLossStep(transformers.ResNetForImageClassification(config), "pixel_values")
         return step, (torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g))
     raise ValueError(f"no Hugging Face step named {name!r}")
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(body: Callable[..., None], *args, world_size: int = 2) -> None:
+    """``body(rank, *args)`` in ``world_size`` processes joined in one gloo group (`_in_group`)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_in_group, args=(free_port(), world_size, body, args), nprocs=world_size, join=True)
+
+
+def _in_group(rank: int, port: int, world_size: int, body: Callable[..., None], args: tuple) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    body(rank, *args)
+    # The group is torn down only after a body that returned: its DDP and FSDP modules (which hold
+    # the group, through reference cycles too) are gone by then. Torn down while a failed body's
+    # traceback still held them, a rank aborted (SIGABRT) before spawn could report the failure:
+    # a failing rank now exits through spawn, which prints its traceback.
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def run_torchrun_example(script: str, *args: str) -> str:

@@ -9,13 +9,9 @@ witnesses measure the peak: memplan's dispatch-mode tracker and the profiler's a
 from __future__ import annotations
 
 import copy
-import gc
-import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -23,7 +19,7 @@ import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.models import zoo
-from .helpers import library_llama, run_torchrun_example
+from .helpers import library_llama, run_torchrun_example, spawn_ranks
 from memplan.runtime.handout import handout_groups
 
 WORLD_SIZE = 2
@@ -292,30 +288,18 @@ def _checkpoint_resumes(case: str, rank: int, directory: str) -> None:
             assert is_host(second_opt.state[p][key]) == is_host(value)
 
 
-def _rank(rank: int, port: int, case: str, as_view: bool, directory: str = "") -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        if case == "gpt" and not as_view:
-            _one_plan_for_all_ranks(case, rank)
-            _accumulation_and_the_backend(case, rank)
-            _checkpoint_resumes(case, rank, directory)
-        # (gradients as bucket views change where .grad lives, not how the state is placed or clipped:
-        # that case runs the two modes without host state or clipping, to keep make test short)
-        # (the library Llama likewise: host state and clipping are the zoo models' rows)
-        modes = list(MODES.values())[:2] if as_view or case == "llama" else MODES.values()
-        for mode in modes:
-            # small buckets: several DDP buckets, so that the first all-reduce goes out mid-backward
-            _train(case, rank, mode, bucket_cap_mb=0.02, as_view=as_view)
-    finally:
-        gc.collect()
-        torch.distributed.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank(rank: int, case: str, as_view: bool, directory: str = "") -> None:
+    if case == "gpt" and not as_view:
+        _one_plan_for_all_ranks(case, rank)
+        _accumulation_and_the_backend(case, rank)
+        _checkpoint_resumes(case, rank, directory)
+    # (gradients as bucket views change where .grad lives, not how the state is placed or clipped:
+    # that case runs the two modes without host state or clipping, to keep make test short)
+    # (the library Llama likewise: host state and clipping are the zoo models' rows)
+    modes = list(MODES.values())[:2] if as_view or case == "llama" else MODES.values()
+    for mode in modes:
+        # small buckets: several DDP buckets, so that the first all-reduce goes out mid-backward
+        _train(case, rank, mode, bucket_cap_mb=0.02, as_view=as_view)
 
 
 @pytest.mark.slow
@@ -323,7 +307,7 @@ def _free_port() -> int:
 def test_memplan_inside_ddp_trains_as_ddp_under_each_ranks_budget(case, as_view, tmp_path):
     if case == "llama":
         pytest.importorskip("transformers")
-    mp.spawn(_rank, args=(_free_port(), case, as_view, str(tmp_path / "checkpoint")), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(_rank, case, as_view, str(tmp_path / "checkpoint"), world_size=WORLD_SIZE)
 
 
 def test_handout_groups_follow_the_order_and_cut_at_the_cap():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import warnings
 
 import pytest
@@ -18,6 +17,7 @@ import torch.nn as nn
 
 import memplan
 from memplan.frontend.distributed import engines_in, process_group_size
+from .helpers import free_port
 
 WORLD_SIZE = 2
 
@@ -154,15 +154,9 @@ def _checks(x: torch.Tensor, early: nn.Module, early_opt: nn.Module) -> None:
         torch.testing.assert_close(p.grad, r.grad)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_optimizer_in_a_process_group_is_refused_before_any_update():
-    mp.spawn(_rank, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    mp.spawn(_rank, args=(free_port(),), nprocs=WORLD_SIZE, join=True)
 
 
 def test_a_single_process_model_has_no_engine():

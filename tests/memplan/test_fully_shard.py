@@ -11,19 +11,15 @@ measures kernels' scratch with a profiler of its own, and profilers do not nest.
 from __future__ import annotations
 
 import copy
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import memplan
 from memplan.frontend.sharded import find_units, local_state
 from memplan.measure.tracker import profiled_peak
 from memplan.models import zoo
-from .helpers import library_llama, run_torchrun_example
+from .helpers import library_llama, run_torchrun_example, spawn_ranks
 
 WORLD_SIZE = 2
 STEPS = 4  # the first unmeasured (memplan plans in it), then three measured
@@ -81,12 +77,6 @@ def _policy(case: str) -> dict:
     if case != "llama":
         return {}
     return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[tuple]) -> list[int]:
@@ -152,58 +142,52 @@ def _checkpoint_resumes(case: str, rank: int, budget: int, directory: str) -> No
                 torch.testing.assert_close(second_opt.state[q][key].full_tensor(), value.full_tensor(), msg=key)
 
 
-def _rank(rank: int, port: int, case: str, directory: str = "") -> None:
-    import torch.distributed as dist
+def _rank(rank: int, case: str, directory: str = "") -> None:
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        model, args = CASES[case](rank)
-        batches = _batches(case, rank, args)
-        reference = copy.deepcopy(model)
-        for block in find_units(reference):
-            fully_shard(block, **_policy(case))
-        fully_shard(reference, **_policy(case))
-        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        eager = _train(reference, ref_opt, batches)
+    model, args = CASES[case](rank)
+    batches = _batches(case, rank, args)
+    reference = copy.deepcopy(model)
+    for block in find_units(reference):
+        fully_shard(block, **_policy(case))
+    fully_shard(reference, **_policy(case))
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    eager = _train(reference, ref_opt, batches)
 
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        # (the median step: a step's peak is one tensor higher now and then, when a reference cycle
-        # that holds one, a Hugging Face cache's, is collected later)
-        budget = int(SHARE[case] * sorted(eager)[len(eager) // 2])
-        with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
-            memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
-        # (2 s of solving: make test's time; the library Llama's case failed 2 of 3 runs at 2 s, cause not
-        # read yet, and passes at 5 s)
-        sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5 if case == "llama" else 2,
-                                      optimizer_state=OPTIMIZER_STATE[case], updates_in_backward=IN_BACKWARD[case],
-                                      **_policy(case))
-        assert sharded is model and len(model.memplan_backend.graphs) == 0
-        peaks = _train(model, opt, batches)
-        if IN_BACKWARD[case]:  # every block and the root updated inside the last backward, their gradients dropped
-            assert model.memplan_updates.units_updated == len(model.memplan_backend.sharding.units) + 1
-        assert max(peaks) <= budget, (case, peaks, budget, eager)
-        assert max(peaks) < max(eager)
-        predicted, measured = model.memplan_backend.predicted_peak, sorted(peaks)[len(peaks) // 2]
-        assert abs(predicted - measured) <= 0.02 * measured, (case, predicted, peaks)
-        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
-            for key, value in ref_opt.state[p].items():
-                if isinstance(value, torch.Tensor) and value.dim():
-                    torch.testing.assert_close(opt.state[q][key].full_tensor(), value.full_tensor(), msg=f"{name} {key}")
-        if directory:
-            torch._dynamo.reset()
-            _checkpoint_resumes(case, rank, budget, directory)
-    finally:
-        dist.destroy_process_group()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # (the median step: a step's peak is one tensor higher now and then, when a reference cycle
+    # that holds one, a Hugging Face cache's, is collected later)
+    budget = int(SHARE[case] * sorted(eager)[len(eager) // 2])
+    with pytest.raises(memplan.DistributedTrainingError, match="before any fully_shard"):
+        memplan.fully_shard(reference, budget)  # already sharded: memplan shards the model itself
+    # (2 s of solving: make test's time; the library Llama's case failed 2 of 3 runs at 2 s, cause not
+    # read yet, and passes at 5 s)
+    sharded = memplan.fully_shard(model, budget, optimizer=opt, time_limit=5 if case == "llama" else 2,
+                                  optimizer_state=OPTIMIZER_STATE[case], updates_in_backward=IN_BACKWARD[case],
+                                  **_policy(case))
+    assert sharded is model and len(model.memplan_backend.graphs) == 0
+    peaks = _train(model, opt, batches)
+    if IN_BACKWARD[case]:  # every block and the root updated inside the last backward, their gradients dropped
+        assert model.memplan_updates.units_updated == len(model.memplan_backend.sharding.units) + 1
+    assert max(peaks) <= budget, (case, peaks, budget, eager)
+    assert max(peaks) < max(eager)
+    predicted, measured = model.memplan_backend.predicted_peak, sorted(peaks)[len(peaks) // 2]
+    assert abs(predicted - measured) <= 0.02 * measured, (case, predicted, peaks)
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.full_tensor(), msg=name)
+        for key, value in ref_opt.state[p].items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                torch.testing.assert_close(opt.state[q][key].full_tensor(), value.full_tensor(), msg=f"{name} {key}")
+    if directory:
+        torch._dynamo.reset()
+        _checkpoint_resumes(case, rank, budget, directory)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt", "llama", "cnn"])
 def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case, tmp_path):
     # (the GPT also resumes from a torch.distributed.checkpoint: one spawn, to keep make test short)
-    mp.spawn(_rank, args=(_free_port(), case, str(tmp_path) if case == "gpt" else ""), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(_rank, case, str(tmp_path) if case == "gpt" else "", world_size=WORLD_SIZE)
 
 
 def test_the_blocks_are_the_repeated_modules_and_bad_inputs_are_refused_before_sharding():
@@ -298,35 +282,28 @@ def _reduce_scatter_overlaps_backward(rank: int) -> None:
     assert sum(reduce_scatters[0] < i for i in matmuls) >= len(matmuls) // 3
 
 
-def _too_small(rank: int, port: int) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        model, args = _gpt(rank)
-        # rank 0 is given a budget below its blocks' smallest plans, rank 1 a large one
-        memplan.fully_shard(model, "200KB" if rank == 0 else "1GB", time_limit=2)
-        expected = memplan.SplitBudgetError if rank == 0 else memplan.DistributedTrainingError
-        with pytest.raises(expected, match="too small"):
-            model(*args).backward()
-        # A block dynamo runs eagerly (past its recompile limit: the library Llama's layers differ
-        # in a Python attribute, so each is compiled again) would be in no plan: refused.
-        torch._dynamo.reset()
-        model, args = _llama(rank)
-        memplan.fully_shard(model, "1GB", time_limit=2)
-        with torch._dynamo.config.patch(recompile_limit=1), \
-                pytest.raises(memplan.DistributedTrainingError, match=r"block\(s\) \[1\] ran outside"):
-            model(*args)
-        torch._dynamo.reset()
-        _reduce_scatter_overlaps_backward(rank)
-    finally:
-        dist.destroy_process_group()
+def _too_small(rank: int) -> None:
+    model, args = _gpt(rank)
+    # rank 0 is given a budget below its blocks' smallest plans, rank 1 a large one
+    memplan.fully_shard(model, "200KB" if rank == 0 else "1GB", time_limit=2)
+    expected = memplan.SplitBudgetError if rank == 0 else memplan.DistributedTrainingError
+    with pytest.raises(expected, match="too small"):
+        model(*args).backward()
+    # A block dynamo runs eagerly (past its recompile limit: the library Llama's layers differ
+    # in a Python attribute, so each is compiled again) would be in no plan: refused.
+    torch._dynamo.reset()
+    model, args = _llama(rank)
+    memplan.fully_shard(model, "1GB", time_limit=2)
+    with torch._dynamo.config.patch(recompile_limit=1), \
+            pytest.raises(memplan.DistributedTrainingError, match=r"block\(s\) \[1\] ran outside"):
+        model(*args)
+    torch._dynamo.reset()
+    _reduce_scatter_overlaps_backward(rank)
 
 
 @pytest.mark.slow
 def test_a_budget_too_small_on_one_rank_stops_every_rank_a_block_outside_the_plans_is_refused_and_reduce_scatters_overlap():
-    mp.spawn(_too_small, args=(_free_port(),), nprocs=WORLD_SIZE, join=True)
+    spawn_ranks(_too_small, world_size=WORLD_SIZE)
 
 
 @pytest.mark.slow
