@@ -25,10 +25,11 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
     smallest budget at which a schedule is found. Otherwise returns the
     method's solution; a method that cannot meet a feasible budget returns
     status ``over_budget`` ("auto" never does). ``search_deadline`` (a ``time.perf_counter()``
-    reading) stops the minimum-budget search with the lowest peak it has found (`min_budget`). A budget below `memory_lower_bound`
-    raises at once with ``searched=False`` when not ``search_minimum`` (the bound, not a
-    searched minimum, in ``min_budget``): a caller that only needs to know the budget is too
-    small skips a search that takes minutes on a billion-parameter graph."""
+    reading) stops the minimum-budget search with the lowest peak it has found (`min_budget`).
+    Without ``search_minimum`` no such search runs: a budget below `memory_lower_bound` raises at
+    once, and one the solve cannot meet raises after it, each with ``searched=False`` (the bound,
+    or the lowest peak the solve reached, in ``min_budget``): a caller that only needs to know by
+    how much the budget is short skips a search that takes minutes on a billion-parameter graph."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
     lower = memory_lower_bound(problem)
@@ -40,6 +41,11 @@ def solve(problem: Problem, method: str = "auto", time_limit: Optional[float] = 
     with stopping_at(gap):
         sol = METHODS[method](problem, time_limit)
     if not sol.fits:
+        if not search_minimum:
+            # The lowest peak this solve reached, no search for the minimum: a caller that can
+            # lower what the step needs (optimizer state moved to the host) learns by how much.
+            found = min(sol.peak, sol.info.get("min_budget_found", sol.peak))
+            raise Infeasible(problem.budget, max(lower, found), lower, searched=False)
         needed, schedule = min_budget_cached(problem, search_deadline)
         if problem.budget < needed:
             raise Infeasible(problem.budget, needed, lower)

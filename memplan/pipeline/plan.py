@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,8 +51,9 @@ class InfeasibleBudgetError(ValueError):
         self.method = method
         self.engine_bytes = engine_bytes
         self.min_budget = min_budget
-        # False: ``min_budget`` is only a lower bound (`solvers.solve`'s ``search_minimum=False``):
-        # a placement of the whole step that cannot fit, told apart without a search.
+        # False: ``min_budget`` was not searched for (`solvers.solve`'s ``search_minimum=False``): a
+        # lower bound, or the lowest peak a solve reached; a placement of the whole step that cannot
+        # fit, told apart without a search.
         self.searched = searched
         self.held_gradient_bytes = held_gradient_bytes
         self.addend_only_outputs = addend_only_outputs
@@ -86,15 +88,28 @@ class PlanningClock:
     started: float
     limit: float
     gap: float | None
+    chosen: bool = True  # the caller gave the limit (else the default, which a graph's size may raise)
 
     @classmethod
     def begin(cls, time_limit: float | None, started: float | None = None) -> "PlanningClock":
         """The clock of a call that started at ``started`` (default: now) with ``time_limit``
-        (None: `TUNABLES.default_time_limit`, stopping at `TUNABLES.default_gap`)."""
+        (None: `TUNABLES.default_time_limit`, stopping at `TUNABLES.default_gap`; `sized_to` raises it
+        for a large graph)."""
         started = time.perf_counter() if started is None else started
         if time_limit is None:
-            return cls(started, TUNABLES.default_time_limit, TUNABLES.default_gap)
+            return cls(started, TUNABLES.default_time_limit, TUNABLES.default_gap, chosen=False)
         return cls(started, float(time_limit), None)
+
+    def sized_to(self, ops: int) -> "PlanningClock":
+        """This clock for a joint graph of ``ops`` ATen ops: a default limit becomes at least
+        `TUNABLES.default_seconds_per_op` per op; a limit the caller chose stays."""
+        if self.chosen:
+            return self
+        return dataclasses.replace(self, limit=max(self.limit, TUNABLES.default_seconds_per_op * ops))
+
+    def spent(self) -> bool:
+        """Whether the limit has passed (a solve would get only `TUNABLES.min_solve_time`)."""
+        return self.elapsed() >= self.limit
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -474,6 +489,7 @@ def make_plan(
     analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
                             carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
     phases.lap("analysis")
+    clock = clock.sized_to(analysis.num_nodes)
     clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
@@ -501,15 +517,22 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
     if not analysis.updates:
         return solve_plan(analysis, budget, **options())
 
-    def solve_for(placement: UpdatePlacement, search_minimum: bool = True) -> Plan:
+    latest = [analysis]  # the last placement lowered: a probed one is solved again in full
+
+    def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False) -> Plan:
         if placement == analysis.lowered.placement:
             again = analysis
+        elif placement == latest[0].lowered.placement:
+            again = latest[0]
         else:
-            again = analyze_placement(analysis, placement)
-        return solve_plan(again, budget, search_minimum=search_minimum, **options())
+            again = latest[0] = analyze_placement(analysis, placement)
+        chosen = dict(options())
+        if probe:
+            chosen["time_limit"] = min(chosen.get("time_limit") or math.inf, TUNABLES.placement_probe_seconds)
+        return solve_plan(again, budget, search_minimum=search_minimum, **chosen)
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
-                           norm_pass, _caps(analysis.updates))
+                           norm_pass, _caps(analysis.updates), out_of_time=clock.spent if clock else lambda: False)
 
 
 def _caps(updates: Sequence[ParamUpdate]) -> list[int]:
@@ -519,8 +542,9 @@ def _caps(updates: Sequence[ParamUpdate]) -> list[int]:
 
 
 
-def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: int,
-                    may_move_state: bool, norm_pass: bool = False, caps: Sequence[int] = (0,)) -> Plan:
+def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: UpdatePlacement, budget: int,
+                    may_move_state: bool, norm_pass: bool = False, caps: Sequence[int] = (0,),
+                    out_of_time: Callable[[], bool] = lambda: False) -> Plan:
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
@@ -538,8 +562,17 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
     first plan that recomputes and moves nothing is taken, else the fastest that fits (the
     predicted time counts each bucket's call).
 
-    ``solve_for(placement, search_minimum)`` solves the step in one placement (raising
-    `InfeasibleBudgetError`; without ``search_minimum``, at once below the trivial bound).
+    While state can still move, what cannot help is not solved (on a billion parameters each
+    attempt is a lowering of seconds and a solve): a smaller cap where the first fell short by
+    more than its buckets' temporaries could give back, and updates after backward where the
+    gradients, parameters and device state alone exceed the budget (`held_after_backward`).
+    Nor is the minimum budget searched for then: a solve that finds no plan says how far it got.
+
+    ``solve_for(placement, search_minimum, probe)`` solves the step in one placement (raising
+    `InfeasibleBudgetError`; without ``search_minimum``, at once below the trivial bound, and with the
+    lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
+    placement reached by moving state is probed so, and solved in full only once it fits).
+    ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
     Recomputation is preferred to host updates: a host update costs a parameter's round trip
     over the host link and the host's much lower throughput on every step. The errors of the
     placements tried are let go on leaving: none outlives the call."""
@@ -562,16 +595,35 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
             # is told apart without the minimum-budget search (minutes on a billion parameters):
             # the bound says how much must move at least.
             can_move = may_move_state and any(u.state_bytes > 0 for u in on_device)
+            moved = placement.host != first.host  # (state moved on a shortfall: solved briefly first)
             for attempt in tries:
+                held = held_after_backward(updates, placement.host)
+                if can_move and attempt.after_backward and held > budget:
+                    # (the gradients held at once, with the parameters and state, are over already)
+                    errors.append(InfeasibleBudgetError(budget, held, searched=False))
+                    continue
                 fitting: list[Plan] = []
+                savable = None  # what smaller buckets could give back, once the largest fell short
                 for cap in caps:
+                    if can_move and savable is not None and savable < 0:
+                        break  # smaller buckets save only their temporaries: move state instead
+                    if fitting and out_of_time():
+                        break  # each cap gets what is left of the limit: nothing is
+                    at = dataclasses.replace(attempt, bucket_bytes=cap)
+                    probe = moved and not fitting
                     try:
-                        plan = solve_for(dataclasses.replace(attempt, bucket_bytes=cap), search_minimum=not can_move)
+                        plan = solve_for(at, search_minimum=not can_move, probe=probe)
                     except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
                         errors.append(exc)
+                        if isinstance(exc, InfeasibleBudgetError) and savable is None:
+                            savable = most_bucket_temp_bytes(on_device, cap) - (exc.min_budget - budget)
                         continue
                     if plan.predicted_time <= plan.store_all_time * (1 + 1e-9):
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
+                    if probe:  # it fits: now the search proper, in what is left of the limit
+                        refined = _refined(solve_for, at)
+                        if refined is not None and refined.predicted_time < plan.predicted_time:
+                            plan = refined
                     fitting.append(plan)
                 if fitting:  # each fits by recomputing or moving: the fastest, bucket calls and all
                     return min(fitting, key=lambda p: p.predicted_time)
@@ -595,6 +647,33 @@ def whole_step_plan(solve_for, updates: list, first: UpdatePlacement, budget: in
         # the collector ran first depended on allocations, a caller's dispatch mode or profiler.
         best = closest = None
         errors = infeasible = []
+
+
+def _refined(solve_for: Callable[..., Plan], placement: UpdatePlacement) -> Plan | None:
+    """``placement``'s plan from a full solve, after a brief one fitted; None if this one does not."""
+    try:
+        return solve_for(placement, search_minimum=False)
+    except (solvers.ScheduleError, InfeasibleBudgetError):
+        return None
+
+
+def held_after_backward(updates: Sequence[ParamUpdate], host: frozenset[str]) -> int:
+    """Bytes the device holds at once when backward ends with every update after it: each updated
+    parameter (as large as its gradient), its gradient, and its optimizer state unless in ``host``."""
+    return sum(2 * u.grad_bytes + (0 if u.name in host else u.state_bytes) for u in updates)
+
+
+def most_bucket_temp_bytes(updates: Sequence[ParamUpdate], cap: int) -> int:
+    """About the most temporaries one bucket of ``updates`` at ``cap`` holds (`bucket_temp_bytes` adds
+    up each member's at most, and members' temporaries grow with their size): the largest members'
+    until their gradients reach the cap, the one that crosses it included (one member at cap 0)."""
+    total = filled = 0
+    for u in sorted(updates, key=lambda u: -u.temp_bytes):
+        total += u.temp_bytes
+        filled += u.grad_bytes
+        if filled >= cap:
+            break
+    return total
 
 
 def host_bandwidth(analysis: Analysis) -> float:

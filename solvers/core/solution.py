@@ -34,11 +34,15 @@ class Infeasible(Exception):
     def __init__(self, budget: int, min_budget: int, memory_lower_bound: int, searched: bool = True) -> None:
         super().__init__(f"budget {budget} is below the minimum {min_budget} at which a schedule was found "
                          f"(trivial lower bound {memory_lower_bound})" if searched else
-                         f"budget {budget} is below the trivial lower bound {memory_lower_bound}")
+                         f"budget {budget} is below the trivial lower bound {memory_lower_bound}"
+                         if min_budget <= memory_lower_bound else
+                         f"budget {budget} is below the lowest peak the solve reached, {min_budget} (no minimum "
+                         f"searched; trivial lower bound {memory_lower_bound})")
         self.budget = budget
         self.min_budget = min_budget
         self.memory_lower_bound = memory_lower_bound
-        self.searched = searched  # False: ``min_budget`` is the lower bound, no search ran (`solve`)
+        # False: no search ran (`solve`): ``min_budget`` is the lower bound, or the lowest peak a solve reached
+        self.searched = searched
 
 
 class MethodFailed(Exception):

@@ -49,4 +49,5 @@ def solve_remat(problem: Problem, time_limit: Optional[float] = None) -> Solutio
     budget, schedule = min_budget_cached(problem, started + limit)
     if budget <= problem.budget:
         return from_min_budget_search(problem, schedule, sol, started)
+    sol.info["min_budget_found"] = budget  # (its lowest peak, perhaps below the solution's)
     return relabel(sol, started)

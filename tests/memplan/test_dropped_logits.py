@@ -127,7 +127,7 @@ class _FoundPlan:
 
 def _solve_with_state_on_host(needed: frozenset[str]):
     """A `whole_step_plan` solver: no placement fits until ``needed`` is in host memory."""
-    def solve_for(placement: UpdatePlacement, search_minimum: bool = True):
+    def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False):
         if not needed <= placement.host:
             raise InfeasibleBudgetError(1000, 1000 + 100 * len(needed - placement.host))
         return _FoundPlan

@@ -304,3 +304,41 @@ def test_profile_times_the_updates_and_the_plan_trains_as_eager(state):
     _loop(reference, reference, ref_optimizer, args, kwargs, 2)
     assert max(peaks) <= planned.plan.predicted_peak
     _assert_same(module, reference, optimizer, ref_optimizer)
+
+
+class _Planned:
+    """Stands for a `Plan` in `whole_step_plan`: its predicted step time, against store-all's 1.0."""
+
+    store_all_time = 1.0
+
+    def __init__(self, predicted_time: float):
+        self.predicted_time = predicted_time
+
+
+def test_moving_state_probes_the_new_placement_first_and_skips_what_cannot_fit():
+    """`whole_step_plan` while state can move: an attempt short by more than its buckets' temporaries
+    tries no smaller cap, updates after backward are not solved where the parameters, gradients and
+    device state alone exceed the budget, no minimum is searched for, and the placement reached by
+    moving state is solved briefly (``probe``) before the full solve, whose faster plan is kept."""
+    from memplan.pipeline.plan import InfeasibleBudgetError, whole_step_plan
+    from memplan.updates.probe import ParamUpdate, UpdatePlacement
+
+    updates = [ParamUpdate(primal=0, name="big", state_bytes=800, temp_bytes=50, time=0.0, grad_bytes=100),
+               ParamUpdate(primal=1, name="small", state_bytes=100, temp_bytes=5, time=0.0, grad_bytes=10)]
+    calls = []
+
+    def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False):
+        calls.append((sorted(placement.host), placement.after_backward, placement.bucket_bytes, probe, search_minimum))
+        if "big" not in placement.host:
+            raise InfeasibleBudgetError(1000, 1300, searched=False)  # short by 300, its temporaries 55
+        return _Planned(2.0 if probe else 1.5)
+
+    plan = whole_step_plan(solve_for, updates, UpdatePlacement(), 1000, may_move_state=True, caps=(1 << 20, 0))
+    assert plan.predicted_time == 1.5
+    assert calls == [([], False, 1 << 20, False, False),  # short: cap 0 and after backward (1,120 B held) skipped
+                     (["big"], False, 1 << 20, True, False), (["big"], False, 1 << 20, False, False),
+                     (["big"], False, 0, False, False)]
+    calls.clear()
+    plan = whole_step_plan(solve_for, updates, UpdatePlacement(), 1000, may_move_state=True, caps=(1 << 20, 0),
+                           out_of_time=lambda: True)
+    assert plan.predicted_time == 1.5 and len(calls) == 3  # no time left for cap 0

@@ -190,3 +190,19 @@ def test_the_greedy_stops_at_its_time_limit_and_the_search_at_its_deadline():
     found, schedule = min_budget(p, deadline=started)  # out of time at once: the best start it has
     assert found >= memory_lower_bound(p)
     assert solvers.simulate(p.with_budget(found), list(schedule)).peak == found
+
+
+def test_a_budget_the_solve_cannot_meet_raises_the_lowest_peak_it_reached_without_a_search_when_asked():
+    """Above the trivial bound but below what any plan reaches, ``search_minimum=False`` raises after
+    the solve with the lowest peak that solve reached (an achievable budget, not a searched minimum)
+    and no minimum-budget search: the whole step then moves optimizer state by that shortfall."""
+    p = Problem.from_networkx(gen.training_like(60, seed=3), 0)
+    lower = memory_lower_bound(p)
+    with pytest.raises(Infeasible) as searched:
+        solve(p.with_budget(lower), time_limit=1.0)
+    assert searched.value.min_budget > lower + 1  # (this graph's plans all peak above its bound)
+    budget = (lower + searched.value.min_budget) // 2
+    with pytest.raises(Infeasible) as quick:
+        solve(p.with_budget(budget), time_limit=1.0, search_minimum=False)
+    assert not quick.value.searched and quick.value.min_budget > budget and quick.value.memory_lower_bound == lower
+    assert "lowest peak the solve reached" in str(quick.value)
