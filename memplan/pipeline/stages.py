@@ -143,15 +143,18 @@ def analyze(
     *,
     device_profile: str | DeviceProfile | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    host_state: bool = False,
     stage: Stage = no_stage,
 ) -> Analysis:
     """Capture ``model`` on fake tensors and predict its eager step's memory and time
-    (with ``optimizer``: the whole step, its state and updates included)."""
+    (with ``optimizer``: the whole step, its state and updates included; ``host_state``: every
+    parameter's state in host memory, updated there)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     profile = get_profile(device_profile, device)
     prepared = prepare_step(model, example_inputs, dict(example_kwargs or {}), profile=profile, optimizer=optimizer,
                             stage=stage)
+    placement = UpdatePlacement(host=frozenset(u.name for u in prepared.updates) if host_state else frozenset())
     with stage("analyze", "costing and lowering the joint graph"):
-        return analyze_step(prepared, profile)
+        return analyze_step(prepared, profile, placement=placement)

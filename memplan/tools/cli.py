@@ -239,7 +239,8 @@ def make_named_optimizer(name: str, params: Any) -> Any:
     return getattr(torch.optim, cls_name)(params, **hyper)
 
 
-def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None):
+def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None,
+                   host_state: bool = False):
     from memplan.costs.cost_model import get_profile
     from memplan.pipeline.stages import analyze
 
@@ -252,7 +253,7 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         raise CLIError(str(exc)) from None
     opt = make_named_optimizer(optimizer, target.module.parameters()) if optimizer is not None else None
     return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
-                   stage=progress.stage)
+                   host_state=host_state, stage=progress.stage)
 
 
 def _solve_options(args: argparse.Namespace) -> dict:
@@ -279,6 +280,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
     _check_budget_syntax(args.budget)
+    if args.optimizer_state != "auto" and not args.optimizer:
+        raise CLIError(f"--optimizer-state {args.optimizer_state} places an optimizer's state", hint="add --optimizer adamw")
     if args.fsdp2:
         return _report_fully_shard(args, progress)
     if args.world_size is not None or args.plot:
@@ -286,7 +289,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
-    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
+    analysis = analyze_target(target, progress, args.device_profile, args.optimizer,
+                              host_state=args.optimizer_state == "host")
     engine = 0
     if getattr(args, "ddp", False):
         analysis, engine = _inside_data_parallel(analysis, target.module)
@@ -297,7 +301,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
         try:
             clock = PlanningClock.begin(args.time_limit, started).sized_to(analysis.num_nodes)
             plan = solve_whole_step(analysis, budget - engine, clock=clock, solver=options["solver"],
-                                    offload=options["offload"])
+                                    offload=options["offload"], may_move_state=args.optimizer_state == "auto")
         except InfeasibleBudgetError as exc:
             if not engine:
                 raise
@@ -343,7 +347,8 @@ def _report_fully_shard(args: argparse.Namespace, progress: Progress) -> int:
     make_optimizer = functools.partial(make_named_optimizer, args.optimizer) if args.optimizer else None
     try:
         report = report_rank(build, args.budget, world, make_optimizer, solver=args.solver,
-                             time_limit=args.time_limit, stage=progress.stage)
+                             time_limit=args.time_limit, stage=progress.stage,
+                             optimizer_state="host" if args.optimizer_state == "host" else "device")
     except memplan.InfeasibleBudgetError as exc:  # (the generic hint offers --budget min)
         raise CLIError(f"budget {fmt(exc.budget)} is below the smallest split memplan found for one rank of "
                        f"{world}, {fmt(exc.min_budget)} ({exc.min_budget} bytes)",
@@ -476,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--budget", required=True,
                         help="bytes (16GB, 800MiB), a percentage of the eager peak (50%%), or min")
     report.add_argument("--save", metavar="PLAN.json", default=None, help="write the plan for memplan.optimize(plan=...)")
+    report.add_argument("--optimizer-state", choices=("auto", "device", "host"), default="auto",
+                        help="with --optimizer: where its state lives; auto moves to host memory as much as the "
+                             "budget needs (--fsdp2: device unless host)")
     report.add_argument("--depth", type=int, default=2, help="module path components per table row (default 2)")
     report.add_argument("--top", type=int, default=25, help="largest modules shown in the table (default 25)")
     report.add_argument("--ddp", action="store_true",

@@ -123,15 +123,18 @@ def eager_peak(build: Build, world_size: int, make_optimizer: MakeOptimizer) -> 
 
 
 def plan_one_rank(build: Build, budget: int, world_size: int, make_optimizer: MakeOptimizer, *,
-                  solver: str = "auto", time_limit: float | None = None, eager: int | None = None) -> RankReport:
+                  solver: str = "auto", time_limit: float | None = None, eager: int | None = None,
+                  optimizer_state: str = "device") -> RankReport:
     """Shard and plan a fresh model with `memplan.fully_shard` at ``budget`` bytes per rank, on rank
-    0 of a fake world of ``world_size`` ranks; run it, and report what it predicts and measures."""
+    0 of a fake world of ``world_size`` ranks; run it, and report what it predicts and measures.
+    ``optimizer_state``: `memplan.fully_shard`'s ("device", or "host": stepped in host memory)."""
     import memplan
 
     with fake_world(world_size) as mesh:
         model, args, kwargs = build()
         opt = make_optimizer(model.parameters()) if make_optimizer else None
-        memplan.fully_shard(model, budget, optimizer=opt, mesh=mesh, solver=solver, time_limit=time_limit)
+        memplan.fully_shard(model, budget, optimizer=opt, mesh=mesh, solver=solver, time_limit=time_limit,
+                            optimizer_state=optimizer_state)
         measured = _measured_step(model, args, kwargs, opt, warmup=2)
         backend = model.memplan_backend
         graphs = [{"graph": g.index, "allowance": g.last_allowance or 0, "planned_peak": g.latest_plan.predicted_peak,
@@ -141,7 +144,8 @@ def plan_one_rank(build: Build, budget: int, world_size: int, make_optimizer: Ma
 
 
 def report_rank(build: Build, budget: str, world_size: int, make_optimizer: MakeOptimizer, *, solver: str = "auto",
-                time_limit: float | None = None, stage: Callable[[str, str], Any] | None = None) -> RankReport:
+                time_limit: float | None = None, stage: Callable[[str, str], Any] | None = None,
+                optimizer_state: str = "device") -> RankReport:
     """What ``memplan report --fsdp2`` does: where ``budget`` (``"16GB"``, bytes, ``"60%"``) is a share,
     plain FSDP2's step is measured first (`eager_peak`); then `plan_one_rank`. ``stage(name, text)``: a
     context for each phase (the CLI's progress display)."""
@@ -156,4 +160,4 @@ def report_rank(build: Build, budget: str, world_size: int, make_optimizer: Make
     nbytes = share_of_peak(fraction, eager) if fraction is not None else parse_budget(budget)
     with stage("solve", f"sharding, planning and running one rank of {world_size} at {format_bytes(nbytes)}"):
         return plan_one_rank(build, nbytes, world_size, make_optimizer, solver=solver, time_limit=time_limit,
-                             eager=eager)
+                             eager=eager, optimizer_state=optimizer_state)

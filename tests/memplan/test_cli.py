@@ -283,6 +283,23 @@ def test_report_text_of_the_whole_step_with_adamw(capsys):
     assert len(updates) == 1 and "═" in updates[0], text
 
 
+def test_report_places_the_optimizer_state_where_asked(capsys):
+    """``--optimizer-state host``: every parameter's state in host memory, none on the device;
+    ``device``: all of it on the device (nothing moved, whatever the budget); without ``--optimizer``
+    the option is one clear error."""
+    placed = {}
+    for where in ("host", "device"):
+        code, out, err = run_main(capsys, *WHOLE_STEP[:5], "150%", *WHOLE_STEP[6:], "--optimizer-state", where, "--json")
+        assert code == 0, err
+        placed[where] = json.loads(out)
+    host, device = placed["host"], placed["device"]
+    assert host["summary"]["optimizer_state_bytes"] == 0 and host["memory"]["host_state_params"] == host["memory"]["updated_params"]
+    assert device["memory"]["host_optimizer_state_bytes"] == 0
+    assert host["memory"]["host_optimizer_state_bytes"] == device["summary"]["optimizer_state_bytes"] > 0
+    code, _, err = run_main(capsys, "report", "mlp", "--budget", "90%", "--optimizer-state", "host", "--quiet")
+    assert code == 2 and "hint: add --optimizer" in err, err
+
+
 def test_report_without_an_optimizer_has_no_update_phase(report):
     data, _ = report
     m, t = data["memory"], data["timeline"]
