@@ -36,6 +36,10 @@ class Tunables:
     """A whole step's placement reached by moving optimizer state to the host is first solved this
     long (`memplan.pipeline.plan.whole_step_plan`): a placement that cannot fit fails in seconds, not
     the whole limit, and only one that fits is searched further."""
+    reorder_repair_seconds: float = 20.0
+    """A schedule that moving the optimizer updates after their parameters' reads put over the budget
+    is recomputed down again for at most this long a round (`memplan.pipeline.plan.updates_after_reads_within`;
+    a 1.3B-parameter GPT's: 7 s, then 6 s)."""
     min_solve_time: float = 1.0
     """The solver gets at least this many seconds, whatever capture took: a plan is still needed."""
 

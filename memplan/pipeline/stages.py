@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -24,6 +25,8 @@ from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile, get_profile
 from memplan.passes.output_use import OutputUse
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
+from memplan.core.config import TUNABLES
+from memplan.updates.buckets import bucket_caps
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, learn_updates
 from memplan.updates.runner import Accumulation, UpdateRunner
 from memplan.runtime.program import Program, build_program
@@ -136,6 +139,11 @@ def update_runner(analysis: Analysis, model: torch.nn.Module, optimizer: torch.o
                         host, accumulation, reduced_in_grad)
 
 
+def step_bucket_caps(updates: Sequence[ParamUpdate]) -> list[int]:
+    """The bucket caps a whole step's plan tries, largest first (`memplan.updates.buckets.bucket_caps`)."""
+    return bucket_caps([u.grad_bytes for u in updates], TUNABLES.bucket_bytes, TUNABLES.min_buckets)
+
+
 def analyze(
     model: torch.nn.Module,
     example_inputs: Any = (),
@@ -155,6 +163,9 @@ def analyze(
     profile = get_profile(device_profile, device)
     prepared = prepare_step(model, example_inputs, dict(example_kwargs or {}), profile=profile, optimizer=optimizer,
                             stage=stage)
-    placement = UpdatePlacement(host=frozenset(u.name for u in prepared.updates) if host_state else frozenset())
+    updates = prepared.updates
+    # (the placement `memplan.pipeline.plan.make_plan` tries first: its largest bucket cap)
+    placement = UpdatePlacement(host=frozenset(u.name for u in updates) if host_state else frozenset(),
+                                bucket_bytes=step_bucket_caps(updates)[0] if updates else 0)
     with stage("analyze", "costing and lowering the joint graph"):
         return analyze_step(prepared, profile, placement=placement)

@@ -19,8 +19,8 @@ logits longer than the plan, one logits buffer over it:
   by #51; checked here on these models, where its backward reads the logits).
 
 The models: an embedding, two residual MLP blocks and a vocabulary head, tied to the embedding or
-not, and a shifted cross-entropy over the logits. The budget keeps part of the optimizer's state
-in host memory and recomputes activations. The cyclic collector is off during the steps, so that
+not, and a shifted cross-entropy over the logits. The budget moves optimizer state to host memory
+(part or all of it) and recomputes activations. The cyclic collector is off during the steps, so that
 only reference counts free memory, as between two of its runs.
 """
 from __future__ import annotations
@@ -109,7 +109,8 @@ def _check_plan(planned: memplan.OptimizedModule) -> None:
     plan = planned.plan
     analysis = plan.analysis
     assert analysis.capture.output_use == OutputUse(no_grad=frozenset({1}), dropped=frozenset({1}))
-    assert 0 < len(analysis.lowered.host_states) < len(analysis.lowered.updates), "no partial host state"
+    # (placements that did not fit came first: state moved to the host, part or all of it)
+    assert 0 < len(analysis.lowered.host_states) <= len(analysis.lowered.updates), "no state moved"
     assert any(d.decision == "recompute" for d in plan.decisions), "the budget forced no recomputation"
 
 
