@@ -28,10 +28,13 @@ class Tunables:
     default_gap: float = 0.03
     """Without a ``time_limit`` the search stops as soon as its plan is proven within this gap of
     optimal (with one, it goes on to the strategy's own, tighter gap)."""
-    default_seconds_per_op: float = 0.013
-    """... and without a ``time_limit`` a joint graph of N ATen ops gets at least N times this many
-    seconds, whole call: capture, analysis and each solve grow with the graph, and on a 1.3B-parameter
-    GPT (3,810 ops, 50 s) the search needs 15 s where 8 s leaves its plan 1.5x slower."""
+    default_free_ops: int = 2500
+    """... for a joint graph of up to this many ATen ops (a 12-layer GPT-2's has 2,052, the zoo's ViT
+    1,071): the planning-latency benchmark's first steps stay within 10 s (issue #28) ..."""
+    default_seconds_per_op: float = 0.032
+    """... and each op beyond them adds this many seconds: capture, analysis and each solve grow with
+    the graph, and a 1.3B-parameter GPT's (3,810 ops, 50 s in all) needs about 15 s of search, where 8 s
+    in all left its plan 1.5x slower."""
     placement_probe_seconds: float = 1.0
     """A whole step's placement reached by moving optimizer state to the host is first solved this
     long (`memplan.pipeline.plan.whole_step_plan`): a placement that cannot fit fails in seconds, not

@@ -101,11 +101,13 @@ class PlanningClock:
         return cls(started, float(time_limit), None)
 
     def sized_to(self, ops: int) -> "PlanningClock":
-        """This clock for a joint graph of ``ops`` ATen ops: a default limit becomes at least
-        `TUNABLES.default_seconds_per_op` per op; a limit the caller chose stays."""
+        """This clock for a joint graph of ``ops`` ATen ops: a default limit grows by
+        `TUNABLES.default_seconds_per_op` for each op beyond `TUNABLES.default_free_ops`; a limit the
+        caller chose stays."""
         if self.chosen:
             return self
-        return dataclasses.replace(self, limit=max(self.limit, TUNABLES.default_seconds_per_op * ops))
+        beyond = max(0, ops - TUNABLES.default_free_ops)
+        return dataclasses.replace(self, limit=self.limit + TUNABLES.default_seconds_per_op * beyond)
 
     def spent(self) -> bool:
         """Whether the limit has passed (a solve would get only `TUNABLES.min_solve_time`)."""

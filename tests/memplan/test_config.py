@@ -45,9 +45,10 @@ def test_no_test_monkeypatches_a_constant_of_memplan():
 
 
 def test_the_default_time_limit_grows_with_the_graph_and_a_chosen_one_does_not():
-    """Without a ``time_limit`` the planning call's clock (`PlanningClock`) gives a large joint graph
-    `default_seconds_per_op` per ATen op, at least `default_time_limit`; a limit the caller chose is
-    kept whatever the graph. The clock is injected (its start 200 s ago): nothing here waits."""
+    """Without a ``time_limit`` the planning call's clock (`PlanningClock`) gives a joint graph
+    `default_time_limit`, and `default_seconds_per_op` more per ATen op beyond `default_free_ops`; a
+    limit the caller chose is kept whatever the graph. The clock is injected (its start 200 s ago):
+    nothing here waits."""
     import time
 
     from memplan.pipeline.plan import PlanningClock
@@ -55,9 +56,10 @@ def test_the_default_time_limit_grows_with_the_graph_and_a_chosen_one_does_not()
     started = time.perf_counter() - 200.0
     default = PlanningClock.begin(None, started)
     assert default.limit == TUNABLES.default_time_limit and default.gap == TUNABLES.default_gap
-    assert default.sized_to(10).limit == TUNABLES.default_time_limit
-    big = default.sized_to(10_000)
-    assert big.limit == pytest.approx(10_000 * TUNABLES.default_seconds_per_op) and big.spent()
+    assert default.sized_to(TUNABLES.default_free_ops).limit == TUNABLES.default_time_limit
+    big = default.sized_to(TUNABLES.default_free_ops + 6_000)
+    assert big.limit == pytest.approx(TUNABLES.default_time_limit + 6_000 * TUNABLES.default_seconds_per_op)
+    assert big.spent()
     assert big.solve_limit() == TUNABLES.min_solve_time  # spent: the solver still gets its minimum
     chosen = PlanningClock.begin(300.0, started)
     assert chosen.sized_to(10_000).limit == 300.0 and not chosen.spent() and chosen.gap is None
