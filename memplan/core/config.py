@@ -24,7 +24,7 @@ class Tunables:
     default_time_limit: float = 8.0
     """``optimize()`` without a ``time_limit`` plans within this many seconds, whole call (the eager
     replay of a relative budget, capture, costs, solve, runtime): a model reaches its first planned
-    step in seconds."""
+    step in seconds. A graph of more than `default_free_ops` ATen ops gets more (`PlanningClock.sized_to`)."""
     default_gap: float = 0.03
     """Without a ``time_limit`` the search stops as soon as its plan is proven within this gap of
     optimal (with one, it goes on to the strategy's own, tighter gap)."""
@@ -41,8 +41,8 @@ class Tunables:
     the whole limit, and only one that fits is searched further."""
     reorder_repair_seconds: float = 20.0
     """A schedule that moving the optimizer updates after their parameters' reads put over the budget
-    is recomputed down again for at most this long a round (`memplan.pipeline.plan.updates_after_reads_within`;
-    a 1.3B-parameter GPT's: 7 s, then 6 s)."""
+    is recomputed down again for at most this long in all, past the time limit if need be: the plan is
+    lost otherwise (`memplan.pipeline.plan.updates_after_reads_within`; a 1.3B-parameter GPT's: 7 s, then 6 s)."""
     min_solve_time: float = 1.0
     """The solver gets at least this many seconds, whatever capture took: a plan is still needed."""
 

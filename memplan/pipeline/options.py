@@ -31,7 +31,9 @@ class PlanOptions:
 
     time_limit: float | None = None
     """Seconds for the whole planning call of one input signature (capture, costs and the eager
-    replay included); None: 8 s, stopping earlier once the plan is proven within 3% of optimal."""
+    replay included); None: 8 s (more for a joint graph beyond 2,500 ATen ops,
+    `memplan.core.config.Tunables.default_free_ops`), stopping earlier once the plan is proven within
+    3% of optimal."""
 
     device_profile: str | DeviceProfile | None = None
     """The cost table that estimates each op's time: "cpu", "a100", "h100", "h200" or a

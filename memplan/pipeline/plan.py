@@ -38,7 +38,8 @@ from memplan.core.config import TUNABLES
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
-    (`solvers.strategies.min_budget.min_budget`: a search, not a proof; a plan between the two may exist).
+    (`solvers.strategies.min_budget.min_budget`: a search, not a proof; a plan between the two may exist),
+    or, with ``searched`` False, a bound or the lowest peak one solve reached (`whole_step_plan`).
     ``addend_only_outputs``: the graph's outputs whose gradient is an addend only
     (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
 
@@ -594,11 +595,9 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
             can_move = may_move_state and any(u.state_bytes > 0 for u in on_device)
             moved = placement.host != first.host  # (state moved on a shortfall: solved briefly first)
             for attempt in tries:
-                held = held_after_backward(updates, placement.host)
-                if can_move and attempt.after_backward and held > budget:
-                    # (the gradients held at once, with the parameters and state, are over already)
-                    errors.append(InfeasibleBudgetError(budget, held, searched=False))
-                    continue
+                if (can_move and attempt.after_backward and len(tries) > 1
+                        and held_after_backward(updates, placement.host) > budget):
+                    continue  # (the gradients held at once, with the parameters and state, are over already)
                 fitting: list[Plan] = []
                 savable = None  # what smaller buckets could give back, once the largest fell short
                 for cap in caps:
@@ -712,7 +711,8 @@ def solve_plan(
     ``offload=True`` gives the solver the profile's host link: values may be
     paged to host memory and back as well as kept or recomputed. ``gap``: the search may stop
     once its plan is proven within that share of optimal (`solvers.solve`). ``search_minimum=False``:
-    a budget below the Problem's trivial lower bound raises at once, the bound as its minimum
+    no minimum-budget search: a budget below the Problem's trivial lower bound raises at once, the
+    bound as its minimum, and one the solve cannot meet raises with the lowest peak it reached
     (``InfeasibleBudgetError.searched`` False)."""
     problem = problem_for(analysis, budget, offload)
     start = time.perf_counter()
@@ -743,14 +743,21 @@ def updates_after_reads_within(low: Lowered, problem: "solvers.Problem",
     overwrites (`updated_after_reads`), and back under the budget where that moved an update past a
     recomputed read: the update's gradient and temporaries are then held longer than the solver
     planned (a 1.3B-parameter GPT's 530 s search: 16.33 GB against 16 GB). Values are recomputed
-    down to the budget again (`add_recomputations`, `TUNABLES.reorder_repair_seconds` a round) and the
-    updates moved again, for a few rounds; a schedule still over fails the plan's validation."""
+    down to the budget again (`add_recomputations`, `TUNABLES.reorder_repair_seconds` in all) and the
+    updates moved again, while that lowers the peak; a schedule still over fails the plan's validation."""
     schedule = updated_after_reads(low, problem, schedule)
+    if not low.updates:
+        return schedule
+    deadline = time.perf_counter() + TUNABLES.reorder_repair_seconds
+    peak = solvers.simulate(problem, list(schedule.steps)).peak
     for _ in range(REORDER_REPAIR_ROUNDS):
-        if not low.updates or solvers.simulate(problem, list(schedule.steps)).peak <= problem.budget:
+        if peak <= problem.budget or time.perf_counter() >= deadline:
             break
-        deadline = time.perf_counter() + TUNABLES.reorder_repair_seconds
-        schedule = updated_after_reads(low, problem, add_recomputations(problem, schedule, deadline))
+        repaired = updated_after_reads(low, problem, add_recomputations(problem, schedule, deadline))
+        lower = solvers.simulate(problem, list(repaired.steps)).peak
+        if lower >= peak:
+            break  # (the repair is deterministic: another round would do the same)
+        schedule, peak = repaired, lower
     return schedule
 
 

@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--solver", default="auto", help="solver method (default: auto)")
         p.add_argument("--time-limit", type=float, default=None,
                        help="seconds of planning: report's whole command, as optimize's time_limit (default 8, "
-                            "more beyond 2,500 graph ops); sweep's each budget")
+                            "more beyond 2,500 graph ops); sweep's each budget (default: the solver's own 30)")
         p.add_argument("--device-profile", default=None, help="cost model: cpu, a100, h100, h200 (default: the model's device)")
         p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=False,
                        help="allow offloading activations to host memory")
