@@ -24,7 +24,7 @@ from solvers.core.sequence import tighten_frees
 from solvers.transforms.repair import add_recomputations
 from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
-from memplan.updates.probe import ParamUpdate, UpdatePlacement, host_updates
+from memplan.updates.probe import ParamUpdate, UpdatePlacement, held_after_backward, host_updates, most_bucket_temp_bytes
 from memplan.updates.runner import Accumulation
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
@@ -670,25 +670,6 @@ def _refined(solve_for: Callable[..., Plan], placement: UpdatePlacement) -> Plan
         return solve_for(placement, search_minimum=False)
     except (solvers.ScheduleError, InfeasibleBudgetError):
         return None
-
-
-def held_after_backward(updates: Sequence[ParamUpdate], host: frozenset[str]) -> int:
-    """Bytes the device holds at once when backward ends with every update after it: each updated
-    parameter (as large as its gradient), its gradient, and its optimizer state unless in ``host``."""
-    return sum(2 * u.grad_bytes + (0 if u.name in host else u.state_bytes) for u in updates)
-
-
-def most_bucket_temp_bytes(updates: Sequence[ParamUpdate], cap: int) -> int:
-    """About the most temporaries one bucket of ``updates`` at ``cap`` holds (`bucket_temp_bytes` adds
-    up each member's at most, and members' temporaries grow with their size): the largest members'
-    until their gradients reach the cap, the one that crosses it included (one member at cap 0)."""
-    total = filled = 0
-    for u in sorted(updates, key=lambda u: -u.temp_bytes):
-        total += u.temp_bytes
-        filled += u.grad_bytes
-        if filled >= cap:
-            break
-    return total
 
 
 def host_bandwidth(analysis: Analysis) -> float:

@@ -323,6 +323,25 @@ def host_updates(updates: list[ParamUpdate], need: int) -> frozenset[str]:
     return frozenset(chosen)
 
 
+def held_after_backward(updates: list[ParamUpdate], host: frozenset[str]) -> int:
+    """Bytes the device holds at once when backward ends with every update after it: each updated
+    parameter (as large as its gradient), its gradient, and its optimizer state unless in ``host``."""
+    return sum(2 * u.grad_bytes + (0 if u.name in host else u.state_bytes) for u in updates)
+
+
+def most_bucket_temp_bytes(updates: list[ParamUpdate], cap: int) -> int:
+    """About the most temporaries one bucket of ``updates`` at ``cap`` holds (`bucket_temp_bytes` adds
+    up each member's at most, and members' temporaries grow with their size): the largest members'
+    until their gradients reach the cap, the one that crosses it included (one member at cap 0)."""
+    total = filled = 0
+    for u in sorted(updates, key=lambda u: -u.temp_bytes):
+        total += u.temp_bytes
+        filled += u.grad_bytes
+        if filled >= cap:
+            break
+    return total
+
+
 def check_optimizer(optimizer: Any, model: nn.Module) -> None:
     """Raise a clear error when ``optimizer`` is not an optimizer over ``model``'s parameters."""
     if not isinstance(optimizer, torch.optim.Optimizer):
