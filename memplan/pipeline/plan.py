@@ -571,8 +571,9 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
     placement reached by moving state is probed so, and solved in full only once it fits).
     ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
-    Recomputation is preferred to host updates: a host update costs a parameter's round trip
-    over the host link and the host's much lower throughput on every step. The errors of the
+    Recomputation is tried before host updates (a host update costs a parameter's round trip over
+    the host link and the host's lower throughput on every step); once state must move, the
+    simulator's predicted times decide between just enough and all of it. The errors of the
     placements tried are let go on leaving: none outlives the call."""
     placement = first
     best: InfeasibleBudgetError | None = None  # the lowest minimum of the placements tried
@@ -589,9 +590,9 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                 tries = [placement, dataclasses.replace(placement, after_backward=True)]
             errors = []
             on_device = [u for u in updates if u.name not in placement.host]
-            # While state can still move to the host, a placement below the Problem's trivial bound
-            # is told apart without the minimum-budget search (minutes on a billion parameters):
-            # the bound says how much must move at least.
+            # While state can still move to the host, a placement that cannot fit is told apart
+            # without the minimum-budget search (minutes on a billion parameters): the trivial bound,
+            # or the lowest peak its solve reached, says how much must move at least.
             can_move = may_move_state and any(u.state_bytes > 0 for u in on_device)
             moved = placement.host != first.host  # (state moved on a shortfall: solved briefly first)
             for attempt in tries:
@@ -618,7 +619,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
                     if probe:  # it fits: now the search proper, in what is left of the limit
                         at, plan = _against_all_on_host(solve_for, at, plan, updates)
-                        refined = _refined(solve_for, at)
+                        refined = _plan_or_none(solve_for, at)
                         if refined is not None and refined.predicted_time < plan.predicted_time:
                             plan = refined
                         return plan  # (its largest buckets only: the state moved is what sets its time)
@@ -657,17 +658,17 @@ def _against_all_on_host(solve_for: Callable[..., Plan], placement: UpdatePlacem
     if every <= placement.host:
         return placement, plan
     other = dataclasses.replace(placement, host=placement.host | every)
-    try:
-        alternative = solve_for(other, search_minimum=False, probe=True)
-    except (solvers.ScheduleError, InfeasibleBudgetError):
-        return placement, plan
-    return (other, alternative) if alternative.predicted_time < plan.predicted_time else (placement, plan)
+    alternative = _plan_or_none(solve_for, other, probe=True)
+    if alternative is not None and alternative.predicted_time < plan.predicted_time:
+        return other, alternative
+    return placement, plan
 
 
-def _refined(solve_for: Callable[..., Plan], placement: UpdatePlacement) -> Plan | None:
-    """``placement``'s plan from a full solve, after a brief one fitted; None if this one does not."""
+def _plan_or_none(solve_for: Callable[..., Plan], placement: UpdatePlacement, probe: bool = False) -> Plan | None:
+    """``placement``'s plan (no minimum searched), or None where it has none: after a plan that fits
+    is in hand, another attempt that does not is no error."""
     try:
-        return solve_for(placement, search_minimum=False)
+        return solve_for(placement, search_minimum=False, probe=probe)
     except (solvers.ScheduleError, InfeasibleBudgetError):
         return None
 
@@ -726,9 +727,10 @@ def updates_after_reads_within(low: Lowered, problem: "solvers.Problem",
     planned (a 1.3B-parameter GPT's 530 s search: 16.33 GB against 16 GB). Values are recomputed
     down to the budget again (`add_recomputations`, `TUNABLES.reorder_repair_seconds` in all) and the
     updates moved again, while that lowers the peak; a schedule still over fails the plan's validation."""
+    solved = schedule
     schedule = updated_after_reads(low, problem, schedule)
-    if not low.updates:
-        return schedule
+    if not low.updates or schedule.steps == solved.steps:
+        return schedule  # (nothing moved: the solver's schedule fits as it is)
     deadline = time.perf_counter() + TUNABLES.reorder_repair_seconds
     peak = solvers.simulate(problem, list(schedule.steps)).peak
     for _ in range(REORDER_REPAIR_ROUNDS):

@@ -14,8 +14,8 @@ that time or show progress (the CLI's spinner, ``make_plan``'s phase timer); the
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
