@@ -81,6 +81,7 @@ class PlannedGraph:
             if first:
                 sharding.unreduced.clear()  # (this step's blocks say again what they leave unreduced)
                 sharding.unreduced_finals.clear()
+                ledger.final_bytes.update({k: b for k, b in sharding.reducing_finals().items() if k in ledger.final_bytes})
         for i, t in enumerate(args):
             if not isinstance(t, torch.Tensor):
                 continue

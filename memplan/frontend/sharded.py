@@ -169,6 +169,21 @@ class ShardedAccounts:
         held = gathered.grad is not None or (record is not None and record.unsharded_accumulated_grad is not None)
         return 0 if held else whole
 
+    def reducing_finals(self) -> dict[Any, int]:
+        """("grad", shard key) -> bytes, for the gradients of every block that reduces in this step:
+        what each leaves to the step's end (as `gradient_bytes` says once the block runs). Put in the
+        ledger as the step begins: under gradient accumulation the finals it holds for the blocks
+        not run yet are the last step's, which kept them whole, unreduced."""
+        finals: dict[Any, int] = {}
+        for block in self.units:
+            if not all(group.reduce_grads for group in block._get_fsdp_state()._fsdp_param_groups):
+                continue
+            for fp in self._params(block):
+                shard = fp._sharded_param_data
+                updated = id(fp.sharded_param) in self._updated_ids
+                finals[("grad", storage_key(shard))] = 0 if updated else shard.numel() * shard.element_size()
+        return finals
+
     def rehearsed_finals(self, final: dict[Any, int]) -> dict[Any, int]:
         """``final`` (a first step's call's, key -> bytes) as the rehearsal of the next step counts it:
         a gradient the first step left unreduced is held from the next step's start (`unreduced`), and
@@ -178,15 +193,25 @@ class ShardedAccounts:
     def accumulated(self) -> dict[Any, int]:
         """Key -> bytes of the unsharded gradients FSDP2 holds from earlier steps that did not
         reduce (``set_requires_gradient_sync(False)``): held, outside every plan, until the step
-        that reduces them (counted to its end: a simpler bound than each block's reduce-scatter)."""
+        that reduces them, to its end (a block's are freed earlier, at its reduce-scatter: the plans
+        whose backward comes after it count them out, `reduced_before_backward`)."""
+        return {k: b for module in [*self.units, self.root] for k, b in self._accumulated_of(module).items()}
+
+    def _accumulated_of(self, module: nn.Module) -> dict[Any, int]:
         held: dict[Any, int] = {}
-        for module in [*self.units, self.root]:
-            for fp in self._params(module):
-                gathered = getattr(fp, "_unsharded_param", None)
-                for grad in (fp.unsharded_accumulated_grad, None if gathered is None else gathered.grad):
-                    if grad is not None:
-                        held[storage_key(grad)] = grad.untyped_storage().nbytes()
+        for fp in self._params(module):
+            gathered = getattr(fp, "_unsharded_param", None)
+            for grad in (fp.unsharded_accumulated_grad, None if gathered is None else gathered.grad):
+                if grad is not None:
+                    held[storage_key(grad)] = grad.untyped_storage().nbytes()
         return held
+
+    def reduced_before_backward(self, unit: int) -> int:
+        """Bytes of the `accumulated` gradients that are gone by the time block ``unit``'s backward
+        runs: those of the blocks after it that reduce in this step (their backward ran first, and
+        FSDP2 frees the unsharded gradient once its reduce-scatter has copied it)."""
+        return sum(sum(self._accumulated_of(block).values()) for block in self.units[unit + 1:]
+                   if all(group.reduce_grads for group in block._get_fsdp_state()._fsdp_param_groups))
 
     def mark_planned(self, args: tuple) -> None:
         """A block's graph ran with nothing to plan (no gradient needed): it is not outside the plans."""
@@ -265,7 +290,8 @@ class ShardedAccounts:
         prefetch = self._gathered(unit - 1) if unit > 0 else 0
         after = unit + 1 < len(self.units)
         reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if after else 0
-        return prefetch + reduce_input + (self.awaiting_update(unit + 1) if after else 0), self._gathered(unit)
+        waiting = self.awaiting_update(unit + 1) if after else 0
+        return prefetch + reduce_input + waiting - self.reduced_before_backward(unit), self._gathered(unit)
 
     def _updated_in_backward(self, gathered: torch.Tensor) -> bool:
         """Whether the gradient shard of the all-gathered parameter ``gathered`` is updated (and dropped)

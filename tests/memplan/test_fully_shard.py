@@ -59,8 +59,10 @@ def _batches(case: str, rank: int, args: tuple) -> list[tuple]:
 
 CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
-# The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest.
-SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.92}
+# The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest. At
+# 0.925 its block 1 keeps one feature map more than at 0.92, and the reducing micro-step's prediction
+# once counted the later blocks' gradients, reduced and updated already, twice (4.6% over the peak).
+SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.925}
 # Where each case keeps its optimizer's state: the GPT's on the host (stepped there, ZeRO-Offload's
 # arrangement), which leaves the AdamW moments (a third of plain FSDP2's resident bytes) out of its budget.
 OPTIMIZER_STATE = {"gpt": "host", "llama": "device", "cnn": "device"}
