@@ -32,7 +32,8 @@ from memplan.frontend.sharded import fully_shard
 from memplan.measure.tracker import measure_peak
 from memplan.updates.probe import UnsupportedOptimizer
 from memplan.pipeline.options import PlanOptions, StepOptions
-from memplan.pipeline.plan import InfeasibleBudgetError, Plan, PlanningTimeWarning
+from memplan.pipeline.clock import PlanningTimeWarning
+from memplan.pipeline.plan import InfeasibleBudgetError, Plan
 from memplan.pipeline.saved import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [

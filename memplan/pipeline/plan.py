@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import math
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from memplan.runtime.program import Program
 from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step, step_bucket_caps
 from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
+from memplan.pipeline.clock import PhaseTimer, PlanningClock
 
 
 class InfeasibleBudgetError(ValueError):
@@ -75,77 +75,6 @@ class InfeasibleBudgetError(ValueError):
         )
 
 
-
-
-class PlanningTimeWarning(UserWarning):
-    """Capturing and analyzing the step took longer than optimize()'s time_limit."""
-
-
-@dataclass(frozen=True)
-class PlanningClock:
-    """The time limit of one planning call, counted from its start (`time.perf_counter`), and the
-    gap at which its search stops (None: the solver's own)."""
-
-    started: float
-    limit: float
-    gap: float | None
-    chosen: bool = True  # the caller gave the limit (else the default, which a graph's size may raise)
-
-    @classmethod
-    def begin(cls, time_limit: float | None, started: float | None = None) -> "PlanningClock":
-        """The clock of a call that started at ``started`` (default: now) with ``time_limit``
-        (None: `TUNABLES.default_time_limit`, stopping at `TUNABLES.default_gap`; `sized_to` raises it
-        for a large graph)."""
-        started = time.perf_counter() if started is None else started
-        if time_limit is None:
-            return cls(started, TUNABLES.default_time_limit, TUNABLES.default_gap, chosen=False)
-        return cls(started, float(time_limit), None)
-
-    def sized_to(self, ops: int) -> "PlanningClock":
-        """This clock for a joint graph of ``ops`` ATen ops: a default limit grows by
-        `TUNABLES.default_seconds_per_op` for each op beyond `TUNABLES.default_free_ops`; a limit the
-        caller chose stays."""
-        if self.chosen:
-            return self
-        beyond = max(0, ops - TUNABLES.default_free_ops)
-        return dataclasses.replace(self, limit=self.limit + TUNABLES.default_seconds_per_op * beyond)
-
-    def spent(self) -> bool:
-        """Whether the limit has passed (a solve would get only `TUNABLES.min_solve_time`)."""
-        return self.elapsed() >= self.limit
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def solve_limit(self) -> float:
-        """Seconds the solver may take now: what is left of the limit, at least `TUNABLES.min_solve_time`."""
-        return max(TUNABLES.min_solve_time, self.limit - self.elapsed())
-
-    def warn_if_spent(self, what: str) -> None:
-        """Warn when ``what`` (the work before the solver) has taken the whole limit already."""
-        took = self.elapsed()
-        if took >= self.limit:
-            warnings.warn(
-                f"memplan: {what} took {took:.1f} s, more than the planning time limit of {self.limit:g} s; "
-                f"the solver still gets {TUNABLES.min_solve_time:g} s to find a plan. Raise time_limit= to let it search "
-                "longer, or save the plan (Plan.save, optimize(plan=...)) to skip planning next time.",
-                PlanningTimeWarning,
-                stacklevel=2,
-            )
-
-
-@dataclass
-class PhaseTimer:
-    """Seconds per phase of a planning call, each phase timed from the end of the one before
-    (the first from ``started``); a phase named twice adds up."""
-
-    last: float
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
-        self.last = now
 
 
 @dataclass

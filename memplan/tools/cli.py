@@ -276,7 +276,8 @@ def _solve_options(args: argparse.Namespace) -> dict:
 def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
 
-    from memplan.pipeline.plan import InfeasibleBudgetError, PlanningClock, solve_whole_step
+    from memplan.pipeline.clock import PlanningClock
+    from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
     _check_budget_syntax(args.budget)

@@ -51,7 +51,7 @@ def test_the_default_time_limit_grows_with_the_graph_and_a_chosen_one_does_not()
     nothing here waits."""
     import time
 
-    from memplan.pipeline.plan import PlanningClock
+    from memplan.pipeline.clock import PlanningClock
 
     started = time.perf_counter() - 200.0
     default = PlanningClock.begin(None, started)

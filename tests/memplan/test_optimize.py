@@ -452,7 +452,7 @@ def test_a_pickled_module_made_from_a_saved_plan_reuses_that_plan(tmp_path, monk
 def test_time_limit_bounds_the_whole_call_and_says_when_capture_took_it_all():
     """``time_limit`` counts from the start of planning; when capturing the step takes all of it,
     a warning says how long that took, and the solver still gets `TUNABLES.min_solve_time` to find a plan."""
-    from memplan.pipeline.plan import PlanningTimeWarning
+    from memplan.pipeline.clock import PlanningTimeWarning
 
     module, args, kwargs = build_step("cnn")
     with pytest.warns(PlanningTimeWarning, match=r"took \d+\.\d s"):

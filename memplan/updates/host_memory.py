@@ -1,0 +1,65 @@
+"""Host memory as a limit of the plan: what a plan keeps in host memory, against what the host has.
+
+A plan may put three things in host memory: the optimizer state of the parameters its placement
+updates there (all step long), one bucket's stand-ins while its host update runs (the parameters
+and gradients copied out, and the optimizer's temporaries: `memplan.updates.host_state`), and the
+activations it pages out (`Plan.host_bytes`, the most held at once). A planning call is given the
+bytes of host memory it may use (``host_memory=``; by default what the machine has available when
+it plans): state moves to the host only while it fits there, and a plan that needs more is refused
+with `HostMemoryError`, before anything is allocated.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from memplan.core.units import format_bytes
+from memplan.updates.probe import ParamUpdate, most_bucket_temp_bytes
+
+
+class HostMemoryError(ValueError):
+    """A plan would need more host memory than the planning call may use: ``needed`` bytes, of
+    which ``parts`` says what (name -> bytes), against ``available``."""
+
+    def __init__(self, needed: int, available: int, parts: dict[str, int], given: bool):
+        self.needed, self.available, self.parts = needed, available, dict(parts)
+        what = ", ".join(f"{name} {format_bytes(b)}" for name, b in parts.items() if b)
+        limit = "host_memory=" if given else "the host's available memory (host_memory= to say otherwise)"
+        super().__init__(
+            f"memplan: the plan needs {format_bytes(needed)} of host memory ({what}), more than "
+            f"{limit} {format_bytes(available)}: raise the device budget (less moves to the host), free "
+            "host memory, or keep the optimizer state on the device (optimizer_state='device')")
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available now: the kernel's estimate of what can be allocated without
+    swapping (``MemAvailable``), or the physical memory where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], bucket_bytes: int) -> dict[str, int]:
+    """What the updates run in host memory hold there (name -> bytes): the optimizer state of the
+    parameters in ``host``, and at most one bucket's stand-ins at a time (a bucket holds up to
+    ``bucket_bytes`` of parameters, one parameter always fits: its parameters and gradients, and
+    the optimizer's temporaries over them)."""
+    hosted = [u for u in updates if u.name in host]
+    if not hosted:
+        return {}
+    largest = max(u.grad_bytes for u in hosted)
+    return {"optimizer state": sum(u.state_bytes for u in hosted),
+            "update stand-ins": 2 * max(bucket_bytes, largest) + most_bucket_temp_bytes(hosted, bucket_bytes)}
+
+
+def check_host_memory(parts: dict[str, int], available: int, given: bool) -> None:
+    """Raise `HostMemoryError` where ``parts`` (name -> bytes a plan keeps in host memory) add up
+    to more than ``available``; ``given``: the caller chose that limit."""
+    needed = sum(parts.values())
+    if needed > available:
+        raise HostMemoryError(needed, available, parts, given)
