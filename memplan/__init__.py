@@ -34,6 +34,7 @@ from memplan.updates.probe import UnsupportedOptimizer
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.clock import PlanningTimeWarning
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan
+from memplan.updates.host_memory import HostMemoryError
 from memplan.pipeline.saved import PlanMismatchError, SavedPlan, load_plan
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedTrainingError",
     "DistributedWarning",
     "GraphBreakWarning",
+    "HostMemoryError",
     "InfeasibleBudgetError",
     "LossOutsideWarning",
     "MemplanBackend",

@@ -363,6 +363,7 @@ def backend(
     profile: bool = False,
     compile: bool | Callable[..., Any] = False,
     kernel_scratch: bool | None = None,
+    host_memory: int | str | None = None,
 ) -> MemplanBackend:
     """``torch.compile(model, backend=memplan.backend(budget="16GB"))``: see :mod:`memplan.frontend.backend`.
 
@@ -371,7 +372,7 @@ def backend(
     ``optimize``'s step options (``optimizer=`` and the rest) and ``plan=`` need the step as one graph."""
     return MemplanBackend(budget, PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile,
                                               offload=offload, profile=profile, compile=compile,
-                                              kernel_scratch=kernel_scratch))
+                                              kernel_scratch=kernel_scratch, host_memory=host_memory))
 
 
 # torch.compile(model, backend="memplan", options={...}) calls the registered function once per

@@ -1,39 +1,17 @@
 """Budgets as users write them: bytes (``16GB``, ``16GiB``, an int) or a share of the eager peak (``50%``)."""
 from __future__ import annotations
 
-import re
 from typing import Any
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_BUDGET_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+from memplan.core.units import parse_bytes
 
 
 def parse_budget(budget: int | str) -> int:
     """Bytes from ``16GB``, ``16GiB``, ``800MB``, ``1.5 TB`` or an int."""
-    if isinstance(budget, bool):
-        raise ValueError(_budget_help(budget))
-    if isinstance(budget, int):
-        if budget <= 0:
-            raise ValueError(_budget_help(budget))
-        return budget
-    if isinstance(budget, str):
-        m = _BUDGET_RE.match(budget)
-        if m:
-            value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-            if value >= 1:
-                return int(value)
-    raise ValueError(_budget_help(budget))
+    try:
+        return parse_bytes(budget)
+    except ValueError:
+        raise ValueError(_budget_help(budget)) from None
 
 
 def budget_fraction(budget: Any) -> float | None:

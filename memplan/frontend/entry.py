@@ -74,6 +74,7 @@ def optimize(
     profile: bool = False,
     compile: bool | Callable[..., Any] = False,
     kernel_scratch: bool | None = None,
+    host_memory: int | str | None = None,
     optimizer: Any = None,
     grad_norm: bool = False,
     updates_after_backward: bool = False,
@@ -95,7 +96,8 @@ def optimize(
     when no plan fits.
 
     How plans are made (`memplan.pipeline.options.PlanOptions`, where each is documented): ``solver``,
-    ``time_limit``, ``device_profile``, ``offload``, ``profile``, ``compile``, ``kernel_scratch``.
+    ``time_limit``, ``device_profile``, ``offload``, ``profile``, ``compile``, ``kernel_scratch``,
+    ``host_memory``.
     What the step does beyond forward and backward (`memplan.pipeline.options.StepOptions`): ``optimizer``,
     ``grad_norm``, ``updates_after_backward``, ``max_grad_norm``, ``optimizer_state``,
     ``accumulate_steps``, ``clip_by``.
@@ -111,7 +113,8 @@ def optimize(
     is solved once, on the first rank, and bound on the others.
     """
     options = PlanOptions(solver=solver, time_limit=time_limit, device_profile=device_profile, offload=offload,
-                          profile=profile, compile=compile, kernel_scratch=kernel_scratch)
+                          profile=profile, compile=compile, kernel_scratch=kernel_scratch,
+                          host_memory=host_memory)
     step = StepOptions(optimizer=optimizer, grad_norm=grad_norm, updates_after_backward=updates_after_backward,
                        max_grad_norm=max_grad_norm, optimizer_state=optimizer_state,
                        accumulate_steps=accumulate_steps, clip_by=clip_by)

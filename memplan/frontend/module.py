@@ -29,6 +29,7 @@ from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, pro
                                          warn_unplanned_engine_memory)
 from memplan.core.storage import storages_of
 from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
+from memplan.core.units import parse_bytes
 from memplan.measure.tracker import unmeasured
 from memplan.updates.probe import check_optimizer
 from memplan.updates.runner import Accumulation
@@ -498,6 +499,7 @@ class OptimizedModule(nn.Module):
             started=started,
             eager_peak=eager_peak,
             handout_bytes=self._handout_bytes,
+            host_memory=None if self.plan_options.host_memory is None else parse_bytes(self.plan_options.host_memory),
         )
 
     @property

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from memplan.costs.cost_model import DeviceProfile
+from memplan.core.units import parse_bytes
 
 OPTIMIZER_STATES = ("auto", "device", "host")
 CLIP_BY = ("auto", "holding", "norm_pass")
@@ -51,6 +52,12 @@ class PlanOptions:
     """Compile each plan's runs of ATen ops with Inductor, the plan's memory decisions kept
     (True), or with a compiler ``fn(graph_module, example_inputs)`` returning a boxed callable."""
 
+    host_memory: int | str | None = None
+    """Bytes of host memory the plan may keep there ("64GB", or an int): optimizer state moved
+    to the host, its updates' copies, activations paged out. State moves there only while it
+    fits, and a plan that needs more is refused (`memplan.HostMemoryError`). None: what the
+    machine has available when it plans (``MemAvailable``)."""
+
     kernel_scratch: bool | None = None
     """Measure the memory that kernels allocate for themselves (cuDNN's workspaces, oneDNN's
     reorders) and plan room for it. None: on where the budget's witness sees it (CUDA, and
@@ -61,6 +68,12 @@ class PlanOptions:
             raise TypeError(f"memplan: solver={self.solver!r}; give a method name such as 'auto'")
         if self.time_limit is not None and (isinstance(self.time_limit, bool) or not self.time_limit > 0):
             raise ValueError(f"memplan: time_limit={self.time_limit!r}; give seconds above 0, or None")
+        if self.host_memory is not None:
+            try:
+                parse_bytes(self.host_memory)
+            except ValueError:
+                raise ValueError(f"memplan: host_memory={self.host_memory!r}; give bytes such as '64GB' or an int, "
+                                 "or None for what the machine has") from None
         if not (isinstance(self.compile, bool) or callable(self.compile)):
             raise TypeError(f"memplan.optimize: compile={self.compile!r}; give True, False or a compiler")
 

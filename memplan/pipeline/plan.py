@@ -25,6 +25,7 @@ from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, held_after_backward, host_updates, most_bucket_temp_bytes
 from memplan.updates.runner import Accumulation
+from memplan.updates.host_memory import HostMemoryError, available_host_memory, check_host_memory, host_update_bytes
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
@@ -127,6 +128,14 @@ class Plan:
     # Where the planning call's time went, seconds per phase in order (`PhaseTimer`; empty for a
     # plan made from a schedule, not by `make_plan`).
     planning_time: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def host_memory(self) -> dict[str, int]:
+        """What the plan keeps in host memory at most, by kind (name -> bytes): the optimizer state
+        its placement moved there with one bucket's update copies, and the activations it pages out."""
+        placement = self.analysis.lowered.placement
+        held = host_update_bytes(self.analysis.updates, placement.host, placement.bucket_bytes)
+        return {**held, "paged activations": self.host_bytes} if self.host_bytes else held
 
     @property
     def predicted_overhead(self) -> float:
@@ -367,6 +376,7 @@ def make_plan(
     started: float | None = None,
     eager_peak: int | None = None,
     handout_bytes: int | None = None,
+    host_memory: int | None = None,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -393,6 +403,9 @@ def make_plan(
     ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
     into its backward (`memplan.planning.lowering.CUT_RESERVE`; a graph of a step with several plans).
     ``handout_bytes``: the program hands gradients to a distributed engine (`build_step`).
+    ``host_memory``: bytes of host memory the plan may keep there (None: what the machine has
+    available now); state moves there only while it fits, and a plan that needs more raises
+    `HostMemoryError` (`memplan.updates.host_memory`).
     """
     if clip_by not in CLIP_BY:
         raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
@@ -418,6 +431,8 @@ def make_plan(
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass,
                             bucket_bytes=step_bucket_caps(updates)[0] if updates else 0)
+    host_limit = available_host_memory() if host_memory is None else host_memory
+    check_host_memory(host_update_bytes(updates, first.host, first.bucket_bytes), host_limit)  # (before solving)
     analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
                             carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
     phases.lap("analysis")
@@ -425,7 +440,8 @@ def make_plan(
     clock.warn_if_spent("capturing and analyzing the step")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
-                            solver=solver, clock=clock, offload=offload)
+                            solver=solver, clock=clock, offload=offload, host_limit=host_limit)
+    check_host_memory(plan.host_memory, host_limit)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)
@@ -434,12 +450,13 @@ def make_plan(
 
 
 def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,
-                     clock: PlanningClock | None = None, **solve_options) -> Plan:
+                     clock: PlanningClock | None = None, host_limit: int | None = None, **solve_options) -> Plan:
     """`solve_plan` for a step with optimizer updates: the first placement of them that fits
     (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
     lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
     backward pass instead of holding the gradients. ``clock``: each solve gets what is left of
-    the planning call's time limit, and stops at its gap. ``solve_options``: `solve_plan`'s."""
+    the planning call's time limit, and stops at its gap. ``host_limit``: bytes of host memory
+    the updates' state may take there (None: no limit). ``solve_options``: `solve_plan`'s."""
     def options() -> dict:
         """``solve_options``, with what is left of the clock's limit when one is given (read per solve)."""
         if clock is None:
@@ -462,14 +479,15 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         return solve_plan(again, budget, search_minimum=search_minimum, **chosen)
 
     return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
-                           norm_pass, step_bucket_caps(analysis.updates), out_of_time=clock.spent if clock else lambda: False)
+                           norm_pass, step_bucket_caps(analysis.updates), out_of_time=clock.spent if clock else lambda: False,
+                           host_limit=host_limit)
 
 
 
 
 def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: UpdatePlacement, budget: int,
                     may_move_state: bool, norm_pass: bool = False, caps: Sequence[int] = (0,),
-                    out_of_time: Callable[[], bool] = lambda: False) -> Plan:
+                    out_of_time: Callable[[], bool] = lambda: False, host_limit: int | None = None) -> Plan:
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
@@ -500,6 +518,9 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
     placement reached by moving state is probed so, and solved in full only once it fits).
     ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
+    ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`, at the largest
+    cap): state moves only while it fits there, and where the device still needs more moved than
+    the host can take, `HostMemoryError` says so.
     Recomputation is tried before host updates (a host update costs a parameter's round trip over
     the host link and the host's lower throughput on every step); once state must move, the
     simulator's predicted times decide between just enough and all of it. The errors of the
@@ -547,7 +568,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     if plan.predicted_time <= plan.store_all_time * (1 + 1e-9):
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
                     if probe:  # it fits: now the search proper, in what is left of the limit
-                        at, plan = _against_all_on_host(solve_for, at, plan, updates)
+                        at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
                         refined = _plan_or_none(solve_for, at)
                         if refined is not None and refined.predicted_time < plan.predicted_time:
                             plan = refined
@@ -562,6 +583,12 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
             if best is None or closest.min_budget < best.min_budget:
                 best = closest
             more = host_updates(on_device, closest.min_budget - budget) if can_move else frozenset()
+            if more and host_limit is not None:
+                fitting_host = _within_host(updates, placement.host, more, host_limit, caps[0])
+                if not fitting_host:
+                    wanted = host_update_bytes(updates, placement.host | more, caps[0])
+                    raise HostMemoryError(sum(wanted.values()), host_limit, wanted) from None
+                more = fitting_host
             if not more:
                 raise best from None
             placement = dataclasses.replace(placement, host=placement.host | more)
@@ -577,8 +604,19 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
         errors = infeasible = []
 
 
+def _within_host(updates: Sequence[ParamUpdate], host: frozenset[str], more: frozenset[str], limit: int,
+                 cap: int) -> frozenset[str]:
+    """Those of ``more`` (parameters whose state would move to the host, beside ``host``'s) that
+    fit ``limit`` bytes of host memory, the largest states first (`host_updates`' order)."""
+    taken: set[str] = set()
+    for u in sorted((u for u in updates if u.name in more), key=lambda u: (-u.state_bytes, u.name)):
+        if sum(host_update_bytes(updates, host | taken | {u.name}, cap).values()) <= limit:
+            taken.add(u.name)
+    return frozenset(taken)
+
+
 def _against_all_on_host(solve_for: Callable[..., Plan], placement: UpdatePlacement, plan: Plan,
-                         updates: Sequence[ParamUpdate]) -> tuple[UpdatePlacement, Plan]:
+                         updates: Sequence[ParamUpdate], host_limit: int | None = None) -> tuple[UpdatePlacement, Plan]:
     """``placement`` (its brief ``plan``) or every parameter's state in host memory, whichever brief
     plan is faster. Moving just enough state leaves the rest of the budget to recomputation; where
     host updates overlap compute (on a billion-parameter GPT, 1.11x store-all's step with all state
@@ -586,6 +624,8 @@ def _against_all_on_host(solve_for: Callable[..., Plan], placement: UpdatePlacem
     every = frozenset(u.name for u in updates if u.state_bytes > 0)
     if every <= placement.host:
         return placement, plan
+    if host_limit is not None and sum(host_update_bytes(updates, every, placement.bucket_bytes).values()) > host_limit:
+        return placement, plan  # (the host cannot take it all)
     other = dataclasses.replace(placement, host=placement.host | every)
     alternative = _plan_or_none(solve_for, other, probe=True)
     if alternative is not None and alternative.predicted_time < plan.predicted_time:

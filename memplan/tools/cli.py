@@ -193,6 +193,16 @@ def _check_budget_syntax(text: str) -> None:
     parse_budget_arg(text, eager_peak=1, min_budget=lambda: 1)
 
 
+def _bytes_arg(text: str) -> int:
+    """An argparse type: bytes from 64GB, 64GiB or an int."""
+    from memplan.core.units import parse_bytes
+
+    try:
+        return parse_bytes(int(text) if text.isdigit() else text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # --------------------------------------------------------------------------- #
 # Progress and the analysis
 # --------------------------------------------------------------------------- #
@@ -278,6 +288,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
     from memplan.pipeline.clock import PlanningClock
     from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
+    from memplan.updates.host_memory import available_host_memory, check_host_memory, host_update_bytes
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
     _check_budget_syntax(args.budget)
@@ -298,18 +309,23 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     budget = parse_budget_arg(args.budget, analysis.eager_peak,
                               lambda: _min_budget(analysis, progress, options["offload"]) + engine)
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
+    host_limit = available_host_memory() if args.host_memory is None else args.host_memory
+    placed = analysis.lowered.placement  # (all state on the host with --optimizer-state host: refused before solving)
+    check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes), host_limit)
     with progress.stage("solve", f"solving for {fmt(budget)} with {args.solver}{limit}"):
         try:
             clock = PlanningClock.begin(args.time_limit, started).sized_to(analysis.num_nodes)
             plan = solve_whole_step(analysis, budget - engine, clock=clock, solver=options["solver"],
-                                    offload=options["offload"], may_move_state=args.optimizer_state == "auto")
+                                    offload=options["offload"], may_move_state=args.optimizer_state == "auto",
+                                    host_limit=host_limit)
+            check_host_memory(plan.host_memory, host_limit)
         except InfeasibleBudgetError as exc:
             if not engine:
                 raise
             raise InfeasibleBudgetError(budget, exc.min_budget + engine, engine_bytes=engine) from None
     if engine:
         plan = dataclasses.replace(plan, budget=budget, predicted_peak=plan.predicted_peak + engine, engine_bytes=engine)
-    data = report_data(target, plan, progress, args.depth)
+    data = report_data(target, plan, progress, args.depth, host_limit)
     if args.save:
         plan.save(args.save)
         data["saved_to"] = str(args.save)
@@ -485,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--optimizer-state", choices=("auto", "device", "host"), default="auto",
                         help="with --optimizer: where its state lives; auto moves to host memory as much as the "
                              "budget needs (--fsdp2: device unless host)")
+    report.add_argument("--host-memory", type=_bytes_arg, default=None, metavar="BYTES",
+                        help="host memory the plan may keep there (64GB): optimizer state, its update copies, "
+                             "paged activations; more is refused (default: what this machine has available)")
     report.add_argument("--depth", type=int, default=2, help="module path components per table row (default 2)")
     report.add_argument("--top", type=int, default=25, help="largest modules shown in the table (default 25)")
     report.add_argument("--ddp", action="store_true",
@@ -533,6 +552,11 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
             f"budget {fmt(exc.budget)} is below the smallest plan memplan found, {fmt(exc.min_budget)} ({exc.min_budget} bytes)",
             f"use --budget {_round_up(exc.min_budget)} or more (or --budget min), or a smaller --batch-size",
         )
+    if isinstance(exc, memplan.HostMemoryError):
+        held = ", ".join(f"{name} {fmt(b)}" for name, b in exc.parts.items() if b)
+        return (f"the plan needs {fmt(exc.needed)} of host memory ({held}), more than the {fmt(exc.available)} "
+                "it may use there",
+                "raise --budget (less moves to the host), --host-memory, or use --optimizer-state device")
     if isinstance(exc, memplan.CaptureError):
         return str(exc), (
             "memplan traces forward+backward with AOTAutograd on fake tensors; data-dependent Python control "

@@ -100,7 +100,7 @@ def _breakdown_data(bd: MemoryBreakdown, plan) -> dict:
     }
 
 
-def report_data(target: Any, plan, progress: Any, depth: int) -> dict:
+def report_data(target: Any, plan, progress: Any, depth: int, host_limit: int | None = None) -> dict:
     from memplan.tools import viz
 
     a = plan.analysis
@@ -127,6 +127,8 @@ def report_data(target: Any, plan, progress: Any, depth: int) -> dict:
             "solve_time": plan.solve_time,
             "device_profile": a.profile.name,
             "stage_seconds": dict(progress.times),
+            "host_memory": plan.host_memory,  # what the plan keeps in host memory, by kind
+            "host_memory_limit": host_limit,
         },
         "memory": _breakdown_data(bd, plan),
         "modules": [r.as_dict() for r in viz.layer_breakdown(plan, depth)],
@@ -163,6 +165,11 @@ def print_report(console, target: Any, plan, data: dict, top: int) -> None:
         when = ("the updates run once every gradient is final, each freeing its gradient" if m["updates_after_backward"]
                 else "each update runs in backward as soon as its gradient is final, and frees it")
         summary.add_row("optimizer state", f"{where}; {when}")
+    if s["host_memory"]:
+        held = sum(s["host_memory"].values())
+        limit = f" of {fmt(s['host_memory_limit'])} it may use" if s["host_memory_limit"] else ""
+        summary.add_row("host memory", f"{fmt(held)}{limit}: " + ", ".join(
+            f"{name} {fmt(b)}" for name, b in s["host_memory"].items() if b))
     summary.add_row("eager peak", f"{fmt(s['eager_peak'])} (eager autograd, replayed on fake tensors); "
                                   f"{fmt(s['store_all_peak'])} keeping every value of the joint graph")
     summary.add_row("budget", fmt(s["budget"]))

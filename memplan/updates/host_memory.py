@@ -21,14 +21,14 @@ class HostMemoryError(ValueError):
     """A plan would need more host memory than the planning call may use: ``needed`` bytes, of
     which ``parts`` says what (name -> bytes), against ``available``."""
 
-    def __init__(self, needed: int, available: int, parts: dict[str, int], given: bool):
+    def __init__(self, needed: int, available: int, parts: dict[str, int]):
         self.needed, self.available, self.parts = needed, available, dict(parts)
         what = ", ".join(f"{name} {format_bytes(b)}" for name, b in parts.items() if b)
-        limit = "host_memory=" if given else "the host's available memory (host_memory= to say otherwise)"
         super().__init__(
-            f"memplan: the plan needs {format_bytes(needed)} of host memory ({what}), more than "
-            f"{limit} {format_bytes(available)}: raise the device budget (less moves to the host), free "
-            "host memory, or keep the optimizer state on the device (optimizer_state='device')")
+            f"memplan: the plan needs {format_bytes(needed)} of host memory ({what}), more than the "
+            f"{format_bytes(available)} it may use there (host_memory=; by default what the machine has "
+            "available): raise the device budget (less moves to the host), free host memory, or keep the "
+            "optimizer state on the device (optimizer_state='device')")
 
 
 def available_host_memory() -> int:
@@ -52,14 +52,14 @@ def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], buck
     hosted = [u for u in updates if u.name in host]
     if not hosted:
         return {}
-    largest = max(u.grad_bytes for u in hosted)
+    bucket = min(sum(u.grad_bytes for u in hosted), max(bucket_bytes, max(u.grad_bytes for u in hosted)))
     return {"optimizer state": sum(u.state_bytes for u in hosted),
-            "update stand-ins": 2 * max(bucket_bytes, largest) + most_bucket_temp_bytes(hosted, bucket_bytes)}
+            "update stand-ins": 2 * bucket + most_bucket_temp_bytes(hosted, bucket_bytes)}
 
 
-def check_host_memory(parts: dict[str, int], available: int, given: bool) -> None:
+def check_host_memory(parts: dict[str, int], available: int) -> None:
     """Raise `HostMemoryError` where ``parts`` (name -> bytes a plan keeps in host memory) add up
-    to more than ``available``; ``given``: the caller chose that limit."""
+    to more than ``available``."""
     needed = sum(parts.values())
     if needed > available:
-        raise HostMemoryError(needed, available, parts, given)
+        raise HostMemoryError(needed, available, parts)

@@ -208,6 +208,8 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
         (("report", "mlp", "--budget", "min", "--fsdp2"), "one budget per rank"),
         (("report", "mlp", "--budget", "1GB", "--fsdp2", "--ddp"), "different engines"),
         (("report", "mlp", "--budget", "1GB", "--fsdp2", "--world-size", "0"), "at least one rank"),
+        (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--optimizer-state", "host",
+          "--host-memory", "10kB"), "of host memory (optimizer state"),
     ],
 )
 def test_more_user_errors_in_process(factory_file, capsys, args, needle):

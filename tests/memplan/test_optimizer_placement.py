@@ -170,6 +170,27 @@ def test_bad_placement_options_get_one_clear_error():
         memplan.optimize(module, "1GB", optimizer=_adamw(module), accumulate_steps=0)
     with pytest.raises(ValueError, match="needs optimizer="):
         memplan.optimize(module, "1GB", accumulate_steps=2)
+    with pytest.raises(ValueError, match="host_memory="):
+        memplan.optimize(module, "1GB", optimizer=_adamw(module), host_memory="plenty")
+
+
+def test_state_that_the_host_memory_cannot_take_is_refused_before_any_step():
+    """``optimizer_state="host"`` with ``host_memory`` below the AdamW state: one clear error naming
+    what the plan would keep there, raised when planning, the model and optimizer untouched; with
+    room for it, `Plan.host_memory` says what the host holds."""
+    module, args, kwargs = build_step("mlp", batch_size=8)
+    before = [p.detach().clone() for p in module.parameters()]
+    optimizer = _adamw(module)
+    state = 2 * sum(p.numel() * p.element_size() for p in module.parameters())  # exp_avg, exp_avg_sq
+    with pytest.raises(memplan.HostMemoryError, match="of host memory") as raised:
+        memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                         host_memory=state // 2, example_inputs=args, example_kwargs=kwargs)
+    assert raised.value.parts["optimizer state"] >= state  # (and each parameter's step count)
+    assert not optimizer.state and all(torch.equal(p, q) for p, q in zip(module.parameters(), before))
+    plan = memplan.optimize(module, 10**12, solver="store_all", optimizer=optimizer, optimizer_state="host",
+                            host_memory=10 * state, example_inputs=args, example_kwargs=kwargs).plan
+    assert plan.host_memory["optimizer state"] == plan.analysis.host_optimizer_state_bytes == raised.value.parts["optimizer state"]
+    assert plan.host_memory["update stand-ins"] >= state // 2  # (a bucket of them all: every parameter and gradient)
 
 
 def test_a_saved_whole_step_plan_runs_as_made_and_refuses_another_optimizer(tmp_path):
@@ -355,3 +376,34 @@ def test_moving_state_probes_the_new_placement_first_and_skips_what_cannot_fit()
     assert caps_tried == [1 << 20]
     whole_step_plan(fits_at_once, updates, UpdatePlacement(), 10**6, True, caps=(1 << 20, 0))
     assert caps_tried == [1 << 20, 1 << 20, 0]
+
+
+def test_state_moves_to_the_host_only_while_it_fits_there():
+    """`whole_step_plan` with ``host_limit``: the state moved must fit the host beside one bucket's
+    update copies (`host_update_bytes`); all of it on the host is not tried where it does not fit,
+    and where the device needs more moved than the host can take, `HostMemoryError` says so."""
+    from memplan.pipeline.plan import InfeasibleBudgetError, whole_step_plan
+    from memplan.updates.host_memory import host_update_bytes
+    from memplan.updates.probe import ParamUpdate, UpdatePlacement
+
+    updates = [ParamUpdate(primal=0, name="big", state_bytes=800, temp_bytes=50, time=0.0, grad_bytes=100),
+               ParamUpdate(primal=1, name="small", state_bytes=100, temp_bytes=5, time=0.0, grad_bytes=10)]
+    # state, and one bucket's parameters, gradients and temporaries
+    assert host_update_bytes(updates, frozenset({"big"}), 1 << 20) == {"optimizer state": 800, "update stand-ins": 250}
+    assert sum(host_update_bytes(updates, frozenset({"big", "small"}), 1 << 20).values()) == 900 + 220 + 55
+    calls = []
+
+    def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False):
+        calls.append((sorted(placement.host), probe))
+        if "big" not in placement.host:
+            raise InfeasibleBudgetError(1000, 1300, searched=False)
+        return _Planned(1.2 if "small" in placement.host else (2.0 if probe else 1.5))
+
+    plan = whole_step_plan(solve_for, updates, UpdatePlacement(), 1000, may_move_state=True, caps=(1 << 20,),
+                           host_limit=1100)
+    assert plan.predicted_time == 1.5
+    assert calls == [([], False), (["big"], True), (["big"], False)]  # (all on the host: 1,175 B, not tried)
+    with pytest.raises(memplan.HostMemoryError, match="1.05 kB of host memory") as raised:
+        whole_step_plan(solve_for, updates, UpdatePlacement(), 1000, may_move_state=True, caps=(1 << 20,),
+                        host_limit=1000)
+    assert raised.value.parts == {"optimizer state": 800, "update stand-ins": 250}
