@@ -60,6 +60,19 @@ def held_gradient_bytes(params: Iterable[nn.Parameter]) -> int:
     return sum(storages.values())
 
 
+def refuse_meta_parameters(params: dict[str, torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    """Raise where a step with real inputs would run on parameters left on the meta device (a model
+    built under ``torch.device("meta")``, which has shapes but no storage): planning works on them
+    (with meta inputs too), training cannot."""
+    if not inputs or all(x.is_meta for x in inputs):
+        return
+    meta = [name for name, p in params.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"memplan: {len(meta)} of the model's {len(params)} parameters are on the meta device (built without "
+            f"storage; the first: {meta[0]!r}) and the step's inputs are not: materialize them before training "
+            "(model.to_empty(device=...) and then initialize them or load a state_dict with load_state_dict(...)); "
+            "a plan alone can be made on meta parameters with meta inputs (memplan report, optimize(example_inputs=...))")
 
 
 class GraphBreakWarning(UserWarning):
@@ -211,6 +224,8 @@ class OptimizedModule(nn.Module):
         runs split at graph breaks (its graphs are planned as they run)."""
         if self.split is not None:
             return None
+        refuse_meta_parameters(dict(self._orig_mod.named_parameters()),
+                               [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)])
         try:
             self._entry(args, kwargs, 0)
         except DataDependentPython as exc:
@@ -524,6 +539,7 @@ class OptimizedModule(nn.Module):
             # after memplan's updates have used them (memplan.frontend.distributed)
             refuse_distributed_updates(model)
         held = 0 if own else held_gradient_bytes(params.values())
+        refuse_meta_parameters(params, inputs)
         if self.split is None:
             try:
                 plan, program, param_names, buffer_names = self._entry(args, kwargs, held)

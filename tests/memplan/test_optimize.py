@@ -316,6 +316,29 @@ def test_a_differentiable_output_the_loss_leaves_out_gets_eager_gradients():
             torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_a_model_left_on_the_meta_device_is_planned_but_not_trained():
+    """Built under ``torch.device("meta")``: a plan is made from meta inputs; a step with real inputs
+    raises one clear error, before and at the first call; once materialized (``to_empty``) and loaded
+    from a ``state_dict``, it trains as the same model built normally."""
+    torch.manual_seed(0)
+    built = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    with torch.device("meta"):
+        meta = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    planned = memplan.optimize(meta, "1GB", example_inputs=(torch.empty(8, 16, device="meta"),))
+    assert planned.plan.predicted_peak > 0
+    with pytest.raises(ValueError, match="parameters are on the meta device .* the first: '0.weight'"):
+        planned.prepare(x)
+    with pytest.raises(ValueError, match="materialize them before training"):
+        planned(x)
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(built.state_dict())
+    planned(x).square().sum().backward()
+    built(x).square().sum().backward()
+    for p, q in zip(meta.parameters(), built.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_untraceable_model_error_from_optimize():
     opt = memplan.optimize(DataDependent(), "1GB", graph_breaks=False)
     with pytest.raises(memplan.CaptureError, match=r"DataDependent.*reads a tensor's value in Python"):
