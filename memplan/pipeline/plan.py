@@ -138,6 +138,23 @@ class Plan:
         return {**held, "paged activations": self.host_bytes} if self.host_bytes else held
 
     @property
+    def host_traffic(self) -> tuple[int, int]:
+        """Bytes the plan moves over the host link in a step that updates: (to the host, back to the
+        device). The activations it pages out, and back where read again; each host update's gradient
+        and parameter out, and the parameter back (`memplan.updates.host_state`)."""
+        hosted = [u for u in self.analysis.updates if u.name in self.analysis.lowered.placement.host]
+        out = sum(t.nbytes for t in self.transfers) + sum(2 * u.grad_bytes for u in hosted)
+        back = sum(t.nbytes for t in self.transfers if t.back_before is not None) + sum(u.grad_bytes for u in hosted)
+        return out, back
+
+    @property
+    def link_time(self) -> float:
+        """Seconds the host link needs for `host_traffic` at the profile's bandwidth, each direction
+        at once (a PCIe link is full duplex): a step cannot be faster; 0 without a host link."""
+        bandwidth = host_bandwidth(self.analysis)
+        return max(self.host_traffic) / bandwidth if bandwidth else 0.0
+
+    @property
     def predicted_overhead(self) -> float:
         """Predicted step time over store-all's (>= 1.0)."""
         return self.predicted_time / self.store_all_time if self.store_all_time else 1.0

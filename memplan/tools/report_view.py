@@ -129,6 +129,9 @@ def report_data(target: Any, plan, progress: Any, depth: int, host_limit: int | 
             "stage_seconds": dict(progress.times),
             "host_memory": plan.host_memory,  # what the plan keeps in host memory, by kind
             "host_memory_limit": host_limit,
+            # bytes over the host link per updating step, each way, and the seconds the link needs for them
+            "host_traffic": dict(zip(("to_host", "to_device"), plan.host_traffic)),
+            "link_seconds": plan.link_time,
         },
         "memory": _breakdown_data(bd, plan),
         "modules": [r.as_dict() for r in viz.layer_breakdown(plan, depth)],
@@ -170,6 +173,14 @@ def print_report(console, target: Any, plan, data: dict, top: int) -> None:
         limit = f" of {fmt(s['host_memory_limit'])} it may use" if s["host_memory_limit"] else ""
         summary.add_row("host memory", f"{fmt(held)}{limit}: " + ", ".join(
             f"{name} {fmt(b)}" for name, b in s["host_memory"].items() if b))
+    traffic = s["host_traffic"]
+    if traffic["to_host"] or traffic["to_device"]:
+        compute = s["store_all_time"]
+        bound = ("link-bound: the step waits for the link" if s["link_seconds"] > compute
+                 else "within the step's compute")
+        summary.add_row("host link", f"{fmt(traffic['to_host'])} to the host, {fmt(traffic['to_device'])} back per "
+                                     f"step: {s['link_seconds'] * 1e3:.1f} ms at the profile's bandwidth, against "
+                                     f"{compute * 1e3:.1f} ms of compute (store-all): {bound}")
     summary.add_row("eager peak", f"{fmt(s['eager_peak'])} (eager autograd, replayed on fake tensors); "
                                   f"{fmt(s['store_all_peak'])} keeping every value of the joint graph")
     summary.add_row("budget", fmt(s["budget"]))

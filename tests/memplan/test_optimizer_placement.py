@@ -191,6 +191,10 @@ def test_state_that_the_host_memory_cannot_take_is_refused_before_any_step():
                             host_memory=10 * state, example_inputs=args, example_kwargs=kwargs).plan
     assert plan.host_memory["optimizer state"] == plan.analysis.host_optimizer_state_bytes == raised.value.parts["optimizer state"]
     assert plan.host_memory["update stand-ins"] >= state // 2  # (a bucket of them all: every parameter and gradient)
+    # per step over the link: each gradient and parameter out, each parameter back; no activations paged
+    assert plan.host_traffic == (state, state // 2) and not plan.transfers
+    bandwidth = plan.analysis.costs.profile.host_bandwidth
+    assert plan.link_time == pytest.approx(state / bandwidth)
 
 
 def test_a_saved_whole_step_plan_runs_as_made_and_refuses_another_optimizer(tmp_path):
