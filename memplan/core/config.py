@@ -35,6 +35,9 @@ class Tunables:
     """... and each op beyond them adds this many seconds: capture, analysis and each solve grow with
     the graph, and a 1.3B-parameter GPT's (3,810 ops, 50 s in all) needs about 15 s of search, where 8 s
     in all left its plan 1.5x slower."""
+    progress_after_seconds: float = 5.0
+    """A planning call that has run this long says on stderr, one line per phase, what it has done and
+    what it does next (a billion-parameter step plans for about a minute: silence looks like a hang)."""
     placement_probe_seconds: float = 1.0
     """A whole step's placement reached by moving optimizer state to the host is first solved this
     long (`memplan.pipeline.plan.whole_step_plan`): a placement that cannot fit fails in seconds, not

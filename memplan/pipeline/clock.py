@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -69,12 +70,28 @@ class PlanningClock:
 @dataclass
 class PhaseTimer:
     """Seconds per phase of a planning call, each phase timed from the end of the one before
-    (the first from ``started``); a phase named twice adds up."""
+    (the first from ``last``); a phase named twice adds up. Once the call has run
+    `TUNABLES.progress_after_seconds`, each phase's end and each `next` go to stderr as one line."""
 
     last: float
     seconds: dict[str, float] = field(default_factory=dict)
+    began: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.began = self.last
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
+        self._say(f"{phase} took {self.seconds[phase]:.1f} s")
+
+    def next(self, what: str) -> None:
+        """Say (past the progress threshold) what the call does now."""
+        self._say(what)
+
+    def _say(self, text: str) -> None:
+        elapsed = time.perf_counter() - self.began
+        if elapsed >= TUNABLES.progress_after_seconds:
+            sys.stderr.write(f"memplan: planning, {elapsed:.0f} s in: {text}\n")
+            sys.stderr.flush()

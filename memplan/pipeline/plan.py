@@ -455,6 +455,7 @@ def make_plan(
     phases.lap("analysis")
     clock = clock.sized_to(analysis.num_nodes)
     clock.warn_if_spent("capturing and analyzing the step")
+    phases.next(f"solving the step ({analysis.num_nodes:,} ops), {clock.solve_limit():.0f} s of the time limit left")
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                             solver=solver, clock=clock, offload=offload, host_limit=host_limit)

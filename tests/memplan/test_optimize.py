@@ -482,3 +482,19 @@ def test_time_limit_bounds_the_whole_call_and_says_when_capture_took_it_all():
         opt = memplan.optimize(module, "60%", example_inputs=args, example_kwargs=kwargs, time_limit=1e-3)
     assert sum(opt.plan.planning_time.values()) >= 1e-3  # the phases account for the call
     assert_measured_peak(opt, module, args, kwargs, opt.plan.budget)
+
+
+def test_a_long_planning_call_says_on_stderr_what_it_did_and_does(capsys):
+    """Past `TUNABLES.progress_after_seconds` (0 here), each phase of planning says on stderr what it
+    took, and the solve what it is given; under the threshold, nothing is said."""
+    from memplan.core.config import override
+
+    module, args, kwargs = build_step("mlp", batch_size=8)
+    with override(progress_after_seconds=0.0):
+        memplan.optimize(module, "100%", example_inputs=args, example_kwargs=kwargs, time_limit=2)
+    lines = capsys.readouterr().err.splitlines()
+    said = [line for line in lines if line.startswith("memplan: planning, ")]
+    assert any("capture took" in line for line in said) and any("solving the step (" in line for line in said)
+    assert said[-1].endswith(" s") and "runtime took" in said[-1], said
+    memplan.optimize(module, "100%", example_inputs=args, example_kwargs=kwargs, time_limit=2)
+    assert "memplan: planning" not in capsys.readouterr().err
