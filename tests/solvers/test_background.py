@@ -49,8 +49,11 @@ def test_the_search_reports_the_bound_of_its_background_child():
     assert sol.fits and sol.info["bound_in_background"]
     # On an idle machine the child answers (measured: 1.1939 of the total, the plan 1.2048). The
     # child runs at a low priority, so where the tests keep both cores busy it may not have proved
-    # anything by the end of the search: the search then computes the bound itself, as before.
-    assert sol.info["bound_from"] in ("lower_bounds.lower_bound (background)", "lower_bounds.lower_bound")
+    # anything by the end of the search: the search then computes the bound itself, or, where its
+    # time is spent too, reports its quick bound (seen once in make test, under load). Whichever
+    # answered, the bound must be one.
+    assert sol.info["bound_from"] in ("lower_bounds.lower_bound (background)", "lower_bounds.lower_bound",
+                                      "lower_bounds.lower_bound (quick)")
     assert p.total_cost() < sol.lower_bound <= sol.cost
 
 
