@@ -33,6 +33,7 @@ from memplan.core.units import parse_bytes
 from memplan.measure.tracker import unmeasured
 from memplan.updates.probe import check_optimizer
 from memplan.updates.runner import Accumulation
+from memplan.updates.host_memory import HostMemoryError
 from memplan.passes.output_use import OutputUse, inputs_dropped_after_call
 from memplan.pipeline.options import PlanOptions, StepOptions
 from memplan.pipeline.plan import InfeasibleBudgetError, Plan, make_plan
@@ -64,8 +65,8 @@ def refuse_meta_parameters(params: dict[str, torch.Tensor], inputs: list[torch.T
     """Raise where a step with real inputs would run on parameters left on the meta device (a model
     built under ``torch.device("meta")``, which has shapes but no storage): planning works on them
     (with meta inputs too), training cannot."""
-    if not inputs or all(x.is_meta for x in inputs):
-        return
+    if not inputs or any(x.is_meta for x in inputs):
+        return  # (a plan only)
     meta = [name for name, p in params.items() if p.is_meta]
     if meta:
         raise ValueError(
@@ -277,7 +278,7 @@ class OptimizedModule(nn.Module):
             with unmeasured(), _disable_current_modes():
                 try:
                     entry = self._make_entry(args, kwargs, held, use)
-                except InfeasibleBudgetError as exc:
+                except (InfeasibleBudgetError, HostMemoryError) as exc:
                     if use.learned and self.saved_plan is None and sig.for_output_use(self.declared_use) in self._plans:
                         # The plan for how the last step used the outputs does not fit (the search
                         # found none) where the plan that assumes nothing did: keep that one.
@@ -321,8 +322,8 @@ class OptimizedModule(nn.Module):
                 stacklevel=4,
             )
 
-    def _optimistic_use(self, sig: InputSignature, use: OutputUse, infeasible: InfeasibleBudgetError
-                        ) -> OutputUse | None:
+    def _optimistic_use(self, sig: InputSignature, use: OutputUse,
+                        infeasible: InfeasibleBudgetError | HostMemoryError) -> OutputUse | None:
         """When the plan that assumes nothing about the outputs does not fit: what to assume before
         any backward has shown how the step uses them (None: nothing to try).
 

@@ -287,11 +287,16 @@ class ShardedAccounts:
         block's own reduce-scatter is issued, in the reduce dtype). For a moment before its forward:
         its own all-gather output, before it is copied into its parameters. A block not seen yet
         counts as the largest seen."""
+        return self.buffers(unit) - self.reduced_before_backward(unit), self._gathered(unit)
+
+    def buffers(self, unit: int) -> int:
+        """What FSDP2 holds beside block ``unit``'s backward (`outside`), before the gradients the
+        blocks after it freed: the block before it gathered, the reduce-scatter input of the block
+        after it, and that block's shards waiting for their update."""
         prefetch = self._gathered(unit - 1) if unit > 0 else 0
         after = unit + 1 < len(self.units)
         reduce_input = int(self._gathered(unit + 1) * self.reduce_ratio) if after else 0
-        waiting = self.awaiting_update(unit + 1) if after else 0
-        return prefetch + reduce_input + waiting - self.reduced_before_backward(unit), self._gathered(unit)
+        return prefetch + reduce_input + (self.awaiting_update(unit + 1) if after else 0)
 
     def _updated_in_backward(self, gathered: torch.Tensor) -> bool:
         """Whether the gradient shard of the all-gathered parameter ``gathered`` is updated (and dropped)
@@ -369,7 +374,7 @@ class ShardedAccounts:
         held = self.held_all_step()
         optimizer = sum(self.optimizers.values())
         shards = sum(held.values()) - optimizer - self.root_gathered
-        comm = max([self.closing, *(max(self.outside(i)) for i in range(len(self.units)))])
+        comm = max([self.closing, *(max(self.buffers(i), self._gathered(i)) for i in range(len(self.units)))])
         unreduced = {"unreduced gradients (accumulating)": sum(self.unreduced.values())} if self.unreduced else {}
         host = sum(self.host_optimizers.values())
         return {

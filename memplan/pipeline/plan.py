@@ -25,7 +25,8 @@ from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, held_after_backward, host_updates, most_bucket_temp_bytes
 from memplan.updates.runner import Accumulation
-from memplan.updates.host_memory import HostMemoryError, available_host_memory, check_host_memory, host_update_bytes
+from memplan.updates.host_memory import (HostMemoryError, available_host_memory, check_host_memory, host_update_bytes,
+                                         state_held_on_host)
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
@@ -448,7 +449,8 @@ def make_plan(
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass,
                             bucket_bytes=step_bucket_caps(updates)[0] if updates else 0)
-    host_limit = available_host_memory() if host_memory is None else host_memory
+    # (the state a plan made earlier put in host memory is this plan's to count, not taken already)
+    host_limit = available_host_memory() + state_held_on_host(optimizer) if host_memory is None else host_memory
     check_host_memory(host_update_bytes(updates, first.host, first.bucket_bytes), host_limit)  # (before solving)
     analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
                             carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
@@ -456,10 +458,14 @@ def make_plan(
     clock = clock.sized_to(analysis.num_nodes)
     clock.warn_if_spent("capturing and analyzing the step")
     phases.next(f"solving the step ({analysis.num_nodes:,} ops), {clock.solve_limit():.0f} s of the time limit left")
-    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
-                            norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
-                            solver=solver, clock=clock, offload=offload, host_limit=host_limit)
-    check_host_memory(plan.host_memory, host_limit)
+    try:
+        plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
+                                norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
+                                solver=solver, clock=clock, offload=offload, host_limit=host_limit)
+        check_host_memory(plan.host_memory, host_limit)
+    except HostMemoryError as exc:
+        exc.addend_only_outputs = analysis.capture.addend_only_outputs
+        raise
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)
@@ -536,9 +542,9 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
     placement reached by moving state is probed so, and solved in full only once it fits).
     ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
-    ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`, at the largest
-    cap): state moves only while it fits there, and where the device still needs more moved than
-    the host can take, `HostMemoryError` says so.
+    ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`): a state the
+    host cannot take is passed over for smaller ones, and where the device still needs more moved
+    than the host can take, `HostMemoryError` says so.
     Recomputation is tried before host updates (a host update costs a parameter's round trip over
     the host link and the host's lower throughput on every step); once state must move, the
     simulator's predicted times decide between just enough and all of it. The errors of the
@@ -602,7 +608,8 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                 best = closest
             more = host_updates(on_device, closest.min_budget - budget) if can_move else frozenset()
             if more and host_limit is not None:
-                fitting_host = _within_host(updates, placement.host, more, host_limit, caps[0])
+                fitting_host = _within_host(updates, placement.host, on_device, closest.min_budget - budget,
+                                            host_limit, caps[0])
                 if not fitting_host:
                     wanted = host_update_bytes(updates, placement.host | more, caps[0])
                     raise HostMemoryError(sum(wanted.values()), host_limit, wanted) from None
@@ -622,14 +629,19 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
         errors = infeasible = []
 
 
-def _within_host(updates: Sequence[ParamUpdate], host: frozenset[str], more: frozenset[str], limit: int,
-                 cap: int) -> frozenset[str]:
-    """Those of ``more`` (parameters whose state would move to the host, beside ``host``'s) that
-    fit ``limit`` bytes of host memory, the largest states first (`host_updates`' order)."""
+def _within_host(updates: Sequence[ParamUpdate], host: frozenset[str], candidates: Sequence[ParamUpdate],
+                 need: int, limit: int, cap: int) -> frozenset[str]:
+    """Parameters of ``candidates`` whose state moves to the host beside ``host``'s to free ``need``
+    bytes of the device, as `host_updates` picks them (the largest states first), passing over
+    each that ``limit`` bytes of host memory cannot take beside those."""
     taken: set[str] = set()
-    for u in sorted((u for u in updates if u.name in more), key=lambda u: (-u.state_bytes, u.name)):
-        if sum(host_update_bytes(updates, host | taken | {u.name}, cap).values()) <= limit:
+    freed = 0
+    for u in sorted(candidates, key=lambda u: (-u.state_bytes, u.name)):
+        if freed >= need:
+            break
+        if u.state_bytes > 0 and sum(host_update_bytes(updates, host | taken | {u.name}, cap).values()) <= limit:
             taken.add(u.name)
+            freed += u.state_bytes
     return frozenset(taken)
 
 

@@ -1,8 +1,9 @@
 """Host memory as a limit of the plan: what a plan keeps in host memory, against what the host has.
 
 A plan may put three things in host memory: the optimizer state of the parameters its placement
-updates there (all step long), one bucket's stand-ins while its host update runs (the parameters
-and gradients copied out, and the optimizer's temporaries: `memplan.updates.host_state`), and the
+updates there (all step long), the copies its host updates work on (every hosted parameter and
+gradient: each bucket's are copied out as backward makes them, and wait for the one worker that
+steps them, `memplan.updates.runner`; and one bucket's optimizer temporaries at a time), and the
 activations it pages out (`Plan.host_bytes`, the most held at once). A planning call is given the
 bytes of host memory it may use (``host_memory=``; by default what the machine has available when
 it plans): state moves to the host only while it fits there, and a plan that needs more is refused
@@ -13,7 +14,10 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+import torch
+
 from memplan.core.units import format_bytes
+from memplan.updates.host_state import in_host_memory
 from memplan.updates.probe import ParamUpdate, most_bucket_temp_bytes
 
 
@@ -23,6 +27,9 @@ class HostMemoryError(ValueError):
 
     def __init__(self, needed: int, available: int, parts: dict[str, int]):
         self.needed, self.available, self.parts = needed, available, dict(parts)
+        # The step's outputs whose gradient is only an addend (`Capture.addend_only_outputs`), set by
+        # `make_plan`: a plan that assumes they get none needs less moved to the host, and may fit.
+        self.addend_only_outputs: frozenset[int] = frozenset()
         what = ", ".join(f"{name} {format_bytes(b)}" for name, b in parts.items() if b)
         super().__init__(
             f"memplan: the plan needs {format_bytes(needed)} of host memory ({what}), more than the "
@@ -45,16 +52,26 @@ def available_host_memory() -> int:
 
 
 def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], bucket_bytes: int) -> dict[str, int]:
-    """What the updates run in host memory hold there (name -> bytes): the optimizer state of the
-    parameters in ``host``, and at most one bucket's stand-ins at a time (a bucket holds up to
-    ``bucket_bytes`` of parameters, one parameter always fits: its parameters and gradients, and
-    the optimizer's temporaries over them)."""
+    """What the updates run in host memory hold there at most (name -> bytes): the optimizer state
+    of the parameters in ``host``, and the copies of their parameters and gradients, all of which
+    may wait for the host worker at once (backward copies each bucket out as it is made, faster than
+    the host steps them), with one bucket's optimizer temporaries (a bucket holds up to
+    ``bucket_bytes`` of parameters)."""
     hosted = [u for u in updates if u.name in host]
     if not hosted:
         return {}
-    bucket = min(sum(u.grad_bytes for u in hosted), max(bucket_bytes, max(u.grad_bytes for u in hosted)))
     return {"optimizer state": sum(u.state_bytes for u in hosted),
-            "update stand-ins": 2 * bucket + most_bucket_temp_bytes(hosted, bucket_bytes)}
+            "update copies": 2 * sum(u.grad_bytes for u in hosted) + most_bucket_temp_bytes(hosted, bucket_bytes)}
+
+
+def state_held_on_host(optimizer: object) -> int:
+    """Bytes of ``optimizer``'s state already in host memory (`memplan.updates.host_state.in_host_memory`):
+    a plan made after the first step finds them taken from what the machine has available, and
+    counts them among its own."""
+    if optimizer is None:
+        return 0
+    return sum(v.untyped_storage().nbytes() for p, state in optimizer.state.items() for v in state.values()
+               if isinstance(v, torch.Tensor) and v.dim() and in_host_memory(v, p))
 
 
 def check_host_memory(parts: dict[str, int], available: int) -> None:

@@ -43,7 +43,7 @@ def test_a_child_that_has_not_answered_is_stopped_and_its_file_removed():
 
 @pytest.mark.slow
 @pytest.mark.skipif(usable_cores() < 2, reason="the bound runs in the background only with a second core")
-def test_the_search_reports_the_bound_of_its_background_child():
+def test_the_search_starts_a_background_child_and_reports_a_bound():
     p = _at(0.35)
     sol = solve_hierarchical(p, 10.0)
     assert sol.fits and sol.info["bound_in_background"]
