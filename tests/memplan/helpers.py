@@ -156,9 +156,6 @@ def _in_group(rank: int, port: int, world_size: int, body: Callable[..., None], 
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # One thread a rank: two ranks beside make test's other worker share two cores, and each rank's
-    # own thread pool only made them wait on each other (the FSDP2 CNN case: 52 s, 46 s so).
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     body(rank, *args)
     # The group is torn down only after a body that returned: its DDP and FSDP modules (which hold
