@@ -47,6 +47,12 @@ from memplan.frontend.distributed import DistributedTrainingError, DistributedWa
 from memplan.updates.host_state import check_host_steppable, keep_sharded_state_on_host, local_tensor
 
 
+def _reduces(block: nn.Module) -> bool:
+    """Whether FSDP2 reduce-scatters ``block``'s gradients in this step (not under
+    ``set_requires_gradient_sync(False)``)."""
+    return all(group.reduce_grads for group in block._get_fsdp_state()._fsdp_param_groups)
+
+
 class ShardedAccounts:
     """What FSDP2 holds on this rank, as the step's ledger counts it (`memplan.frontend.graphs`
     reads it at every call of a block's graph)."""
@@ -158,8 +164,7 @@ class ShardedAccounts:
         step (``set_requires_gradient_sync(False)``, gradient accumulation), the whole gradient, in
         the reduce dtype, which FSDP2 keeps unsharded for the steps after (`accumulated`): nothing
         more where an earlier step's is held already (this one is added into it)."""
-        state = self.units[unit]._get_fsdp_state()
-        if all(group.reduce_grads for group in state._fsdp_param_groups):
+        if _reduces(self.units[unit]):
             # updated in backward, the shard is gone before the step's end (`awaiting_update`)
             return 0 if self._updated_in_backward(gathered) else shard_bytes
         whole = int(gathered.untyped_storage().nbytes() * self.reduce_ratio)
@@ -176,7 +181,7 @@ class ShardedAccounts:
         not run yet are the last step's, which kept them whole, unreduced."""
         finals: dict[Any, int] = {}
         for block in self.units:
-            if not all(group.reduce_grads for group in block._get_fsdp_state()._fsdp_param_groups):
+            if not _reduces(block):
                 continue
             for fp in self._params(block):
                 shard = fp._sharded_param_data
@@ -210,8 +215,7 @@ class ShardedAccounts:
         """Bytes of the `accumulated` gradients that are gone by the time block ``unit``'s backward
         runs: those of the blocks after it that reduce in this step (their backward ran first, and
         FSDP2 frees the unsharded gradient once its reduce-scatter has copied it)."""
-        return sum(sum(self._accumulated_of(block).values()) for block in self.units[unit + 1:]
-                   if all(group.reduce_grads for group in block._get_fsdp_state()._fsdp_param_groups))
+        return sum(sum(self._accumulated_of(block).values()) for block in self.units[unit + 1:] if _reduces(block))
 
     def mark_planned(self, args: tuple) -> None:
         """A block's graph ran with nothing to plan (no gradient needed): it is not outside the plans."""

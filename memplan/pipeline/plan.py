@@ -25,8 +25,7 @@ from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, held_after_backward, host_updates, most_bucket_temp_bytes
 from memplan.updates.runner import Accumulation
-from memplan.updates.host_memory import (HostMemoryError, available_host_memory, check_host_memory, host_update_bytes,
-                                         state_held_on_host)
+from memplan.updates.host_memory import HostMemoryError, check_host_memory, default_host_limit, host_update_bytes
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
@@ -449,23 +448,16 @@ def make_plan(
                             host=frozenset(u.name for u in updates) if optimizer_state == "host" else frozenset(),
                             accumulate_steps=steps, norm_pass=forced_pass,
                             bucket_bytes=step_bucket_caps(updates)[0] if updates else 0)
-    # (the state a plan made earlier put in host memory is this plan's to count, not taken already)
-    host_limit = available_host_memory() + state_held_on_host(optimizer) if host_memory is None else host_memory
-    check_host_memory(host_update_bytes(updates, first.host, first.bucket_bytes), host_limit)  # (before solving)
     analysis = analyze_step(prepared, profile, measure_on=measure_on, placement=first,
                             carry_limit=None if carry_limit is None else (carry_limit, budget), scratch_on=scratch_on)
     phases.lap("analysis")
     clock = clock.sized_to(analysis.num_nodes)
     clock.warn_if_spent("capturing and analyzing the step")
     phases.next(f"solving the step ({analysis.num_nodes:,} ops), {clock.solve_limit():.0f} s of the time limit left")
-    try:
-        plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
-                                norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
-                                solver=solver, clock=clock, offload=offload, host_limit=host_limit)
-        check_host_memory(plan.host_memory, host_limit)
-    except HostMemoryError as exc:
-        exc.addend_only_outputs = analysis.capture.addend_only_outputs
-        raise
+    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
+                            norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
+                            solver=solver, clock=clock, offload=offload,
+                            host_limit=default_host_limit(optimizer) if host_memory is None else host_memory)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)
@@ -479,16 +471,14 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
     (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
     lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
     backward pass instead of holding the gradients. ``clock``: each solve gets what is left of
-    the planning call's time limit, and stops at its gap. ``host_limit``: bytes of host memory
-    the updates' state may take there (None: no limit). ``solve_options``: `solve_plan`'s."""
+    the planning call's time limit, and stops at its gap. ``host_limit``: bytes of host memory the
+    plan may keep there (None: no limit); a plan that needs more raises `HostMemoryError` (with all
+    state on the host from the start, before solving). ``solve_options``: `solve_plan`'s."""
     def options() -> dict:
         """``solve_options``, with what is left of the clock's limit when one is given (read per solve)."""
         if clock is None:
             return solve_options
         return {**solve_options, "time_limit": clock.solve_limit(), "gap": clock.gap}
-
-    if not analysis.updates:
-        return solve_plan(analysis, budget, **options())
 
     recent: list[Analysis] = []  # the last two placements lowered: a probed one is solved again in full
 
@@ -502,9 +492,22 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
             chosen["time_limit"] = min(chosen.get("time_limit") or math.inf, TUNABLES.placement_probe_seconds)
         return solve_plan(again, budget, search_minimum=search_minimum, **chosen)
 
-    return whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
-                           norm_pass, step_bucket_caps(analysis.updates), out_of_time=clock.spent if clock else lambda: False,
-                           host_limit=host_limit)
+    try:
+        if host_limit is not None:
+            placed = analysis.lowered.placement
+            check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes), host_limit)
+        if not analysis.updates:
+            plan = solve_plan(analysis, budget, **options())
+        else:
+            plan = whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
+                                   norm_pass, step_bucket_caps(analysis.updates),
+                                   out_of_time=clock.spent if clock else lambda: False, host_limit=host_limit)
+        if host_limit is not None:
+            check_host_memory(plan.host_memory, host_limit)
+        return plan
+    except HostMemoryError as exc:  # (a plan assuming fewer outputs get gradients may fit: `optimize` tries it)
+        exc.addend_only_outputs = analysis.capture.addend_only_outputs
+        raise
 
 
 

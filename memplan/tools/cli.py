@@ -198,7 +198,7 @@ def _bytes_arg(text: str) -> int:
     from memplan.core.units import parse_bytes
 
     try:
-        return parse_bytes(int(text) if text.isdigit() else text)
+        return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -288,7 +288,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
     from memplan.pipeline.clock import PlanningClock
     from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
-    from memplan.updates.host_memory import available_host_memory, check_host_memory, host_update_bytes
+    from memplan.updates.host_memory import default_host_limit
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
     _check_budget_syntax(args.budget)
@@ -309,16 +309,13 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     budget = parse_budget_arg(args.budget, analysis.eager_peak,
                               lambda: _min_budget(analysis, progress, options["offload"]) + engine)
     limit = "" if args.time_limit is None else f", limit {args.time_limit:g} s"
-    host_limit = available_host_memory() if args.host_memory is None else args.host_memory
-    placed = analysis.lowered.placement  # (all state on the host with --optimizer-state host: refused before solving)
-    check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes), host_limit)
+    host_limit = default_host_limit() if args.host_memory is None else args.host_memory
     with progress.stage("solve", f"solving for {fmt(budget)} with {args.solver}{limit}"):
         try:
             clock = PlanningClock.begin(args.time_limit, started).sized_to(analysis.num_nodes)
             plan = solve_whole_step(analysis, budget - engine, clock=clock, solver=options["solver"],
                                     offload=options["offload"], may_move_state=args.optimizer_state == "auto",
                                     host_limit=host_limit)
-            check_host_memory(plan.host_memory, host_limit)
         except InfeasibleBudgetError as exc:
             if not engine:
                 raise
@@ -553,8 +550,10 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
             f"use --budget {_round_up(exc.min_budget)} or more (or --budget min), or a smaller --batch-size",
         )
     if isinstance(exc, memplan.HostMemoryError):
-        held = ", ".join(f"{name} {fmt(b)}" for name, b in exc.parts.items() if b)
-        return (f"the plan needs {fmt(exc.needed)} of host memory ({held}), more than the {fmt(exc.available)} "
+        from memplan.updates.host_memory import describe_parts
+
+        return (f"the plan needs {fmt(exc.needed)} of host memory ({describe_parts(exc.parts)}), more than the "
+                f"{fmt(exc.available)} "
                 "it may use there",
                 "raise --budget (less moves to the host), --host-memory, or use --optimizer-state device")
     if isinstance(exc, memplan.CaptureError):

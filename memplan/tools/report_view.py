@@ -169,10 +169,11 @@ def print_report(console, target: Any, plan, data: dict, top: int) -> None:
                 else "each update runs in backward as soon as its gradient is final, and frees it")
         summary.add_row("optimizer state", f"{where}; {when}")
     if s["host_memory"]:
+        from memplan.updates.host_memory import describe_parts
+
         held = sum(s["host_memory"].values())
         limit = f" of {fmt(s['host_memory_limit'])} it may use" if s["host_memory_limit"] else ""
-        summary.add_row("host memory", f"{fmt(held)}{limit}: " + ", ".join(
-            f"{name} {fmt(b)}" for name, b in s["host_memory"].items() if b))
+        summary.add_row("host memory", f"{fmt(held)}{limit}: {describe_parts(s['host_memory'])}")
     traffic = s["host_traffic"]
     if traffic["to_host"] or traffic["to_device"]:
         compute = s["store_all_time"]

@@ -30,12 +30,16 @@ class HostMemoryError(ValueError):
         # The step's outputs whose gradient is only an addend (`Capture.addend_only_outputs`), set by
         # `make_plan`: a plan that assumes they get none needs less moved to the host, and may fit.
         self.addend_only_outputs: frozenset[int] = frozenset()
-        what = ", ".join(f"{name} {format_bytes(b)}" for name, b in parts.items() if b)
         super().__init__(
-            f"memplan: the plan needs {format_bytes(needed)} of host memory ({what}), more than the "
+            f"memplan: the plan needs {format_bytes(needed)} of host memory ({describe_parts(parts)}), more than the "
             f"{format_bytes(available)} it may use there (host_memory=; by default what the machine has "
             "available): raise the device budget (less moves to the host), free host memory, or keep the "
             "optimizer state on the device (optimizer_state='device')")
+
+
+def describe_parts(parts: dict[str, int]) -> str:
+    """``parts`` (name -> bytes held in host memory) as people read them: "optimizer state 1.50 GB, ..."."""
+    return ", ".join(f"{name} {format_bytes(b)}" for name, b in parts.items() if b)
 
 
 def available_host_memory() -> int:
@@ -62,6 +66,13 @@ def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], buck
         return {}
     return {"optimizer state": sum(u.state_bytes for u in hosted),
             "update copies": 2 * sum(u.grad_bytes for u in hosted) + most_bucket_temp_bytes(hosted, bucket_bytes)}
+
+
+def default_host_limit(optimizer: object = None) -> int:
+    """The host memory a planning call may use when not told: what the machine has available now,
+    and the state of ``optimizer`` an earlier plan already put in host memory (this plan's to count,
+    not taken already)."""
+    return available_host_memory() + state_held_on_host(optimizer)
 
 
 def state_held_on_host(optimizer: object) -> int:
