@@ -45,7 +45,7 @@ class Tunables:
     reorder_repair_seconds: float = 20.0
     """A schedule that moving the optimizer updates after their parameters' reads put over the budget
     is recomputed down again for at most this long in all, past the time limit if need be: the plan is
-    lost otherwise (`memplan.pipeline.plan.updates_after_reads_within`; a 1.3B-parameter GPT's: 7 s, then 6 s)."""
+    lost otherwise (`memplan.planning.lowering.updates_after_reads_within`; a 1.3B-parameter GPT's: 7 s, then 6 s)."""
     min_solve_time: float = 1.0
     """The solver gets at least this many seconds, whatever capture took: a plan is still needed."""
 

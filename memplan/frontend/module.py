@@ -24,6 +24,7 @@ from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
+from memplan.frontend.paged import put_parameters_on_host
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
                                          warn_unplanned_engine_memory)
@@ -132,6 +133,13 @@ class OptimizedModule(nn.Module):
             if data_parallel is None:
                 refuse_distributed_updates(model)
         refuse_engines_inside(model)
+        if step.parameters == "host":
+            # Paged parameters are updated on the host, with their state there; a model that breaks
+            # into graphs is refused at capture (its graphs would not page).
+            put_parameters_on_host(model, distributed=data_parallel is not None, compile=options.compile,
+                                   saved_plan=self.saved_plan)
+            step = self.step_options = dataclasses.replace(step, optimizer_state="host")
+            self.split_factory = None
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -509,6 +517,7 @@ class OptimizedModule(nn.Module):
             updates_after_backward=self.step_options.updates_after_backward,
             max_grad_norm=self.step_options.max_grad_norm,
             optimizer_state=self.step_options.optimizer_state,
+            paged=self.step_options.parameters == "host",
             accumulation=self.accumulation,
             clip_by=self.step_options.clip_by,
             carry_limit=self.carry_limit,

@@ -123,3 +123,19 @@ def copy_back(dst: torch.Tensor, host: torch.Tensor) -> Any:
         return landed
     dst.copy_(host)
     return None
+
+
+@torch.library.custom_op("memplan::fetch_parameter", mutates_args=())
+def fetch_parameter(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A paged parameter's copy on ``device`` for the ops that read it (`memplan.passes.paging`):
+    the parameter lives in host memory between its uses. On the CPU, where the device is the
+    host's own RAM, the copy is a clone into storage not marked as host: device memory, counted.
+
+    A fetch is an op like any other in the joint graph, so a plan may free its copy and fetch
+    it again (a recomputation) rather than keep it from the forward to the backward."""
+    return host.to(device, copy=True, non_blocking=host.is_pinned())
+
+
+@fetch_parameter.register_fake
+def _fetch_parameter_fake(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_like(host, device=device)

@@ -20,6 +20,7 @@ from memplan.core.units import parse_bytes
 
 OPTIMIZER_STATES = ("auto", "device", "host")
 CLIP_BY = ("auto", "holding", "norm_pass")
+PARAMETER_PLACES = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,12 @@ class StepOptions:
     accumulate_steps: int = 1
     """Update once every this many backward passes, the gradients added up in ``.grad`` between."""
 
+    parameters: str = "device"
+    """Where the parameters live between their uses: "device", or "host" (paged, ZeRO-Infinity
+    style: each is fetched to the device before its readers, and the plan keeps the copy from the
+    forward to the backward or fetches it again as the budget asks; the update runs on the host,
+    the optimizer's state there too). "host" needs ``optimizer=``; on the CPU it is simulated."""
+
     clip_by: str = "auto"
     """How ``max_grad_norm`` gets the global norm: "holding" every gradient to the end of
     backward, "norm_pass" (a first backward computes the norm only, a second applies the
@@ -121,5 +128,16 @@ class StepOptions:
         if steps > 1 and self.optimizer is None:
             raise ValueError("memplan.optimize: accumulate_steps= counts steps between memplan's updates; it needs "
                              "optimizer= (without one, accumulate as usual: gradients held in .grad are planned for)")
+        if self.parameters not in PARAMETER_PLACES:
+            raise ValueError(f"memplan.optimize: parameters={self.parameters!r}; give one of "
+                             f"{', '.join(map(repr, PARAMETER_PLACES))}")
+        if self.parameters == "host":
+            if self.optimizer is None:
+                raise ValueError("memplan.optimize(..., parameters=\"host\"): paged parameters are updated where "
+                                 "they live, on the host; give the optimizer: optimizer=opt")
+            if self.optimizer_state == "device":
+                raise ValueError("memplan.optimize(..., parameters=\"host\", optimizer_state=\"device\"): a paged "
+                                 "parameter's update runs on the host, with its state there; leave optimizer_state "
+                                 "at \"auto\" or give \"host\"")
         if self.clip_by not in CLIP_BY:
             raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")

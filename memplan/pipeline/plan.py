@@ -20,7 +20,6 @@ import torch
 import solvers
 from solvers.core.memory import alias_trees
 from solvers.core.sequence import tighten_frees
-from solvers.transforms.repair import add_recomputations
 from memplan.planning.analysis import Analysis
 from memplan.costs.cost_model import DeviceProfile, output_bytes
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, held_after_backward, host_updates, most_bucket_temp_bytes
@@ -28,8 +27,9 @@ from memplan.updates.runner import Accumulation
 from memplan.updates.host_memory import HostMemoryError, check_host_memory, default_host_limit, host_update_bytes
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
+from memplan.planning.decisions import Transfer, ValueDecision, fetched_bytes, transfers_of, value_decisions
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
-from memplan.planning.lowering import BACKWARD, CUT_RESERVE, Lowered, dropped_input_names, is_reference, updated_after_reads
+from memplan.planning.lowering import BACKWARD, CUT_RESERVE, dropped_input_names, updates_after_reads_within
 from memplan.runtime.program import Program
 from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step, step_bucket_caps
 from memplan.core.units import format_bytes
@@ -79,28 +79,6 @@ class InfeasibleBudgetError(ValueError):
 
 
 @dataclass
-class ValueDecision:
-    """What the plan does with one value computed in forward and needed in backward."""
-
-    name: str
-    nbytes: int
-    decision: str  # "keep" | "recompute" | "offload"
-    computations: int
-
-
-@dataclass
-class Transfer:
-    """One value the plan pages out to host memory and back, with predicted times (seconds into the step)."""
-
-    name: str
-    nbytes: int
-    out_after: str  # the compute after which its copy to host starts
-    out_time: float
-    back_before: str | None  # the first compute that reads it after it comes back (None: never read again)
-    back_time: float | None  # when its copy back starts
-
-
-@dataclass
 class Plan:
     """The plan for one input signature, with what it predicts."""
 
@@ -134,18 +112,26 @@ class Plan:
         """What the plan keeps in host memory at most, by kind (name -> bytes): the optimizer state
         its placement moved there with one bucket's update copies, and the activations it pages out."""
         placement = self.analysis.lowered.placement
-        held = host_update_bytes(self.analysis.updates, placement.host, placement.bucket_bytes)
+        held = host_update_bytes(self.analysis.updates, placement.host, placement.bucket_bytes,
+                                 placement.accumulate_steps)
         return {**held, "paged activations": self.host_bytes} if self.host_bytes else held
 
     @property
     def host_traffic(self) -> tuple[int, int]:
         """Bytes the plan moves over the host link in a step that updates: (to the host, back to the
         device). The activations it pages out, and back where read again; each host update's gradient
-        and parameter out, and the parameter back (`memplan.updates.host_state`)."""
+        and parameter out, and the parameter back (`memplan.updates.host_state`); a paged parameter's
+        gradient out, and the parameter in at each of its fetches (`memplan.passes.paging`)."""
         hosted = [u for u in self.analysis.updates if u.name in self.analysis.lowered.placement.host]
-        out = sum(t.nbytes for t in self.transfers) + sum(2 * u.grad_bytes for u in hosted)
-        back = sum(t.nbytes for t in self.transfers if t.back_before is not None) + sum(u.grad_bytes for u in hosted)
+        out = sum(t.nbytes for t in self.transfers) + sum(u.grad_bytes * (1 if u.paged else 2) for u in hosted)
+        back = (sum(t.nbytes for t in self.transfers if t.back_before is not None)
+                + sum(u.grad_bytes for u in hosted if not u.paged) + self.fetched_bytes)
         return out, back
+
+    @functools.cached_property
+    def fetched_bytes(self) -> int:
+        """Bytes of paged parameters fetched to the device in a step, each fetch of each counted."""
+        return fetched_bytes(self.analysis, self.schedule)
 
     @property
     def link_time(self) -> float:
@@ -262,7 +248,9 @@ class Plan:
         offloaded = sum(t.nbytes for t in self.transfers)
         lines = [
             "memplan plan",
-            f"  parameters       {format_bytes(a.param_bytes)}",
+            f"  parameters       {format_bytes(a.param_bytes)}" + (
+                f" (paged: in host memory, {format_bytes(self.fetched_bytes)} fetched to the device a step)"
+                if any(u.paged for u in a.updates) else ""),
             f"  eager peak       {format_bytes(a.eager_peak)} (eager autograd, replayed on fake tensors)",
             f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
             f"  budget           {format_bytes(self.budget)}",
@@ -296,8 +284,10 @@ class Plan:
                          "device, in the budget")
             if low.host_states:
                 lines.append(f"  host updates     {len(low.host_states)} of them keep their state in host memory "
-                             f"({format_bytes(a.host_optimizer_state_bytes)}) and are updated there: gradient and "
-                             "parameter copied out, the parameter copied back")
+                             f"({format_bytes(a.host_optimizer_state_bytes)}) and are updated there: "
+                             + ("the gradient copied out, the paged parameter stepped where it is"
+                                if any(u.paged for u in a.updates) else
+                                "gradient and parameter copied out, the parameter copied back"))
             if low.placement.accumulate_steps > 1:
                 lines.append(f"  accumulation     updates every {low.placement.accumulate_steps} steps; "
                              f"{format_bytes(a.accumulated_gradient_bytes)} of accumulated gradients held "
@@ -333,42 +323,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def _decisions(analysis: Analysis, schedule: "solvers.Schedule") -> list[ValueDecision]:
-    low = analysis.lowered
-    computes = Counter(str(node) for op, node in schedule if op == "compute")
-    offloaded = {str(node) for op, node in schedule if op == "offload"}
-    out = []
-    for name, node in low.fx_nodes.items():
-        if node.op != "call_function" or is_reference(name) or name == BACKWARD or name in low.norm_pass:
-            continue
-        n = computes.get(name, 0)
-        if n == 0:
-            continue
-        decision = "offload" if name in offloaded else "recompute" if n > 1 else "keep"
-        out.append(ValueDecision(name, analysis.costs.values[name].new_bytes, decision, n))
-    return out
-
-
-def _transfers(problem: "solvers.Problem", schedule: "solvers.Schedule", clock) -> list[Transfer]:
-    """Each offloaded value: after which compute it leaves, before which it comes back, and when."""
-    steps = [(op.value, str(node)) for op, node in schedule]
-    out = []
-    for k, (op, name) in enumerate(steps):
-        if op != "offload":
-            continue
-        before = next((n for o, n in reversed(steps[:k]) if o == "compute"), "start")
-        back_at = next((j for j in range(k + 1, len(steps)) if steps[j] == ("prefetch", name)), None)
-        back_before, back_time = None, None
-        if back_at is not None:
-            reader = problem.index[name]
-            succs = {str(problem.names[s]) for s in problem.succs[reader]}
-            back_before = next((n for o, n in steps[back_at + 1:] if o == "compute" and n in succs), None)
-            back_time = float(clock[back_at - 1]) if back_at > 0 else 0.0
-        out_time = float(clock[k - 1]) if k > 0 else 0.0
-        out.append(Transfer(name, int(problem.mem[problem.index[name]]), before, out_time, back_before, back_time))
-    return out
-
-
 def make_plan(
     model: torch.nn.Module,
     args: tuple,
@@ -387,6 +341,7 @@ def make_plan(
     updates_after_backward: bool = False,
     max_grad_norm: float | None = None,
     optimizer_state: str = "auto",
+    paged: bool = False,
     accumulation: Accumulation | None = None,
     clip_by: str = "auto",
     carry_limit: int | None = None,
@@ -414,7 +369,8 @@ def make_plan(
     clip the gradients' global norm to it before the updates (which then come after backward);
     ``optimizer_state``: "device", "host" (every parameter's state in host memory, updated
     there) or "auto" (on the device, and in host memory for as many parameters as the budget
-    needs: `whole_step_plan`); ``accumulation``: update once every ``accumulation.steps`` steps;
+    needs: `whole_step_plan`); ``paged``: every parameter lives in host memory between its uses,
+    fetched before them (`memplan.passes.paging`); ``accumulation``: update once every ``accumulation.steps`` steps;
     ``clip_by`` (with ``max_grad_norm``): "holding" every gradient to the end of backward,
     "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
     ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
@@ -439,7 +395,7 @@ def make_plan(
         phases.lap(lap_as[key])
 
     prepared = prepare_step(model, args, kwargs, profile=profile, output_use=output_use, optimizer=optimizer,
-                            measure_on=measure_on, eager_peak=eager_peak, stage=lapped)
+                            measure_on=measure_on, eager_peak=eager_peak, stage=lapped, paged=paged)
     updates = prepared.updates
     steps = accumulation.steps if accumulation is not None else 1
     clipping = max_grad_norm is not None
@@ -457,7 +413,7 @@ def make_plan(
     plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
                             norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                             solver=solver, clock=clock, offload=offload,
-                            host_limit=default_host_limit(optimizer) if host_memory is None else host_memory)
+                            host_limit=default_host_limit(optimizer, model) if host_memory is None else host_memory)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)
@@ -495,7 +451,8 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
     try:
         if host_limit is not None:
             placed = analysis.lowered.placement
-            check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes), host_limit)
+            check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes,
+                                                placed.accumulate_steps), host_limit)
         if not analysis.updates:
             plan = solve_plan(analysis, budget, **options())
         else:
@@ -537,6 +494,8 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     more than its buckets' temporaries could give back, and updates after backward where the
     gradients, parameters and device state alone exceed the budget (`held_after_backward`).
     Nor is the minimum budget searched for then: a solve that finds no plan says how far it got.
+    Where no state can move, the minimum is searched for only once no attempt fits, for the error
+    (`_searched_minimums`): a step whose first cap falls short and whose next fits searches nothing.
     A placement reached by moving state is solved briefly first, as is every state in host memory
     (`_against_all_on_host`), and the faster is searched in full in what is left of the limit.
 
@@ -566,6 +525,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
             else:
                 tries = [placement, dataclasses.replace(placement, after_backward=True)]
             errors = []
+            unsearched: list[UpdatePlacement] = []  # attempts that did not fit, their minimum not searched for
             on_device = [u for u in updates if u.name not in placement.host]
             # While state can still move to the host, a placement that cannot fit is told apart
             # without the minimum-budget search (minutes on a billion parameters): the trivial bound,
@@ -586,9 +546,11 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     at = dataclasses.replace(attempt, bucket_bytes=cap)
                     probe = moved and not fitting
                     try:
-                        plan = solve_for(at, search_minimum=not can_move, probe=probe)
+                        plan = solve_for(at, search_minimum=False, probe=probe)
                     except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
                         errors.append(exc)
+                        if isinstance(exc, InfeasibleBudgetError) and not can_move:
+                            unsearched.append(at)
                         if isinstance(exc, InfeasibleBudgetError) and savable is None:
                             savable = most_bucket_temp_bytes(on_device, cap) - (exc.min_budget - budget)
                         continue
@@ -603,6 +565,10 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     fitting.append(plan)
                 if fitting:  # each fits by recomputing or moving: the fastest, bucket calls and all
                     return min(fitting, key=lambda p: p.predicted_time)
+            if unsearched:  # nothing fits and no state can move: the error names the minimum searched for
+                plan, errors = _searched_minimums(solve_for, unsearched, errors)
+                if plan is not None:
+                    return plan
             infeasible = [e for e in errors if isinstance(e, InfeasibleBudgetError)]
             if not infeasible:
                 raise errors[-1]
@@ -630,6 +596,20 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
         # the collector ran first depended on allocations, a caller's dispatch mode or profiler.
         best = closest = None
         errors = infeasible = []
+
+
+def _searched_minimums(solve_for: Callable[..., Plan], attempts: list[UpdatePlacement],
+                       errors: list[Exception]) -> tuple[Plan | None, list[Exception]]:
+    """``attempts`` solved again with the minimum-budget search, which a solve that fits does not
+    need (seconds to minutes a search: each attempt is solved without it first); ``errors`` with
+    theirs in place of the unsearched ones. A plan, where a solve now fits."""
+    kept: list[Exception] = [e for e in errors if not isinstance(e, InfeasibleBudgetError)]
+    for at in attempts:
+        try:
+            return solve_for(at, search_minimum=True), errors
+        except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
+            kept.append(exc)
+    return None, kept
 
 
 def _within_host(updates: Sequence[ParamUpdate], host: frozenset[str], candidates: Sequence[ParamUpdate],
@@ -721,34 +701,6 @@ def solve_plan(
     )
 
 
-def updates_after_reads_within(low: Lowered, problem: "solvers.Problem",
-                               schedule: "solvers.Schedule") -> "solvers.Schedule":
-    """``schedule`` with each optimizer update after the last read of its parameter, which it
-    overwrites (`updated_after_reads`), and back under the budget where that moved an update past a
-    recomputed read: the update's gradient and temporaries are then held longer than the solver
-    planned (a 1.3B-parameter GPT's 530 s search: 16.33 GB against 16 GB). Values are recomputed
-    down to the budget again (`add_recomputations`, `TUNABLES.reorder_repair_seconds` in all) and the
-    updates moved again, while that lowers the peak; a schedule still over fails the plan's validation."""
-    solved = schedule
-    schedule = updated_after_reads(low, problem, schedule)
-    if not low.updates or schedule.steps == solved.steps:
-        return schedule  # (nothing moved: the solver's schedule fits as it is)
-    deadline = time.perf_counter() + TUNABLES.reorder_repair_seconds
-    peak = solvers.simulate(problem, list(schedule.steps)).peak
-    for _ in range(REORDER_REPAIR_ROUNDS):
-        if peak <= problem.budget or time.perf_counter() >= deadline:
-            break
-        repaired = updated_after_reads(low, problem, add_recomputations(problem, schedule, deadline))
-        lower = solvers.simulate(problem, list(repaired.steps)).peak
-        if lower >= peak:
-            break  # (the repair is deterministic: another round would do the same)
-        schedule, peak = repaired, lower
-    return schedule
-
-
-REORDER_REPAIR_ROUNDS = 4  # (the 1.3B GPT's schedule fitted after two)
-
-
 def plan_from_schedule(
     analysis: Analysis,
     budget: int,
@@ -779,10 +731,10 @@ def plan_from_schedule(
         lower_bound=lower_bound,
         solve_time=solve_time,
         status=status,
-        decisions=_decisions(analysis, schedule),
+        decisions=value_decisions(analysis, schedule),
         schedule=schedule,
         analysis=analysis,
-        transfers=_transfers(problem, schedule, result.clock),
+        transfers=transfers_of(problem, schedule, result.clock),
         predicted_wait=result.wait,
         host_bytes=result.host_peak,
     )

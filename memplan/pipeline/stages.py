@@ -14,6 +14,7 @@ that time or show progress (the CLI's spinner, ``make_plan``'s phase timer); the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
@@ -24,6 +25,7 @@ from memplan.capture.signature import Capture
 from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile, get_profile
 from memplan.passes.output_use import OutputUse
+from memplan.passes.paging import page_parameters
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.core.config import TUNABLES
 from memplan.updates.buckets import bucket_caps
@@ -50,10 +52,15 @@ class PreparedStep:
 
 
 def capture_step(model: torch.nn.Module, args: tuple, kwargs: dict, *, output_use: OutputUse = OutputUse(),
-                 stage: Stage = no_stage) -> Capture:
-    """The first stage alone: the step's joint graph (`memplan.capture.trace.capture`)."""
+                 stage: Stage = no_stage, paged: bool = False) -> Capture:
+    """The first stage alone: the step's joint graph (`memplan.capture.trace.capture`); with
+    ``paged``, every parameter in host memory and fetched before its readers (`page_parameters`)."""
     with stage("capture", "capturing forward+backward on fake tensors"):
-        return capture(model, args, kwargs, output_use=output_use)
+        cap = capture(model, args, kwargs, output_use=output_use)
+        if paged:
+            page_parameters(cap.graph_module, [node for node, info in zip(cap.placeholders(), cap.primals)
+                                               if info.kind == "param"])
+        return cap
 
 
 def prepare_step(
@@ -68,18 +75,23 @@ def prepare_step(
     eager_peak: int | None = None,
     captured: Capture | None = None,
     stage: Stage = no_stage,
+    paged: bool = False,
 ) -> PreparedStep:
     """Capture the step, learn its optimizer's updates and replay it eagerly on fake tensors.
 
     ``eager_peak``: the eager step's peak when the caller has replayed it already for this output
     use. ``captured``: the step's capture when the caller made it already (`capture_step`; a saved
-    plan checks it before anything else runs). ``measure_on``: the optimizer's update is timed there."""
-    cap = captured if captured is not None else capture_step(model, args, kwargs, output_use=output_use, stage=stage)
+    plan checks it before anything else runs). ``measure_on``: the optimizer's update is timed there.
+    ``paged``: the parameters live in host memory between their uses (`capture_step`)."""
+    cap = captured if captured is not None else capture_step(model, args, kwargs, output_use=output_use, stage=stage,
+                                                             paged=paged)
     updates: list[ParamUpdate] = []
     if optimizer is not None:
         with stage("optimizer", f"learning what {type(optimizer).__name__} keeps and allocates"):
             updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
                                     measure_times=measure_on is not None)
+            if paged:
+                updates = [dataclasses.replace(u, paged=True) for u in updates]
     with stage("eager", "replaying the eager step on fake tensors"):
         if eager_peak is None:
             eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
@@ -152,17 +164,18 @@ def analyze(
     device_profile: str | DeviceProfile | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     host_state: bool = False,
+    paged: bool = False,
     stage: Stage = no_stage,
 ) -> Analysis:
     """Capture ``model`` on fake tensors and predict its eager step's memory and time
     (with ``optimizer``: the whole step, its state and updates included; ``host_state``: every
-    parameter's state in host memory, updated there)."""
+    parameter's state in host memory, updated there; ``paged``: the parameters too, `capture_step`)."""
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     device = next((t.device for t in model.parameters()), torch.device("cpu"))
     profile = get_profile(device_profile, device)
     prepared = prepare_step(model, example_inputs, dict(example_kwargs or {}), profile=profile, optimizer=optimizer,
-                            stage=stage)
+                            stage=stage, paged=paged)
     updates = prepared.updates
     # (the placement `memplan.pipeline.plan.make_plan` tries first: its largest bucket cap)
     placement = UpdatePlacement(host=frozenset(u.name for u in updates) if host_state else frozenset(),

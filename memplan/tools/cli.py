@@ -250,7 +250,7 @@ def make_named_optimizer(name: str, params: Any) -> Any:
 
 
 def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None,
-                   host_state: bool = False):
+                   host_state: bool = False, paged: bool = False):
     from memplan.costs.cost_model import get_profile
     from memplan.pipeline.stages import analyze
 
@@ -263,7 +263,7 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         raise CLIError(str(exc)) from None
     opt = make_named_optimizer(optimizer, target.module.parameters()) if optimizer is not None else None
     return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
-                   host_state=host_state, stage=progress.stage)
+                   host_state=host_state, paged=paged, stage=progress.stage)
 
 
 def _solve_options(args: argparse.Namespace) -> dict:
@@ -294,6 +294,10 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     _check_budget_syntax(args.budget)
     if args.optimizer_state != "auto" and not args.optimizer:
         raise CLIError(f"--optimizer-state {args.optimizer_state} places an optimizer's state", hint="add --optimizer adamw")
+    paged = args.parameters == "host"
+    if paged and (not args.optimizer or args.optimizer_state == "device" or args.fsdp2 or getattr(args, "ddp", False)):
+        raise CLIError("--parameters host pages the parameters of one process, updated on the host",
+                       hint="add --optimizer adamw; leave out --optimizer-state device, --fsdp2 and --ddp")
     if args.fsdp2:
         return _report_fully_shard(args, progress)
     if args.world_size is not None or args.plot:
@@ -302,7 +306,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
     analysis = analyze_target(target, progress, args.device_profile, args.optimizer,
-                              host_state=args.optimizer_state == "host")
+                              host_state=args.optimizer_state == "host" or paged, paged=paged)
     engine = 0
     if getattr(args, "ddp", False):
         analysis, engine = _inside_data_parallel(analysis, target.module)
@@ -314,7 +318,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
         try:
             clock = PlanningClock.begin(args.time_limit, started).sized_to(analysis.num_nodes)
             plan = solve_whole_step(analysis, budget - engine, clock=clock, solver=options["solver"],
-                                    offload=options["offload"], may_move_state=args.optimizer_state == "auto",
+                                    offload=options["offload"],
+                                    may_move_state=args.optimizer_state == "auto" and not paged,
                                     host_limit=host_limit)
         except InfeasibleBudgetError as exc:
             if not engine:
@@ -498,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--optimizer-state", choices=("auto", "device", "host"), default="auto",
                         help="with --optimizer: where its state lives; auto moves to host memory as much as the "
                              "budget needs (--fsdp2: device unless host)")
+    report.add_argument("--parameters", choices=("device", "host"), default="device",
+                        help="with --optimizer: host pages every parameter from host memory (fetched before its "
+                             "uses, updated on the host with its state)")
     report.add_argument("--host-memory", type=_bytes_arg, default=None, metavar="BYTES",
                         help="host memory the plan may keep there (64GB): optimizer state, its update copies, "
                              "paged activations; more is refused (default: what this machine has available)")

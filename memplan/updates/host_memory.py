@@ -1,6 +1,6 @@
 """Host memory as a limit of the plan: what a plan keeps in host memory, against what the host has.
 
-A plan may put three things in host memory: the optimizer state of the parameters its placement
+A plan may put four things in host memory: the parameters it pages (`memplan.passes.paging`), the optimizer state of the parameters its placement
 updates there (all step long), the copies its host updates work on (every hosted parameter and
 gradient: each bucket's are copied out as backward makes them, and wait for the one worker that
 steps them, `memplan.updates.runner`; and one bucket's optimizer temporaries at a time), and the
@@ -16,6 +16,7 @@ from typing import Iterable
 
 import torch
 
+from memplan.core.host import is_host
 from memplan.core.units import format_bytes
 from memplan.updates.host_state import in_host_memory
 from memplan.updates.probe import ParamUpdate, most_bucket_temp_bytes
@@ -55,24 +56,33 @@ def available_host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], bucket_bytes: int) -> dict[str, int]:
-    """What the updates run in host memory hold there at most (name -> bytes): the optimizer state
-    of the parameters in ``host``, and the copies of their parameters and gradients, all of which
+def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], bucket_bytes: int,
+                      accumulate_steps: int = 1) -> dict[str, int]:
+    """What the updates run in host memory hold there at most (name -> bytes): the parameters paged
+    there (`ParamUpdate.paged`), the optimizer state of the parameters in ``host``, and the copies of their parameters and gradients, all of which
     may wait for the host worker at once (backward copies each bucket out as it is made, faster than
     the host steps them), with one bucket's optimizer temporaries (a bucket holds up to
-    ``bucket_bytes`` of parameters)."""
+    ``bucket_bytes`` of parameters). With ``accumulate_steps`` > 1 a paged parameter's gradient is
+    summed there too, between micro-steps."""
     hosted = [u for u in updates if u.name in host]
     if not hosted:
         return {}
-    return {"optimizer state": sum(u.state_bytes for u in hosted),
-            "update copies": 2 * sum(u.grad_bytes for u in hosted) + most_bucket_temp_bytes(hosted, bucket_bytes)}
+    # A paged parameter is in host memory all step, and its update steps it there: only its
+    # gradient is copied out.
+    paged = sum(u.grad_bytes for u in hosted if u.paged)
+    parts = {"parameters": paged} if paged else {}
+    if paged and accumulate_steps > 1:
+        parts["accumulated gradients"] = paged
+    return {**parts, "optimizer state": sum(u.state_bytes for u in hosted),
+            "update copies": 2 * sum(u.grad_bytes for u in hosted) - paged + most_bucket_temp_bytes(hosted, bucket_bytes)}
 
 
-def default_host_limit(optimizer: object = None) -> int:
+def default_host_limit(optimizer: object = None, model: torch.nn.Module | None = None) -> int:
     """The host memory a planning call may use when not told: what the machine has available now,
-    and the state of ``optimizer`` an earlier plan already put in host memory (this plan's to count,
-    not taken already)."""
-    return available_host_memory() + state_held_on_host(optimizer)
+    and what of this plan's is in host memory already (this plan's to count, not taken): the state
+    of ``optimizer`` an earlier plan put there, and ``model``'s paged parameters."""
+    paged = sum(p.untyped_storage().nbytes() for p in model.parameters() if is_host(p)) if model is not None else 0
+    return available_host_memory() + state_held_on_host(optimizer) + paged
 
 
 def state_held_on_host(optimizer: object) -> int:

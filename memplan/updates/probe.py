@@ -49,6 +49,9 @@ class ParamUpdate:
     # stepping two and three parameters in one call.
     temp_share: float = 1.0
     temp_carry: float = 0.0
+    # The parameter itself lives in host memory (`memplan.passes.paging`): its host update steps it
+    # there, with no copy of it out or back.
+    paged: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 is final (`UpdateRunner`), state kept in host memory updated on a host thread (`HostUpdates`),
 gradient clipping (`GradClip`), and accumulation over micro-steps (`Accumulation`)."""
 from __future__ import annotations
+
+import contextlib
 import itertools
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -9,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 import torch
 import torch.nn as nn
-from memplan.core.host import host_storage
+from memplan.core.host import host_storage, is_host
 from memplan.ops.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
 from memplan.updates.host_state import in_host_memory, state_under, to_host
 
@@ -140,7 +142,9 @@ class UpdateRunner(nn.Module):
         updating micro-step the sum is handed back (and ``.grad`` left at None); before it, the
         sum stays in ``.grad`` and None is returned (nothing to update yet)."""
         p = self.params[slot]
-        with torch.no_grad():
+        if is_host(p):  # a paged parameter's sum is held beside it, in host memory (`memplan.passes.paging`)
+            grad = wait_host_copy(offload_tensor(grad.detach()))
+        with torch.no_grad(), host_storage() if is_host(p) else contextlib.nullcontext():
             if p.grad is None:
                 # Keep the gradient itself where its layout is the parameter's, as AccumulateGrad does.
                 p.grad = grad if grad.stride() == p.stride() else torch.empty_like(p).copy_(grad)
@@ -267,7 +271,8 @@ class UpdateRunner(nn.Module):
         the parameters under their keys in ``optimizer.state`` for the moment, so the optimizer
         finds and creates the state there, through `_host_view` of the optimizer."""
         grads_out = [offload_tensor(g.detach()) for g in grads]
-        params_out = [offload_tensor(p.detach()) for p in params]
+        # A paged parameter (`memplan.passes.paging`) is in host memory already: stepped where it is.
+        params_out = [HostCopy(p.detach(), p.device) if is_host(p) else offload_tensor(p.detach()) for p in params]
         view = self._host_view()  # the groups' hyperparameters as they are now
         groups = [self._group_of.get(id(p)) for p in params]
         self._host_updates.submit(self._host_step, params, view, groups, params_out, grads_out)
@@ -306,7 +311,8 @@ class UpdateRunner(nn.Module):
         with torch.no_grad():
             landed = None
             for p, work in zip(params, works):
-                landed = copy_back(p.detach(), work)
+                if work.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():  # (a paged one is p)
+                    landed = copy_back(p.detach(), work)
             return landed
 
 
