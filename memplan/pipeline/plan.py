@@ -608,7 +608,9 @@ def _searched_minimums(solve_for: Callable[..., Plan], attempts: list[UpdatePlac
         try:
             return solve_for(at, search_minimum=True), errors
         except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
-            kept.append(exc)
+            # (its traceback would hold this frame, and this frame the list holding it: a cycle
+            # through every planning frame above, which `whole_step_plan` must not leave, #46)
+            kept.append(exc.with_traceback(None))
     return None, kept
 
 
