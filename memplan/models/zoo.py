@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from memplan.models.llama import LlamaConfig, build_llama
+
 __all__ = ["ZooModel", "aliases", "build", "names", "sizes"]
 
 
@@ -743,6 +745,16 @@ _ZOO: dict[str, _Entry] = {
             "small": DictOutConfig(in_features=1024, hidden=2048, num_classes=1000, batch_size=2048),
         },
     ),
+    "llama": _Entry(
+        build_llama,
+        "Llama-style decoder: RMSNorm, rotary embeddings, causal SDPA, SwiGLU MLP, untied LM head",
+        {
+            "tiny": LlamaConfig(vocab=256, seq=32, d_model=64, layers=2, heads=4, hidden=172, batch_size=2),
+            "small": LlamaConfig(vocab=4096, seq=128, d_model=256, layers=4, heads=4, hidden=688, batch_size=16),
+            "llama-7b": LlamaConfig(vocab=32000, seq=2048, d_model=4096, layers=32, heads=32, hidden=11008,
+                                    batch_size=1, dtype=torch.bfloat16),
+        },
+    ),
     "hf_style": _Entry(
         _build_hf_style,
         "HF-style LM returning a dataclass: loss, logits, per-layer (k, v) tuples, a cache object",
@@ -757,6 +769,7 @@ _ZOO: dict[str, _Entry] = {
 _ALIASES: dict[str, tuple[str, str]] = {
     "gpt2-small": ("gpt", "gpt2-small"),
     "gpt-1.3b": ("gpt", "gpt-1.3b"),
+    "llama-7b": ("llama", "llama-7b"),
     "resnet50-full": ("resnet50", "full"),
     "vit-b16": ("vit", "b16"),
 }
@@ -802,7 +815,7 @@ def build(
     size: str | None = None,
     batch_size: int | None = None,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     meta: bool = False,
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
@@ -812,7 +825,8 @@ def build(
     ``size=None`` means the alias's size, else "tiny".  ``meta=True`` puts
     parameters and inputs on the meta device: shapes only, no memory, for
     planning models that do not fit (``gpt-1.3b``).  Weights and inputs are
-    created directly on ``device`` from ``seed``.  ``overrides`` replaces
+    created directly on ``device`` from ``seed``, in ``dtype`` (None: the
+    size's own, float32 unless it names one).  ``overrides`` replaces
     fields of the size's config (``{"layers": 48}``).
     """
     name, size = _resolve(name, size)
@@ -829,6 +843,7 @@ def build(
         # Factory calls inside (parameters, inputs, targets) land on ``target``.
         with target:
             model, inputs, kwargs, loss_fn, unused = entry.builder(cfg, batch)
+    dtype = dtype or getattr(cfg, "dtype", torch.float32)  # (a size may name its own: llama-7b's bf16)
     model.to(dtype=dtype)
     inputs = tuple(_cast_float(x, dtype) for x in inputs)
     kwargs = {k: _cast_float(v, dtype) for k, v in kwargs.items()}

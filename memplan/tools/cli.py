@@ -563,6 +563,8 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
         return (f"the plan needs {fmt(exc.needed)} of host memory ({describe_parts(exc.parts)}), more than the "
                 f"{fmt(exc.available)} "
                 "it may use there",
+                "give --host-memory the training machine's (this one's is the default), or --parameters device"
+                if exc.parts.get("parameters") else
                 "raise --budget (less moves to the host), --host-memory, or use --optimizer-state device")
     if isinstance(exc, memplan.CaptureError):
         return str(exc), (

@@ -34,8 +34,10 @@ class HostMemoryError(ValueError):
         super().__init__(
             f"memplan: the plan needs {format_bytes(needed)} of host memory ({describe_parts(parts)}), more than the "
             f"{format_bytes(available)} it may use there (host_memory=; by default what the machine has "
-            "available): raise the device budget (less moves to the host), free host memory, or keep the "
-            "optimizer state on the device (optimizer_state='device')")
+            "available): " + ("free host memory, or keep the parameters on the device (parameters='device')"
+                              if parts.get("parameters") else
+                              "raise the device budget (less moves to the host), free host memory, or keep the "
+                              "optimizer state on the device (optimizer_state='device')"))
 
 
 def describe_parts(parts: dict[str, int]) -> str:

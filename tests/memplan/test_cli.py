@@ -210,6 +210,9 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
         (("report", "mlp", "--budget", "1GB", "--fsdp2", "--world-size", "0"), "at least one rank"),
         (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--optimizer-state", "host",
           "--host-memory", "10kB"), "of host memory (optimizer state"),
+        (("report", "mlp", "--budget", "1GB", "--parameters", "host"), "--parameters host pages"),
+        (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--parameters", "host",
+          "--host-memory", "10kB"), "of host memory (parameters"),
     ],
 )
 def test_more_user_errors_in_process(factory_file, capsys, args, needle):
@@ -353,3 +356,18 @@ def test_report_of_one_fsdp2_rank_is_planned_run_and_measured_offline(capsys, tm
                             "--world-size", "4", "--time-limit", "1", "--quiet")
     assert code == 2 and "Traceback" not in err and err.count("error:") == 1, err
     assert "smallest split memplan found for one rank of 4" in err and "hint: use --budget" in err, err
+
+
+def test_report_with_paged_parameters_plans_below_the_parameters_bytes(capsys):
+    """``--parameters host``: the parameters live in host memory, so a budget below their bytes is met;
+    the JSON report's host memory names them, and the link carries each fetch."""
+    import json
+
+    code, out, _ = run_main(capsys, "report", "gpt", "--budget", "400kB", "--optimizer", "adamw", "--parameters",
+                            "host", "--time-limit", "3", "--json", "--quiet")
+    assert code == 0
+    summary = json.loads(out)["summary"]
+    assert summary["planned_peak"] <= 400_000 < summary["param_bytes"]
+    assert summary["host_memory"]["parameters"] == summary["param_bytes"]
+    # Each parameter fetched once a step at least; its gradient out once.
+    assert summary["host_traffic"]["to_device"] >= summary["param_bytes"] == summary["host_traffic"]["to_host"]

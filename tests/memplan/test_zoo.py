@@ -68,10 +68,13 @@ def test_published_sizes_match_their_parameter_counts():
     assert zoo.build("gpt2-small", meta=True).num_params() == 124_439_808
     assert zoo.build("resnet50", "full", meta=True).num_params() == 25_557_032
     assert zoo.build("vit-b16", meta=True).num_params() == 86_567_656
+    llama = zoo.build("llama-7b", meta=True)  # Llama 2's 7B, in bf16 as its size names
+    assert llama.num_params() == 6_738_415_616
+    assert {p.dtype for p in llama.model.parameters()} == {torch.bfloat16}
 
 
 def test_names_aliases_and_sizes():
-    assert set(zoo.names()) == {"mlp", "cnn", "resnet50", "gpt", "unet", "vit", "dict_out", "hf_style"}
+    assert set(zoo.names()) == {"mlp", "cnn", "resnet50", "gpt", "unet", "vit", "dict_out", "hf_style", "llama"}
     assert zoo.build("resnet50").size == "tiny"
     assert zoo.build("gpt:small", meta=True).size == "small"
     assert zoo.build("gpt2-small", meta=True, batch_size=1).example_inputs[0].shape == (1, 1024)

@@ -1,0 +1,140 @@
+"""Parameters paged to host memory: how far below parameters + gradients + AdamW state a step goes, at what time.
+
+Issue #50's benchmark, on the simulated host of a CPU machine (host storages marked, a fetch is a
+clone): a parameter-heavy zoo GPT (few tokens, wide blocks) at budgets from the eager step's peak
+down to 1/16 of W, the bytes of its parameters, gradients and AdamW state. Side by side, in one
+process, interleaved:
+
+* eager: ``loss.backward(); opt.step()`` (its own peak is its budget);
+* memplan with every parameter's AdamW state in host memory, updated there (ZeRO-Offload's fixed
+  rule: the parameters stay on the device) (``optimizer_state="host"``);
+* memplan with the state where the budget needs it (``optimizer_state="auto"``, the default);
+* memplan with every parameter paged (``parameters="host"``): fetched before its readers, the
+  plan keeping each copy from the forward to the backward or fetching it again.
+
+Every cell: the measured whole-step peak (the dispatch tracker; host storages apart), the step
+time over eager's (median of interleaved repetitions), and the bytes the plan moves over the
+host link per step, each way (`Plan.host_traffic`). A "-" where the planner finds no plan.
+Writes ``benchmarks/results/paging.md``.
+
+    python -m benchmarks.studies.paging [--repeats 7] [--time-limit 5] [--divisors 1 2 4 8 16]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import memplan
+from benchmarks.harness.paths import RESULTS_DIR
+from memplan.core.units import format_bytes
+from memplan.measure.tracker import measure_peak
+from memplan.models import zoo
+
+RESULTS = RESULTS_DIR / "paging.md"
+CONFIG = {"seq": 8, "d_model": 128, "layers": 6}  # (zoo gpt tiny's vocabulary and heads, batch 1)
+MODES = {
+    "state on host": {"optimizer_state": "host"},
+    "auto": {},
+    "paged": {"parameters": "host"},
+}
+
+
+def _adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
+
+
+def _step(module, optimizer, args, kwargs) -> Callable[[], None]:
+    def step() -> None:
+        module(*args, **kwargs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+class _Cell:
+    def __init__(self, step: Callable[[], None] | None, plan=None) -> None:
+        self.step, self.plan = step, plan
+        self.peak = 0
+        self.times: list[float] = []
+
+
+def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
+    built = zoo.build("gpt", size="tiny", batch_size=1, overrides=CONFIG)
+    base = memplan.WithLoss(built.model, built.loss_fn)
+    args, kwargs = tuple(built.example_inputs), dict(built.example_kwargs)
+    whole = 4 * sum(p.numel() * p.element_size() for p in base.parameters())
+    eager = copy.deepcopy(base)
+    cells: dict[tuple[int, str], _Cell] = {(0, "eager"): _Cell(_step(eager, _adamw(eager), args, kwargs))}
+    planning: dict[tuple[int, str], float] = {}
+    for divisor in divisors:
+        for mode, options in MODES.items():
+            module = copy.deepcopy(base)
+            optimizer = _adamw(module)
+            started = time.perf_counter()
+            try:
+                planned = memplan.optimize(module, whole // divisor, optimizer=optimizer, example_inputs=args,
+                                           example_kwargs=kwargs, time_limit=time_limit, **options)
+            except memplan.InfeasibleBudgetError:
+                cells[(divisor, mode)] = _Cell(None)
+                continue
+            planning[(divisor, mode)] = time.perf_counter() - started
+            cells[(divisor, mode)] = _Cell(_step(planned, optimizer, args, kwargs), planned.plan)
+    runnable = [c for c in cells.values() if c.step is not None]
+    for cell in runnable:  # the state exists from the second step on: warm up, then measure
+        torch.manual_seed(0)
+        cell.step()
+        cell.peak = measure_peak(cell.step)
+    for _ in range(repeats):  # interleaved, so drifts of the machine hit every cell alike
+        for cell in runnable:
+            torch.manual_seed(0)
+            started = time.perf_counter()
+            cell.step()
+            cell.times.append(time.perf_counter() - started)
+    eager_cell = cells[(0, "eager")]
+    eager_time = statistics.median(eager_cell.times)
+    lines = [
+        f"## Paging a parameter-heavy GPT: zoo gpt {CONFIG}, batch 1",
+        "",
+        f"W = parameters + gradients + AdamW state = {format_bytes(whole)}; eager's measured whole-step peak "
+        f"{format_bytes(eager_cell.peak)} ({eager_cell.peak / whole:.2f} W), its step {eager_time * 1e3:.1f} ms.",
+        f"Each cell: measured peak (host storages apart) / step time over eager's (median of {repeats} interleaved) /",
+        "bytes moved per step to the host and back (predicted: `Plan.host_traffic`) / planning seconds.",
+        f"`time_limit={time_limit:g}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU "
+        "(host memory simulated: a fetch is a clone).",
+        "",
+        "| budget | " + " | ".join(MODES) + " |",
+        "|---|" + "---|" * len(MODES),
+    ]
+    for divisor in divisors:
+        row = [f"W/{divisor} = {format_bytes(whole // divisor)}"]
+        for mode in MODES:
+            cell = cells[(divisor, mode)]
+            if cell.step is None:
+                row.append("-")
+                continue
+            out, back = cell.plan.host_traffic
+            row.append(f"{format_bytes(cell.peak)} / {statistics.median(cell.times) / eager_time:.2f}x / "
+                       f"{format_bytes(out)} out, {format_bytes(back)} in / {planning[(divisor, mode)]:.1f} s")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--divisors", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    text = "# Parameters paged to host memory\n\n" + run(args.repeats, args.time_limit, args.divisors)
+    RESULTS.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
