@@ -30,6 +30,11 @@ class MetaConstantsAsCPU(torch.overrides.TorchFunctionMode):
             id(t): (t, torch.zeros(t.shape, dtype=t.dtype, device="cpu")) for t in _held_meta_tensors(model)
         }
 
+    @property
+    def swapped(self) -> list[torch.Tensor]:
+        """The model's meta tensors that zeros stand in for."""
+        return [t for t, _ in self._cpu.values()]
+
     def _swap(self, t: Any) -> Any:
         entry = self._cpu.get(id(t)) if isinstance(t, torch.Tensor) else None
         return entry[1] if entry is not None and entry[0] is t else t

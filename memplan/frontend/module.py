@@ -24,7 +24,7 @@ from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
-from memplan.frontend.paged import put_parameters_on_host
+from memplan.frontend.paged import materialize, put_parameters_on_host
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
                                          warn_unplanned_engine_memory)
@@ -225,6 +225,13 @@ class OptimizedModule(nn.Module):
     @property
     def plans(self) -> dict[InputSignature, Plan]:
         return {sig: entry[0] for sig, entry in self._plans.items()}
+
+    def materialize(self, state_dict: Any, device: torch.device | str = "cpu") -> list[str]:
+        """Give the model's parameters and buffers left on the meta device storage where the plan
+        keeps them (host memory with ``parameters="host"``, else ``device``), filled from
+        ``state_dict`` (a mapping, or a safetensors or ``torch.save`` file) one tensor at a time,
+        the parameters kept as the same objects (`memplan.frontend.paged.materialize`)."""
+        return materialize(self._orig_mod, state_dict, paged=self.step_options.parameters == "host", device=device)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Plan | None:
         """Plan for these inputs now (without running a step), for a step that starts without

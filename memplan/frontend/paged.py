@@ -4,11 +4,18 @@ Paged parameters (`memplan.passes.paging`) are built for one process, a model ca
 on the CPU, where host memory is simulated: the storages of the parameters are marked as host
 memory (`memplan.core.host`), so no measurement counts them, and each fetch's copy is device
 memory. What is not built yet is refused here with what to do, before anything is planned.
+
+A model built on the meta device is planned as it is, then `materialize` gives each parameter
+storage where the plan keeps it, filled from a state dict or a file one tensor at a time: the
+whole model is never on the device.
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from memplan.core.host import mark_host
@@ -20,7 +27,7 @@ _WHERE = "memplan.optimize(..., parameters=\"host\")"
 def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any, saved_plan: Any) -> None:
     """Check that ``model``'s parameters can be paged as built, and mark them as host memory.
     Raises `NotImplementedError` naming the route for what is not built yet."""
-    devices = {p.device.type for p in model.parameters()}
+    devices = {p.device.type for p in model.parameters()} - {"meta"}  # (a meta model is materialized later)
     if devices - {"cpu"}:
         raise NotImplementedError(
             f"{_WHERE} on {', '.join(sorted(devices - {'cpu'}))}: paging parameters runs on the CPU, where host "
@@ -33,4 +40,61 @@ def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any,
         raise NotImplementedError(f"{_WHERE} with compile= is not built: leave compile off")
     if saved_plan is not None:
         raise NotImplementedError(f"{_WHERE} with plan= is not built: plan the step again (leave plan= out)")
-    mark_host(*model.parameters())
+    mark_host(*(p for p in model.parameters() if not p.is_meta))
+
+
+def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike, *,
+                paged: bool, device: torch.device | str = "cpu") -> list[str]:
+    """Give each of ``model``'s parameters and buffers left on the meta device storage where the plan
+    keeps it (host memory for a paged parameter, else ``device``), filled from ``state_dict`` one
+    tensor at a time: a mapping of names to tensors, or the path of a safetensors file (read tensor
+    by tensor) or of a ``torch.save`` file (memory-mapped). The parameters stay the same objects, so
+    an optimizer made over them keeps them. Returns the names filled. Raises `KeyError` naming the
+    tensors ``state_dict`` lacks, and `ValueError` for a shape that differs, before any is filled."""
+    source = _tensors_of(state_dict)
+    wanted = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    missing = [name for name, _ in wanted if name not in source]
+    if missing:
+        raise KeyError(f"memplan: the state dict has no {', '.join(missing[:3])}"
+                       f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: it cannot fill the model")
+    for name, t in wanted:
+        shape = tuple(source.shape_of(name))
+        if shape != tuple(t.shape):
+            raise ValueError(f"memplan: {name} is {tuple(t.shape)} in the model and {shape} in the state dict")
+    for name, t in wanted:
+        host = paged and isinstance(t, nn.Parameter)
+        filled = torch.empty(t.shape, dtype=t.dtype, device="cpu" if host else device)
+        with torch.no_grad():
+            filled.copy_(source.tensor(name))
+        if host:
+            mark_host(filled)
+        if isinstance(t, nn.Parameter):
+            filled = nn.Parameter(filled, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, filled)
+    return [name for name, _ in wanted]
+
+
+class _Tensors:
+    """Named tensors read one at a time, with their shapes known before any is read."""
+
+    def __init__(self, shape_of: Callable[[str], Any], tensor: Callable[[str], torch.Tensor], names: set[str]):
+        self.shape_of, self.tensor, self.names = shape_of, tensor, names
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+
+def _tensors_of(state_dict: Mapping[str, torch.Tensor] | str | os.PathLike) -> _Tensors:
+    if isinstance(state_dict, Mapping):
+        return _Tensors(lambda n: state_dict[n].shape, state_dict.__getitem__, set(state_dict))
+    path = os.fspath(state_dict)
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ImportError("memplan: reading a .safetensors file needs the safetensors package "
+                              "(pip install safetensors)") from None
+        handle = safe_open(path, framework="pt", device="cpu")
+        return _Tensors(lambda n: handle.get_slice(n).get_shape(), handle.get_tensor, set(handle.keys()))
+    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return _tensors_of(loaded)

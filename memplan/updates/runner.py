@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 import torch
 import torch.nn as nn
-from memplan.core.host import host_storage, is_host
+from memplan.core.host import host_storage, is_host, mark_host
 from memplan.ops.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
 from memplan.updates.host_state import in_host_memory, state_under, to_host
 
@@ -105,7 +105,11 @@ class UpdateRunner(nn.Module):
             for key, value in list(held.items()):
                 if not isinstance(value, torch.Tensor) or value.device.type == "meta":
                     continue
-                if on_host and not in_host_memory(value, p):
+                if on_host and is_host(p) and value.device == p.device and not is_host(value):
+                    # Cast to a paged parameter's device (a loaded state dict): host memory already
+                    # (on the CPU, where host memory is simulated, its storage is marked so).
+                    mark_host(value)
+                elif on_host and not in_host_memory(value, p):
                     held[key] = to_host(value)
                 elif not on_host and in_host_memory(value, p) and value.shape == p.shape:
                     # Per-element state only: scalars such as Adam's ``step`` stay where the

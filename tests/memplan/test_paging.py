@@ -1,4 +1,5 @@
-"""Parameters paged to host memory (issue #50): ``optimize(..., parameters="host")``.
+"""Parameters paged to host memory (issue #50): ``optimize(..., parameters="host")``, and a meta-built
+model materialized where the plan keeps it (``OptimizedModule.materialize``).
 
 What must hold: a model whose parameters, gradients and AdamW state are many times the budget
 trains to eager's parameters and optimizer state, its measured device peak (host storages
@@ -82,6 +83,7 @@ def test_each_parameter_gets_one_fetch_that_every_reader_reads_and_its_placehold
         assert costs.values[p.fetch].time == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_deep_mlp_eight_times_over_its_budget_trains_as_eager_within_it():
     """Parameters + gradients + AdamW state = 8x the budget: 3 steps equal eager's, the measured
     peak at or under the budget and within 1% of the prediction, by both witnesses."""
@@ -126,6 +128,7 @@ def test_the_zoo_gpt_sixteen_times_over_its_budget_with_accumulation_trains_as_e
     _assert_trains_as_eager(module, reference, optimizer, ref_optimizer)
 
 
+@pytest.mark.slow
 def test_the_solve_keeps_fetched_copies_where_they_fit_and_fetches_again_where_not():
     """At a budget above the store-all peak every parameter is fetched once a step; at a tight
     one some are fetched again for the backward (the fetch is a recomputation like any other)."""
@@ -168,3 +171,83 @@ def test_what_paging_does_not_support_gets_one_clear_error():
         memplan.optimize(model, "50%", optimizer=_adamw(model), parameters="disk")
     with pytest.raises(NotImplementedError, match="compile"):
         memplan.optimize(model, "50%", optimizer=_adamw(model), parameters="host", compile=True)
+
+
+def _meta_mlp(width: int = 128, depth: int = 8):
+    """`_deep_mlp`'s model built on the meta device: shapes, no storage."""
+    with torch.device("meta"):
+        layers = [m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())]
+        return memplan.WithLoss(nn.Sequential(*layers), lambda out: out.square().mean())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_as", ["safetensors", "torch.save"])
+def test_a_meta_built_model_materialized_by_the_plan_trains_as_the_same_model_built_normally(tmp_path, saved_as):
+    """Built on the meta device, planned, then filled from a file one tensor at a time where the plan
+    keeps each parameter (host memory, paged): 3 steps equal the model built normally."""
+    reference, args, kwargs = _deep_mlp()
+    path = tmp_path / ("weights.safetensors" if saved_as == "safetensors" else "weights.pt")
+    if saved_as == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(reference.state_dict(), str(path))
+    else:
+        torch.save(reference.state_dict(), path)
+    model = _meta_mlp()
+    optimizer = _adamw(model)
+    budget = _whole_step_bytes(reference) // 8
+    planned = memplan.optimize(model, budget, optimizer=optimizer, parameters="host", time_limit=3)
+    params = list(model.parameters())
+    filled = planned.materialize(path)
+    assert len(filled) == len(params) and list(model.parameters()) == params  # the same objects, now real
+    assert all(not p.is_meta and is_host(p) for p in params)
+    peaks = _train(planned, optimizer, args, kwargs)
+    ref_optimizer = _adamw(reference)
+    _train(reference, ref_optimizer, args, kwargs)
+    assert max(peaks) <= budget
+    _assert_trains_as_eager(model, reference, optimizer, ref_optimizer)
+
+
+@pytest.mark.slow
+def test_a_paged_checkpoint_resumes_to_the_same_parameters_and_state(tmp_path):
+    """Two steps, a checkpoint (parameters and optimizer state, host-resident), a fresh meta-built
+    model materialized from it and the state loaded, one more step: equal to three steps in a row."""
+    reference, args, kwargs = _deep_mlp()
+    model = copy.deepcopy(reference)
+    optimizer = _adamw(model)
+    budget = _whole_step_bytes(reference) // 8
+    planned = memplan.optimize(model, budget, optimizer=optimizer, parameters="host", time_limit=3)
+    _train(planned, optimizer, args, kwargs, steps=2)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    resumed = _meta_mlp()
+    resumed_optimizer = _adamw(resumed)
+    again = memplan.optimize(resumed, budget, optimizer=resumed_optimizer, parameters="host", time_limit=3)
+    again.materialize(checkpoint["model"])
+    resumed_optimizer.load_state_dict(checkpoint["optimizer"])
+    torch.manual_seed(2)  # (the third step's seed, as `_train` gives it)
+    peak = measure_peak(lambda: again(*args, **kwargs).backward())
+    ref_optimizer = _adamw(reference)
+    _train(reference, ref_optimizer, args, kwargs)
+    assert peak <= budget
+    _assert_trains_as_eager(resumed, reference, resumed_optimizer, ref_optimizer)
+
+
+def test_bad_state_dicts_and_meta_labels_get_one_clear_error():
+    reference, args, _ = _deep_mlp(depth=2)
+    model = _meta_mlp(depth=2)
+    planned = memplan.optimize(model, "50%", optimizer=_adamw(model), parameters="host")
+    state = reference.state_dict()
+    with pytest.raises(KeyError, match="no model.2.bias"):
+        planned.materialize({k: v for k, v in state.items() if k != "model.2.bias"})
+    with pytest.raises(ValueError, match=r"model.0.weight is \(128, 128\) in the model and \(2, 2\)"):
+        planned.materialize({**state, "model.0.weight": torch.zeros(2, 2)})
+    assert all(p.is_meta for p in model.parameters())  # nothing filled by a refused call
+    # Labels a loss closure holds on the meta device would be zeros in a trained step: refused.
+    with torch.device("meta"):
+        labels = torch.zeros(4, 128)
+        meta_labels = memplan.WithLoss(nn.Linear(128, 128), lambda out: (out - labels).square().mean())
+    planned = memplan.optimize(meta_labels, 10**9, optimizer=_adamw(meta_labels), parameters="host")
+    planned.materialize({"model.weight": torch.zeros(128, 128), "model.bias": torch.zeros(128)})
+    with pytest.raises(memplan.CaptureError, match="on the meta device outside its parameters"):
+        planned(*args)
