@@ -203,11 +203,11 @@ def capture(
     meta_constants = MetaConstantsAsCPU(model)
     if meta_constants.swapped and any(not in_leaves[pos].is_meta for pos in in_tensor_pos):
         # Zeros stand in for them while a meta model is planned; a step on real inputs would train on the zeros.
+        shapes = ", ".join(str(tuple(t.shape)) for t in meta_constants.swapped[:3])
         raise CaptureError(
             f"the model holds {len(meta_constants.swapped)} tensor(s) on the meta device outside its parameters and "
-            f"buffers (a loss closure's labels, a plain attribute; shapes {', '.join(str(tuple(t.shape)) for t in meta_constants.swapped[:3])}) "
-            "and the step's inputs are real: planning alone can use them, a step cannot. Make them real tensors "
-            "(or pass them as inputs) before training")
+            f"buffers (a loss closure's labels, a plain attribute; shapes {shapes}) and the step's inputs are real: "
+            "planning alone can use them, a step cannot. Make them real tensors (or pass them as inputs) before training")
     try:
         with fake_mode, torch.enable_grad(), meta_constants, reentrant_checkpoints_as_plain_calls(), \
                 traced_as_compiling():

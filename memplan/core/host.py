@@ -64,6 +64,13 @@ def mark_host(*tensors: torch.Tensor) -> None:
             mark_storage_host(st)
 
 
+def unmark_host(*tensors: torch.Tensor) -> None:
+    """Take the marks of ``mark_host`` off the storages of ``tensors``: device memory again."""
+    for t in tensors:
+        for st in storages_of(t):
+            _HOST.pop(id(st), None)
+
+
 def is_host_storage(st: torch.UntypedStorage) -> bool:
     """Whether the storage ``st`` is marked as host memory."""
     return id(st) in _HOST

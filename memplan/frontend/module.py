@@ -24,7 +24,7 @@ from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
-from memplan.frontend.paged import materialize, put_parameters_on_host
+from memplan.frontend.paged import keep_parameters_on_device, materialize, put_parameters_on_host
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
                                          warn_unplanned_engine_memory)
@@ -140,6 +140,8 @@ class OptimizedModule(nn.Module):
                                    saved_plan=self.saved_plan)
             step = self.step_options = dataclasses.replace(step, optimizer_state="host")
             self.split_factory = None
+        else:
+            keep_parameters_on_device(model)
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from memplan.core.host import mark_host
+from memplan.core.host import is_host, mark_host, unmark_host
 from memplan.frontend.distributed import engines_in, process_group_size
 
 _WHERE = "memplan.optimize(..., parameters=\"host\")"
@@ -41,6 +41,14 @@ def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any,
     if saved_plan is not None:
         raise NotImplementedError(f"{_WHERE} with plan= is not built: plan the step again (leave plan= out)")
     mark_host(*(p for p in model.parameters() if not p.is_meta))
+
+
+def keep_parameters_on_device(model: nn.Module) -> None:
+    """``parameters="device"``: a model an earlier ``parameters="host"`` call marked as in host memory
+    (one that then failed to plan, say) is device memory again, counted as such."""
+    marked = [p for p in model.parameters() if not p.is_meta and is_host(p)]
+    if marked:
+        unmark_host(*marked)
 
 
 def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike, *,

@@ -45,14 +45,18 @@ def is_paged(node: fx.Node) -> bool:
 
 def page_parameters(gm: fx.GraphModule, placeholders: Iterable[fx.Node]) -> list[PagedParameter]:
     """Rewrite ``gm`` in place: each of ``placeholders`` (parameters' placeholders) is marked as
-    living in host memory, and gets a fetch right before its first reader, which every reader
-    but the graph's output reads instead. A placeholder paged already is left as it is."""
+    living in host memory, and (where it is read) gets a fetch right before its first reader,
+    which every reader but the graph's output reads instead. A placeholder paged already is left
+    as it is. Returns the fetches made."""
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     paged = []
     for node in placeholders:
         val = node.meta.get("val")
         readers = [u for u in node.users if u.op != "output"]
-        if is_paged(node) or not isinstance(val, torch.Tensor) or not readers:
+        if is_paged(node) or not isinstance(val, torch.Tensor):
+            continue
+        node.meta[PAGED] = True  # (in host memory, read or not)
+        if not readers:
             continue
         first = min(readers, key=position.__getitem__)
         with gm.graph.inserting_before(first):
@@ -61,8 +65,17 @@ def page_parameters(gm: fx.GraphModule, placeholders: Iterable[fx.Node]) -> list
             fetch.meta["val"] = fetch_parameter(val, val.device)
         for reader in readers:
             reader.replace_input_with(node, fetch)
-        node.meta[PAGED] = True
         paged.append(PagedParameter(node.name, fetch.name, val.untyped_storage().nbytes()))
     if paged:
         gm.recompile()
     return paged
+
+
+def paged_bytes(gm: fx.GraphModule) -> int:
+    """Bytes of the parameters ``gm`` keeps in host memory (each storage once)."""
+    storages = {}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        val = node.meta.get("val")
+        if is_paged(node) and isinstance(val, torch.Tensor):
+            storages[id(val.untyped_storage())] = val.untyped_storage().nbytes()
+    return sum(storages.values())

@@ -27,6 +27,7 @@ from memplan.updates.runner import Accumulation
 from memplan.updates.host_memory import HostMemoryError, check_host_memory, default_host_limit, host_update_bytes
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
+from memplan.passes.paging import paged_bytes
 from memplan.planning.decisions import Transfer, ValueDecision, fetched_bytes, transfers_of, value_decisions
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.planning.lowering import BACKWARD, CUT_RESERVE, dropped_input_names, updates_after_reads_within
@@ -113,7 +114,7 @@ class Plan:
         its placement moved there with one bucket's update copies, and the activations it pages out."""
         placement = self.analysis.lowered.placement
         held = host_update_bytes(self.analysis.updates, placement.host, placement.bucket_bytes,
-                                 placement.accumulate_steps)
+                                 placement.accumulate_steps, paged_bytes(self.analysis.capture.graph_module))
         return {**held, "paged activations": self.host_bytes} if self.host_bytes else held
 
     @property
@@ -452,7 +453,8 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         if host_limit is not None:
             placed = analysis.lowered.placement
             check_host_memory(host_update_bytes(analysis.updates, placed.host, placed.bucket_bytes,
-                                                placed.accumulate_steps), host_limit)
+                                                placed.accumulate_steps, paged_bytes(analysis.capture.graph_module)),
+                              host_limit)
         if not analysis.updates:
             plan = solve_plan(analysis, budget, **options())
         else:

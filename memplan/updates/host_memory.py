@@ -59,24 +59,26 @@ def available_host_memory() -> int:
 
 
 def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], bucket_bytes: int,
-                      accumulate_steps: int = 1) -> dict[str, int]:
-    """What the updates run in host memory hold there at most (name -> bytes): the parameters paged
-    there (`ParamUpdate.paged`), the optimizer state of the parameters in ``host``, and the copies of their parameters and gradients, all of which
+                      accumulate_steps: int = 1, paged_bytes: int = 0) -> dict[str, int]:
+    """What the updates run in host memory hold there at most (name -> bytes): the ``paged_bytes``
+    of parameters paged there (`memplan.passes.paging.paged_bytes`: every parameter, updated or
+    frozen), the optimizer state of the parameters in ``host``, and the copies of their parameters and gradients, all of which
     may wait for the host worker at once (backward copies each bucket out as it is made, faster than
     the host steps them), with one bucket's optimizer temporaries (a bucket holds up to
     ``bucket_bytes`` of parameters). With ``accumulate_steps`` > 1 a paged parameter's gradient is
     summed there too, between micro-steps."""
     hosted = [u for u in updates if u.name in host]
+    parts = {"parameters": paged_bytes} if paged_bytes else {}
     if not hosted:
-        return {}
+        return parts
     # A paged parameter is in host memory all step, and its update steps it there: only its
-    # gradient is copied out.
-    paged = sum(u.grad_bytes for u in hosted if u.paged)
-    parts = {"parameters": paged} if paged else {}
-    if paged and accumulate_steps > 1:
-        parts["accumulated gradients"] = paged
+    # gradient is copied out (and summed there between micro-steps).
+    paged_grads = sum(u.grad_bytes for u in hosted if u.paged)
+    if paged_grads and accumulate_steps > 1:
+        parts["accumulated gradients"] = paged_grads
     return {**parts, "optimizer state": sum(u.state_bytes for u in hosted),
-            "update copies": 2 * sum(u.grad_bytes for u in hosted) - paged + most_bucket_temp_bytes(hosted, bucket_bytes)}
+            "update copies": 2 * sum(u.grad_bytes for u in hosted) - paged_grads
+            + most_bucket_temp_bytes(hosted, bucket_bytes)}
 
 
 def default_host_limit(optimizer: object = None, model: torch.nn.Module | None = None) -> int:

@@ -251,3 +251,43 @@ def test_bad_state_dicts_and_meta_labels_get_one_clear_error():
     planned.materialize({"model.weight": torch.zeros(128, 128), "model.bias": torch.zeros(128)})
     with pytest.raises(memplan.CaptureError, match="on the meta device outside its parameters"):
         planned(*args)
+
+
+class _WithFrozenAndUnread(nn.Module):
+    """A trained layer, a frozen one, and a parameter no op reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained = nn.Linear(64, 64)
+        self.frozen = nn.Linear(64, 64).requires_grad_(False)
+        self.unread = nn.Parameter(torch.randn(128, 128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.trained(self.frozen(x)).square().mean()
+
+
+def test_frozen_and_unread_parameters_are_in_host_memory_and_counted_there():
+    torch.manual_seed(0)
+    model = _WithFrozenAndUnread()
+    x = torch.randn(8, 64)
+    optimizer = _adamw(model)
+    planned = memplan.optimize(model, 10**9, optimizer=optimizer, parameters="host", example_inputs=(x,),
+                               time_limit=2)
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert planned.plan.host_memory["parameters"] == every
+    peaks = [measure_peak(lambda: planned(x).backward()) for _ in range(2)]
+    assert peaks == [planned.plan.predicted_peak] * 2  # no parameter on the device, read or not
+
+
+def test_a_failed_paged_plan_leaves_the_parameters_counted_on_the_device_for_the_next():
+    """A ``parameters="host"`` call that is refused, then ``parameters="device"`` on the same model:
+    the parameters are device memory again, measured as predicted."""
+    model, args, kwargs = _deep_mlp(depth=2)
+    with pytest.raises(memplan.HostMemoryError):
+        memplan.optimize(model, 10**9, optimizer=_adamw(model), parameters="host", example_inputs=args,
+                         host_memory=1000)
+    optimizer = _adamw(model)
+    planned = memplan.optimize(model, 10**9, optimizer=optimizer, example_inputs=args, time_limit=2)
+    assert not any(is_host(p) for p in model.parameters())
+    peak = measure_peak(lambda: planned(*args, **kwargs).backward())
+    assert peak == planned.plan.predicted_peak
