@@ -83,6 +83,7 @@ def optimize(
     accumulate_steps: int = 1,
     clip_by: str = "auto",
     parameters: str = "device",
+    master_weights: bool = False,
     plan: Any = None,
     graph_breaks: bool = True,
 ) -> OptimizedModule:
@@ -101,7 +102,7 @@ def optimize(
     ``host_memory``.
     What the step does beyond forward and backward (`memplan.pipeline.options.StepOptions`): ``optimizer``,
     ``grad_norm``, ``updates_after_backward``, ``max_grad_norm``, ``optimizer_state``,
-    ``accumulate_steps``, ``clip_by``, ``parameters``.
+    ``accumulate_steps``, ``clip_by``, ``parameters``, ``master_weights``.
     ``plan=path`` reuses a plan written by ``Plan.save`` (budget defaults to the saved one)
     after checking it was made for this model and these inputs and validating it under the budget.
     ``graph_breaks=True``: a model whose Python reads tensor values runs split at those
@@ -118,7 +119,8 @@ def optimize(
                           host_memory=host_memory)
     step = StepOptions(optimizer=optimizer, grad_norm=grad_norm, updates_after_backward=updates_after_backward,
                        max_grad_norm=max_grad_norm, optimizer_state=optimizer_state,
-                       accumulate_steps=accumulate_steps, clip_by=clip_by, parameters=parameters)
+                       accumulate_steps=accumulate_steps, clip_by=clip_by, parameters=parameters,
+                       master_weights=master_weights)
     ddp = model if is_data_parallel(model) else None
     if ddp is not None:
         # Planned inside the DDP it is given: the DDP is returned, its module the optimized one.

@@ -24,6 +24,7 @@ from memplan.runtime.inductor.reports import CompileReport
 from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
+from memplan.updates.master_weights import use_master_weights
 from memplan.frontend.paged import keep_parameters_on_device, materialize, put_parameters_on_host
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
@@ -140,6 +141,8 @@ class OptimizedModule(nn.Module):
                                    saved_plan=self.saved_plan)
             step = self.step_options = dataclasses.replace(step, optimizer_state="host")
             self.split_factory = None
+            if step.master_weights:
+                use_master_weights(step.optimizer)
         else:
             keep_parameters_on_device(model)
         if budget is None and self.saved_plan is not None:

@@ -111,6 +111,11 @@ class StepOptions:
     forward to the backward or fetches it again as the budget asks; the update runs on the host,
     the optimizer's state there too). "host" needs ``optimizer=``; on the CPU it is simulated."""
 
+    master_weights: bool = False
+    """With ``parameters="host"``: update each bf16 or fp16 parameter through an fp32 master copy
+    in host memory, its optimizer state in fp32 too, and round the result into the parameter
+    (ZeRO-Offload's mixed precision); the device only ever holds the low-precision copies."""
+
     clip_by: str = "auto"
     """How ``max_grad_norm`` gets the global norm: "holding" every gradient to the end of
     backward, "norm_pass" (a first backward computes the norm only, a second applies the
@@ -139,5 +144,8 @@ class StepOptions:
                 raise ValueError("memplan.optimize(..., parameters=\"host\", optimizer_state=\"device\"): a paged "
                                  "parameter's update runs on the host, with its state there; leave optimizer_state "
                                  "at \"auto\" or give \"host\"")
+        if self.master_weights and self.parameters != "host":
+            raise ValueError("memplan.optimize(..., master_weights=True): the fp32 masters live with the paged "
+                             "parameters in host memory; add parameters=\"host\"")
         if self.clip_by not in CLIP_BY:
             raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")

@@ -29,6 +29,7 @@ from memplan.passes.paging import page_parameters
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.core.config import TUNABLES
 from memplan.updates.buckets import bucket_caps
+from memplan.updates.master_weights import uses_master_weights
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, learn_updates
 from memplan.updates.runner import Accumulation, UpdateRunner
 from memplan.runtime.program import Program, build_program
@@ -91,11 +92,22 @@ def prepare_step(
             updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
                                     measure_times=measure_on is not None)
             if paged:
-                updates = [dataclasses.replace(u, paged=True) for u in updates]
+                updates = [_paged(u, model, optimizer) for u in updates]
     with stage("eager", "replaying the eager step on fake tensors"):
         if eager_peak is None:
             eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
     return PreparedStep(cap, updates, eager_peak)
+
+
+def _paged(update: ParamUpdate, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ParamUpdate:
+    """``update`` of a paged parameter; with an fp32 master (`memplan.updates.master_weights`), its
+    state in fp32 as the master's is, and the master's bytes."""
+    p = dict(model.named_parameters())[update.name]
+    if not uses_master_weights(optimizer) or not p.is_floating_point() or p.dtype == torch.float32:
+        return dataclasses.replace(update, paged=True)
+    widen = 4 / p.element_size()
+    return dataclasses.replace(update, paged=True, state_bytes=int(update.state_bytes * widen),
+                               master_bytes=int(update.grad_bytes * widen))
 
 
 def analyze_step(

@@ -76,6 +76,9 @@ def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], buck
     paged_grads = sum(u.grad_bytes for u in hosted if u.paged)
     if paged_grads and accumulate_steps > 1:
         parts["accumulated gradients"] = paged_grads
+    masters = sum(u.master_bytes for u in hosted)
+    if masters:
+        parts["fp32 master weights"] = masters
     return {**parts, "optimizer state": sum(u.state_bytes for u in hosted),
             "update copies": 2 * sum(u.grad_bytes for u in hosted) - paged_grads
             + most_bucket_temp_bytes(hosted, bucket_bytes)}

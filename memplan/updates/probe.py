@@ -52,6 +52,8 @@ class ParamUpdate:
     # The parameter itself lives in host memory (`memplan.passes.paging`): its host update steps it
     # there, with no copy of it out or back.
     paged: bool = False
+    # Bytes of its fp32 master in host memory (`memplan.updates.master_weights`; 0: none)
+    master_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch.nn as nn
 from memplan.core.host import host_storage, is_host, mark_host
 from memplan.ops.transfer import HostCopy, copy_back, offload_tensor, wait_host_copy
 from memplan.updates.host_state import in_host_memory, state_under, to_host
+from memplan.updates.master_weights import keep_master, master_of
 
 
 @dataclass
@@ -275,11 +276,18 @@ class UpdateRunner(nn.Module):
         the parameters under their keys in ``optimizer.state`` for the moment, so the optimizer
         finds and creates the state there, through `_host_view` of the optimizer."""
         grads_out = [offload_tensor(g.detach()) for g in grads]
-        # A paged parameter (`memplan.passes.paging`) is in host memory already: stepped where it is.
-        params_out = [HostCopy(p.detach(), p.device) if is_host(p) else offload_tensor(p.detach()) for p in params]
+        # A paged parameter (`memplan.passes.paging`) is in host memory already: stepped where it is,
+        # or its fp32 master is (`memplan.updates.master_weights`).
+        params_out = [HostCopy(self._host_work(p), p.device) if is_host(p) else offload_tensor(p.detach())
+                      for p in params]
         view = self._host_view()  # the groups' hyperparameters as they are now
         groups = [self._group_of.get(id(p)) for p in params]
         self._host_updates.submit(self._host_step, params, view, groups, params_out, grads_out)
+
+    def _host_work(self, p: nn.Parameter) -> torch.Tensor:
+        """What the host update of paged ``p`` steps: its fp32 master where it has one, else ``p``."""
+        master = master_of(self.optimizer, p)
+        return p.detach() if master is None else master
 
     def _host_view(self) -> torch.optim.Optimizer:
         """The user's optimizer with groups of its own, holding no parameters; its state,
@@ -302,7 +310,8 @@ class UpdateRunner(nn.Module):
         with host_storage(), torch.no_grad():
             works = [wait_host_copy(out) for out in params_out]
             for work, out in zip(works, grads_out):
-                work.grad = wait_host_copy(out)
+                grad = wait_host_copy(out)
+                work.grad = grad if grad.dtype == work.dtype else grad.to(work.dtype)  # (an fp32 master's)
             for work, gi in zip(works, groups):
                 if gi is not None:
                     view.param_groups[gi]["params"].append(work)
@@ -315,8 +324,10 @@ class UpdateRunner(nn.Module):
         with torch.no_grad():
             landed = None
             for p, work in zip(params, works):
+                if work.dtype != p.dtype:
+                    keep_master(self.optimizer, p, work)  # (the master's first update made the state)
                 if work.untyped_storage().data_ptr() != p.untyped_storage().data_ptr():  # (a paged one is p)
-                    landed = copy_back(p.detach(), work)
+                    landed = copy_back(p.detach(), work)  # (a master rounded into its parameter)
             return landed
 
 

@@ -291,3 +291,59 @@ def test_a_failed_paged_plan_leaves_the_parameters_counted_on_the_device_for_the
     assert not any(is_host(p) for p in model.parameters())
     peak = measure_peak(lambda: planned(*args, **kwargs).backward())
     assert peak == planned.plan.predicted_peak
+
+
+def _bf16_mlp():
+    model, args, kwargs = _deep_mlp()
+    model = memplan.WithLoss(model.model, lambda out: out.float().square().mean()).to(torch.bfloat16)
+    return model, tuple(a.to(torch.bfloat16) for a in args), kwargs
+
+
+def _train_through_masters(model, masters, optimizer, args, steps: int = STEPS) -> None:
+    """The reference of master weights in eager PyTorch: the bf16 model's gradients, cast, step fp32
+    masters, which are rounded into the model after each step."""
+    for k in range(steps):
+        torch.manual_seed(k)
+        model(*args).backward()
+        for master, p in zip(masters, model.parameters()):
+            master.grad, p.grad = p.grad.float(), None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters()):
+                p.copy_(master)
+
+
+@pytest.mark.slow
+def test_bf16_parameters_with_fp32_master_weights_train_as_their_fp32_reference(tmp_path):
+    """bf16 parameters paged, updated through fp32 masters with fp32 AdamW state on the host: equal to
+    the same arrangement in eager PyTorch, the device holding bf16 copies only; the optimizer's
+    state dict carries the masters and loads them back in fp32."""
+    model, args, kwargs = _bf16_mlp()
+    reference = copy.deepcopy(model)
+    masters = [p.detach().float().requires_grad_() for p in reference.parameters()]
+    ref_optimizer = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1, foreach=True)  # (`_adamw`'s)
+    optimizer = _adamw(model)
+    budget = _whole_step_bytes(model) // 8
+    planned = memplan.optimize(model, budget, optimizer=optimizer, parameters="host", master_weights=True,
+                               example_inputs=args, time_limit=3)
+    assert planned.plan.host_memory["fp32 master weights"] == 2 * _whole_step_bytes(model) // 4
+    peaks = _train(planned, optimizer, args, kwargs)
+    _train_through_masters(reference, masters, ref_optimizer, args)
+    assert peaks == [planned.plan.predicted_peak] * STEPS and max(peaks) <= budget
+    for (name, p), ref_p, master in zip(model.named_parameters(), reference.parameters(), masters):
+        torch.testing.assert_close(p, ref_p, msg=lambda m: f"{name}: {m}")
+        state, ref_state = optimizer.state[p], ref_optimizer.state[master]
+        torch.testing.assert_close(state["memplan_master"], master.detach())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.float32
+            torch.testing.assert_close(state[key], ref_state[key])
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    resumed = _adamw(model)
+    memplan.optimize(model, budget, optimizer=resumed, parameters="host", master_weights=True)
+    resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    for p in model.parameters():  # as saved, not cast to the parameters' bf16
+        for key, value in optimizer.state[p].items():
+            assert torch.equal(resumed.state[p][key], value), key
+    with pytest.raises(ValueError, match="add parameters=\"host\""):
+        memplan.optimize(model, budget, optimizer=optimizer, master_weights=True)
