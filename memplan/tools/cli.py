@@ -250,7 +250,7 @@ def make_named_optimizer(name: str, params: Any) -> Any:
 
 
 def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None,
-                   host_state: bool = False, paged: bool = False):
+                   host_state: bool = False, paged: bool = False, master_weights: bool = False):
     from memplan.costs.cost_model import get_profile
     from memplan.pipeline.stages import analyze
 
@@ -262,6 +262,10 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     opt = make_named_optimizer(optimizer, target.module.parameters()) if optimizer is not None else None
+    if master_weights and opt is not None:
+        from memplan.updates.master_weights import use_master_weights
+
+        use_master_weights(opt)
     return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
                    host_state=host_state, paged=paged, stage=progress.stage)
 
@@ -295,6 +299,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     if args.optimizer_state != "auto" and not args.optimizer:
         raise CLIError(f"--optimizer-state {args.optimizer_state} places an optimizer's state", hint="add --optimizer adamw")
     paged = args.parameters == "host"
+    if args.master_weights and not paged:
+        raise CLIError("--master-weights keeps fp32 masters of paged parameters", hint="add --parameters host")
     if paged and (not args.optimizer or args.optimizer_state == "device" or args.fsdp2 or getattr(args, "ddp", False)):
         raise CLIError("--parameters host pages the parameters of one process, updated on the host",
                        hint="add --optimizer adamw; leave out --optimizer-state device, --fsdp2 and --ddp")
@@ -306,7 +312,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
     analysis = analyze_target(target, progress, args.device_profile, args.optimizer,
-                              host_state=args.optimizer_state == "host" or paged, paged=paged)
+                              host_state=args.optimizer_state == "host" or paged, paged=paged,
+                              master_weights=args.master_weights)
     engine = 0
     if getattr(args, "ddp", False):
         analysis, engine = _inside_data_parallel(analysis, target.module)
@@ -506,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--parameters", choices=("device", "host"), default="device",
                         help="with --optimizer: host pages every parameter from host memory (fetched before its "
                              "uses, updated on the host with its state)")
+    report.add_argument("--master-weights", action="store_true",
+                        help="with --parameters host: update bf16/fp16 parameters through fp32 masters on the host")
     report.add_argument("--host-memory", type=_bytes_arg, default=None, metavar="BYTES",
                         help="host memory the plan may keep there (64GB): optimizer state, its update copies, "
                              "paged activations; more is refused (default: what this machine has available)")

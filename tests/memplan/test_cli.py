@@ -211,6 +211,7 @@ def test_user_errors_are_one_line_with_exit_status_2(factory_file):
         (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--optimizer-state", "host",
           "--host-memory", "10kB"), "of host memory (optimizer state"),
         (("report", "mlp", "--budget", "1GB", "--parameters", "host"), "--parameters host pages"),
+        (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--master-weights"), "add --parameters host"),
         (("report", "mlp", "--budget", "1GB", "--optimizer", "adamw", "--parameters", "host",
           "--host-memory", "10kB"), "of host memory (parameters"),
     ],
