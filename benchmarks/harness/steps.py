@@ -26,13 +26,13 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 import memplan
-from memplan.measure.tracker import profiled_peak
+from memplan.measure.tracker import measure_peak, profiled_peak
 
 SEED = 0
 
@@ -208,3 +208,20 @@ def time_step(module: nn.Module, params: list[tuple[str, nn.Parameter]], inputs:
     step()
     synchronize(inputs.device)
     return time.perf_counter() - start
+
+
+def peaks_and_interleaved_times(rows: Sequence[Any], repeats: int) -> None:
+    """For whole steps that make optimizer state on their first run (each row: ``step()``, and
+    ``peak``, ``times`` to fill): one warm-up step each, then each step's measured peak, then
+    ``repeats`` rounds of one timed step per row, interleaved so that drifts of the machine hit
+    every row alike. Each step is seeded the same."""
+    for row in rows:
+        torch.manual_seed(0)
+        row.step()
+        row.peak = measure_peak(row.step)
+    for _ in range(repeats):
+        for row in rows:
+            torch.manual_seed(0)
+            started = time.perf_counter()
+            row.step()
+            row.times.append(time.perf_counter() - started)

@@ -31,8 +31,8 @@ import torch
 
 import memplan
 from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.steps import peaks_and_interleaved_times
 from memplan.core.units import format_bytes
-from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 
 RESULTS = RESULTS_DIR / "paging.md"
@@ -85,16 +85,7 @@ def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
             planning[(divisor, mode)] = time.perf_counter() - started
             cells[(divisor, mode)] = _Cell(_step(planned, optimizer, args, kwargs), planned.plan)
     runnable = [c for c in cells.values() if c.step is not None]
-    for cell in runnable:  # the state exists from the second step on: warm up, then measure
-        torch.manual_seed(0)
-        cell.step()
-        cell.peak = measure_peak(cell.step)
-    for _ in range(repeats):  # interleaved, so drifts of the machine hit every cell alike
-        for cell in runnable:
-            torch.manual_seed(0)
-            started = time.perf_counter()
-            cell.step()
-            cell.times.append(time.perf_counter() - started)
+    peaks_and_interleaved_times(runnable, repeats)  # (the state exists from the second step on)
     eager_cell = cells[(0, "eager")]
     eager_time = statistics.median(eager_cell.times)
     lines = [

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 from typing import Callable
 
 import torch
@@ -35,8 +34,8 @@ import torch
 import memplan
 from benchmarks.harness.checkpointing import checkpoint_blocks
 from benchmarks.harness.paths import RESULTS_DIR
+from benchmarks.harness.steps import peaks_and_interleaved_times
 from benchmarks.models.layouts import layout_for
-from memplan.measure.tracker import measure_peak
 from memplan.models import zoo
 from memplan.core.units import format_bytes
 from memplan.pipeline.sweep import min_budget
@@ -115,16 +114,7 @@ def run(model_name: str, size: str, repeats: int, batch: int = 16) -> str:
                          _eager_step(planned, optimizer, args, kwargs), budget,
                          f"{mode}, {where}, predicted {format_bytes(plan.predicted_peak)}"))
 
-    for row in rows:  # the state exists from the second step on: warm up, then measure
-        torch.manual_seed(0)
-        row.step()
-        row.peak = measure_peak(row.step)
-    for _ in range(repeats):  # interleaved, so drifts of the machine hit every row alike
-        for row in rows:
-            torch.manual_seed(0)
-            started = time.perf_counter()
-            row.step()
-            row.times.append(time.perf_counter() - started)
+    peaks_and_interleaved_times(rows, repeats)  # (the state exists from the second step on)
     eager_time = statistics.median(rows[0].times)
     eager_peak = rows[0].peak
     lines = [
