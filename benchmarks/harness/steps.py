@@ -225,3 +225,12 @@ def peaks_and_interleaved_times(rows: Sequence[Any], repeats: int) -> None:
             started = time.perf_counter()
             row.step()
             row.times.append(time.perf_counter() - started)
+
+
+def training_step(module: nn.Module, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Callable[[], None]:
+    """One whole training step as a loop writes it: forward, ``backward()``, ``step()``, ``zero_grad()``."""
+    def step() -> None:
+        module(*args, **kwargs).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step

@@ -31,7 +31,7 @@ import torch
 
 import memplan
 from benchmarks.harness.paths import RESULTS_DIR
-from benchmarks.harness.steps import peaks_and_interleaved_times
+from benchmarks.harness.steps import peaks_and_interleaved_times, training_step
 from memplan.core.units import format_bytes
 from memplan.models import zoo
 
@@ -48,14 +48,6 @@ def _adamw(module: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(module.parameters(), lr=1e-3, foreach=True)
 
 
-def _step(module, optimizer, args, kwargs) -> Callable[[], None]:
-    def step() -> None:
-        module(*args, **kwargs).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
-
-
 class _Cell:
     def __init__(self, step: Callable[[], None] | None, plan=None) -> None:
         self.step, self.plan = step, plan
@@ -69,7 +61,7 @@ def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
     args, kwargs = tuple(built.example_inputs), dict(built.example_kwargs)
     whole = 4 * sum(p.numel() * p.element_size() for p in base.parameters())
     eager = copy.deepcopy(base)
-    cells: dict[tuple[int, str], _Cell] = {(0, "eager"): _Cell(_step(eager, _adamw(eager), args, kwargs))}
+    cells: dict[tuple[int, str], _Cell] = {(0, "eager"): _Cell(training_step(eager, _adamw(eager), args, kwargs))}
     planning: dict[tuple[int, str], float] = {}
     for divisor in divisors:
         for mode, options in MODES.items():
@@ -83,7 +75,7 @@ def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
                 cells[(divisor, mode)] = _Cell(None)
                 continue
             planning[(divisor, mode)] = time.perf_counter() - started
-            cells[(divisor, mode)] = _Cell(_step(planned, optimizer, args, kwargs), planned.plan)
+            cells[(divisor, mode)] = _Cell(training_step(planned, optimizer, args, kwargs), planned.plan)
     runnable = [c for c in cells.values() if c.step is not None]
     peaks_and_interleaved_times(runnable, repeats)  # (the state exists from the second step on)
     eager_cell = cells[(0, "eager")]

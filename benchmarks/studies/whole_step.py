@@ -34,7 +34,7 @@ import torch
 import memplan
 from benchmarks.harness.checkpointing import checkpoint_blocks
 from benchmarks.harness.paths import RESULTS_DIR
-from benchmarks.harness.steps import peaks_and_interleaved_times
+from benchmarks.harness.steps import peaks_and_interleaved_times, training_step
 from benchmarks.models.layouts import layout_for
 from memplan.models import zoo
 from memplan.core.units import format_bytes
@@ -54,14 +54,6 @@ class _Row:
         self.name, self.step, self.budget, self.detail = name, step, budget, detail
         self.peak = 0
         self.times: list[float] = []
-
-
-def _eager_step(module, optimizer, args, kwargs) -> Callable[[], None]:
-    def step() -> None:
-        module(*args, **kwargs).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return step
 
 
 def _planned_at_smallest(module, args, kwargs, **options) -> tuple[int, memplan.OptimizedModule]:
@@ -86,16 +78,16 @@ def run(model_name: str, size: str, repeats: int, batch: int = 16) -> str:
     rows: list[_Row] = []
 
     eager = copy.deepcopy(base)
-    rows.append(_Row("eager", _eager_step(eager, _adamw(eager), args, kwargs), None, "torch autograd + AdamW"))
+    rows.append(_Row("eager", training_step(eager, _adamw(eager), args, kwargs), None, "torch autograd + AdamW"))
 
     ckpt = copy.deepcopy(base)
     blocks = checkpoint_blocks(ckpt.model, layout_for(model_name, ckpt.model))
-    rows.append(_Row("checkpoint per block", _eager_step(ckpt, _adamw(ckpt), args, kwargs), None,
+    rows.append(_Row("checkpoint per block", training_step(ckpt, _adamw(ckpt), args, kwargs), None,
                      f"{blocks} blocks + AdamW"))
 
     alone = copy.deepcopy(base)
     budget, planned = _planned_at_smallest(alone, args, kwargs)
-    rows.append(_Row("memplan, activations only", _eager_step(planned, _adamw(alone), args, kwargs), budget,
+    rows.append(_Row("memplan, activations only", training_step(planned, _adamw(alone), args, kwargs), budget,
                      "optimizer.step() outside the plan"))
 
     held_at_once = 0  # parameters + gradients + Adam state: what eager holds at its update
@@ -111,7 +103,7 @@ def run(model_name: str, size: str, repeats: int, batch: int = 16) -> str:
         where = (f"state in host memory ({format_bytes(analysis.host_optimizer_state_bytes)})"
                  if state == "host" else "state on the device")
         rows.append(_Row(f"memplan optimizer=, {'after' if after else 'in'} backward, state on {state}",
-                         _eager_step(planned, optimizer, args, kwargs), budget,
+                         training_step(planned, optimizer, args, kwargs), budget,
                          f"{mode}, {where}, predicted {format_bytes(plan.predicted_peak)}"))
 
     peaks_and_interleaved_times(rows, repeats)  # (the state exists from the second step on)
