@@ -19,6 +19,7 @@ from memplan.frontend.distributed import (DataParallel, DistributedTrainingError
                                          made_on_first_rank, reduce_at_last_micro_step,
                                          refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
+from memplan.frontend.paged import keep_parameters_on_device
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
 from memplan.pipeline.options import PlanOptions, StepOptions
@@ -139,7 +140,12 @@ def optimize(
         if ddp is not None and plan is None:
             share_first_ranks_plan(ddp, opt, example_inputs, example_kwargs or {})
         else:
-            opt.prepare(*example_inputs, **(example_kwargs or {}))
+            try:
+                opt.prepare(*example_inputs, **(example_kwargs or {}))
+            except Exception:
+                if step.parameters == "host":  # refused: the parameters are not paged after all
+                    keep_parameters_on_device(model)
+                raise
     if ddp is not None:
         ddp.module = opt
         return ddp

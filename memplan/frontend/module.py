@@ -141,8 +141,7 @@ class OptimizedModule(nn.Module):
                                    saved_plan=self.saved_plan)
             step = self.step_options = dataclasses.replace(step, optimizer_state="host")
             self.split_factory = None
-            if step.master_weights:
-                use_master_weights(step.optimizer)
+            use_master_weights(step.optimizer, step.master_weights)
         else:
             keep_parameters_on_device(model)
         if budget is None and self.saved_plan is not None:

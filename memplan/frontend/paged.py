@@ -45,7 +45,8 @@ def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any,
 
 def keep_parameters_on_device(model: nn.Module) -> None:
     """``parameters="device"``: a model an earlier ``parameters="host"`` call marked as in host memory
-    (one that then failed to plan, say) is device memory again, counted as such."""
+    (one that then failed to plan, say) is device memory again, counted as such. (One model is
+    trained by one memplan module: another module still paging it would find its marks gone.)"""
     marked = [p for p in model.parameters() if not p.is_meta and is_host(p)]
     if marked:
         unmark_host(*marked)
@@ -60,7 +61,15 @@ def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str |
     an optimizer made over them keeps them. Returns the names filled. Raises `KeyError` naming the
     tensors ``state_dict`` lacks, and `ValueError` for a shape that differs, before any is filled."""
     source = _tensors_of(state_dict)
-    wanted = [(name, t) for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    # Each tensor once, under whichever of its names the state dict has (a tied weight may be saved
+    # under its second name only, as safetensors files drop the others).
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if t.is_meta:
+            names.setdefault(id(t), []).append(name)
+            tensors[id(t)] = t
+    wanted = [(next((n for n in names[key] if n in source), names[key][0]), t) for key, t in tensors.items()]
     missing = [name for name, _ in wanted if name not in source]
     if missing:
         raise KeyError(f"memplan: the state dict has no {', '.join(missing[:3])}"
@@ -76,8 +85,9 @@ def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str |
             filled.copy_(source.tensor(name))
         if host:
             mark_host(filled)
-        if isinstance(t, nn.Parameter):
-            filled = nn.Parameter(filled, requires_grad=t.requires_grad)
+        if isinstance(t, nn.Parameter):  # (of its own class, its attributes kept: swap_tensors swaps them)
+            filled = type(t)(filled, requires_grad=t.requires_grad)
+            filled.__dict__.update(t.__dict__)
         torch.utils.swap_tensors(t, filled)
     return [name for name, _ in wanted]
 

@@ -29,7 +29,7 @@ from memplan.passes.paging import page_parameters
 from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
 from memplan.core.config import TUNABLES
 from memplan.updates.buckets import bucket_caps
-from memplan.updates.master_weights import uses_master_weights
+from memplan.updates.master_weights import has_master, uses_master_weights
 from memplan.updates.probe import ParamUpdate, UpdatePlacement, learn_updates
 from memplan.updates.runner import Accumulation, UpdateRunner
 from memplan.runtime.program import Program, build_program
@@ -103,7 +103,7 @@ def _paged(update: ParamUpdate, model: torch.nn.Module, optimizer: torch.optim.O
     """``update`` of a paged parameter; with an fp32 master (`memplan.updates.master_weights`), its
     state in fp32 as the master's is, and the master's bytes."""
     p = dict(model.named_parameters())[update.name]
-    if not uses_master_weights(optimizer) or not p.is_floating_point() or p.dtype == torch.float32:
+    if not uses_master_weights(optimizer) or not has_master(p):
         return dataclasses.replace(update, paged=True)
     widen = 4 / p.element_size()
     return dataclasses.replace(update, paged=True, state_bytes=int(update.state_bytes * widen),

@@ -7,45 +7,68 @@ and then writes the master back into the parameter, rounded. The master is made 
 parameter at its first update and kept in the optimizer's state under `MASTER`, so an
 optimizer ``state_dict()`` carries it; ``load_state_dict`` would cast it and the rest of that
 parameter's state to the parameter's dtype, so the state is restored in float32 after a load
-(`use_master_weights`'s hooks).
+(`use_master_weights`'s hooks). Only bf16 and fp16 parameters get masters (`has_master`).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
 from memplan.core.host import host_storage
 
 MASTER = "memplan_master"  # the optimizer state's key for a parameter's fp32 master
-_ENABLED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]]" = weakref.WeakKeyDictionary()
 
 
-def use_master_weights(optimizer: torch.optim.Optimizer) -> None:
-    """Give ``optimizer``'s low-precision paged parameters fp32 masters from their next update on."""
-    if optimizer in _ENABLED:
-        return
-    stash: list[Any] = [None]  # the state dict being loaded, before torch casts it
-    _ENABLED[optimizer] = stash
-    optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: stash.__setitem__(0, state_dict))
-    optimizer.register_load_state_dict_post_hook(_restore_in_float32)
+class _Switch:
+    """Master weights on or off for one optimizer, and the state dict it is loading (before torch casts it)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.loading: dict | None = None
+
+
+_SWITCHES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Switch]" = weakref.WeakKeyDictionary()
+
+
+def use_master_weights(optimizer: torch.optim.Optimizer, on: bool = True) -> None:
+    """Give ``optimizer``'s low-precision paged parameters fp32 masters from their next update on
+    (``on``), or not: the last ``optimize`` call over the optimizer says."""
+    switch = _SWITCHES.get(optimizer)
+    if switch is None:
+        if not on:
+            return
+        switch = _SWITCHES[optimizer] = _Switch()
+        optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: setattr(switch, "loading", state_dict))
+        optimizer.register_load_state_dict_post_hook(_restore_in_float32)
+    switch.on = on
 
 
 def uses_master_weights(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether ``optimizer``'s low-precision paged parameters are updated through fp32 masters."""
-    return optimizer is not None and optimizer in _ENABLED
+    switch = _SWITCHES.get(optimizer) if optimizer is not None else None
+    return switch is not None and switch.on
+
+
+def has_master(p: torch.Tensor) -> bool:
+    """Whether ``p`` is of a dtype that master weights widen (bf16, fp16), not fp32 or fp64."""
+    return p.is_floating_point() and p.element_size() < 4
 
 
 def master_of(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor | None:
     """``p``'s fp32 master in host memory: the one in the optimizer's state, or a new copy of ``p``
-    before its first update; None where ``p`` has none (master weights off, or ``p`` in fp32)."""
-    if not uses_master_weights(optimizer) or not p.is_floating_point() or p.dtype == torch.float32:
+    before its first update through one (its state so far, if any, widened to fp32 with it); None
+    where ``p`` has none (master weights off, or ``p`` in fp32 or fp64)."""
+    if not uses_master_weights(optimizer) or not has_master(p):
         return None
-    held = optimizer.state.get(p, {}).get(MASTER)
+    state = optimizer.state.get(p, {})
+    held = state.get(MASTER)
     if held is not None:
         return held
     with host_storage(), torch.no_grad():
+        for key, value in list(state.items()):  # (state made without a master: a step in bf16 before)
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                state[key] = value.float()
         return p.detach().float()
 
 
@@ -56,18 +79,21 @@ def keep_master(optimizer: torch.optim.Optimizer, p: torch.Tensor, master: torch
 
 
 def _restore_in_float32(optimizer: torch.optim.Optimizer) -> None:
-    """After ``load_state_dict``: the loaded state of each parameter with a master, as it was saved
-    (float32), not cast to the parameter's dtype."""
-    stash = _ENABLED[optimizer]
-    loaded, stash[0] = stash[0], None
-    if loaded is None:
+    """After ``load_state_dict``: each low-precision parameter's loaded state as it was saved (its
+    master and state in float32), or widened to it, not cast to the parameter's dtype."""
+    switch = _SWITCHES[optimizer]
+    loaded, switch.loading = switch.loading, None
+    if loaded is None or not switch.on:
         return
+    # The saved ids of the parameters, group by group, as torch's load maps them.
+    saved_ids = [i for group in loaded["param_groups"] for i in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    for index, saved in loaded["state"].items():
-        if MASTER not in saved:
+    for index, p in zip(saved_ids, params):
+        saved = loaded["state"].get(index)
+        if saved is None or not has_master(p):
             continue
-        p = params[index]
         with host_storage(), torch.no_grad():
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":
-                    optimizer.state[p][key] = value.to(device=optimizer.state[p][key].device, copy=True)
+                    optimizer.state[p][key] = value.to(device=optimizer.state[p][key].device, dtype=torch.float32,
+                                                       copy=True)

@@ -347,3 +347,30 @@ def test_bf16_parameters_with_fp32_master_weights_train_as_their_fp32_reference(
             assert torch.equal(resumed.state[p][key], value), key
     with pytest.raises(ValueError, match="add parameters=\"host\""):
         memplan.optimize(model, budget, optimizer=optimizer, master_weights=True)
+
+
+def test_master_weights_take_over_a_bf16_state_and_leave_fp64_parameters_as_they_are():
+    """A checkpoint of bf16 steps without masters, loaded with master weights on: the state is widened
+    to fp32 and training goes on; an fp64 model gets no (narrower) master."""
+    model, args, kwargs = _bf16_mlp()
+    model.model = model.model[:4]
+    first = _adamw(model)
+    plain = memplan.optimize(model, 10**9, optimizer=first, parameters="host", example_inputs=args, time_limit=2)
+    _train(plain, first, args, kwargs, steps=1)
+    second = _adamw(model)
+    masters = memplan.optimize(model, 10**9, optimizer=second, parameters="host", master_weights=True,
+                               example_inputs=args, time_limit=2)
+    second.load_state_dict(first.state_dict())
+    _train(masters, second, args, kwargs, steps=1)
+    for p in model.parameters():
+        assert {k: v.dtype for k, v in second.state[p].items() if k != "step"} == {
+            "exp_avg": torch.float32, "exp_avg_sq": torch.float32, "memplan_master": torch.float32}
+    wide, args64, _ = _deep_mlp(depth=2)
+    wide, args64 = wide.double(), tuple(a.double() for a in args64)
+    optimizer = _adamw(wide)
+    planned = memplan.optimize(wide, 10**9, optimizer=optimizer, parameters="host", master_weights=True,
+                               example_inputs=args64, time_limit=2)
+    _train(planned, optimizer, args64, {}, steps=1)
+    assert "fp32 master weights" not in planned.plan.host_memory
+    assert all("memplan_master" not in optimizer.state[p] and optimizer.state[p]["exp_avg"].dtype == torch.float64
+               for p in wide.parameters())
