@@ -610,8 +610,10 @@ def _searched_minimums(solve_for: Callable[..., Plan], attempts: list[UpdatePlac
         try:
             return solve_for(at, search_minimum=True), errors
         except (solvers.ScheduleError, InfeasibleBudgetError) as exc:
-            # (its traceback would hold this frame, and this frame the list holding it: a cycle
-            # through every planning frame above, which `whole_step_plan` must not leave, #46)
+            # Its traceback, and that of the error it was raised while handling (its context), would
+            # hold this frame, and this frame the list holding it: a cycle through every planning
+            # frame above, which `whole_step_plan` must not leave (#46).
+            exc.__context__ = exc.__cause__ = None
             kept.append(exc.with_traceback(None))
     return None, kept
 
