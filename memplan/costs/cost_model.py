@@ -306,9 +306,10 @@ def annotate(
         if node.op == "call_function":
             flops = node_flops(node)
             moved = new_bytes + sum(values[i.name].nbytes for i in node.all_input_nodes if alias_of is None)
-            device = profile.op_time(flops, moved, low_precision, op_kind(node)) if new_bytes or flops else 0.0
             if node.target is FETCH:  # a paged parameter's copy in: its bytes over the host link
                 device = profile.transfer_time(new_bytes)
+            else:
+                device = profile.op_time(flops, moved, low_precision, op_kind(node)) if new_bytes or flops else 0.0
             # A view launches nothing, but the host still runs it (`DeviceProfile.host_op_time`);
             # taking an output of a multi-output op is a Python index.
             host = 0.0 if node.target is operator.getitem else profile.host_op_time

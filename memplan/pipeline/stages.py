@@ -92,17 +92,17 @@ def prepare_step(
             updates = learn_updates(optimizer, model, [p.name for p in cap.primals], profile,
                                     measure_times=measure_on is not None)
             if paged:
-                updates = [_paged(u, model, optimizer) for u in updates]
+                params = dict(model.named_parameters())
+                updates = [_paged(u, params[u.name], optimizer) for u in updates]
     with stage("eager", "replaying the eager step on fake tensors"):
         if eager_peak is None:
             eager_peak = replay_eager_peak_of(cap, model, args, kwargs)
     return PreparedStep(cap, updates, eager_peak)
 
 
-def _paged(update: ParamUpdate, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ParamUpdate:
-    """``update`` of a paged parameter; with an fp32 master (`memplan.updates.master_weights`), its
+def _paged(update: ParamUpdate, p: torch.Tensor, optimizer: torch.optim.Optimizer) -> ParamUpdate:
+    """``update`` of paged parameter ``p``; with an fp32 master (`memplan.updates.master_weights`), its
     state in fp32 as the master's is, and the master's bytes."""
-    p = dict(model.named_parameters())[update.name]
     if not uses_master_weights(optimizer) or not has_master(p):
         return dataclasses.replace(update, paged=True)
     widen = 4 / p.element_size()

@@ -442,7 +442,7 @@ def _add_updates(G: nx.DiGraph, cap: Capture, primal_nodes: list[fx.Node], updat
         follows.setdefault(grads[-1], []).extend([update, update + UPDATED_SUFFIX])
     if after_backward:
         return G, out, param_nodes
-    fetches = {n.name for n in cap.graph_module.graph.nodes if n.target is FETCH}
+    fetches = {n.name for n in cap.graph_module.graph.find_nodes(op="call_function", target=FETCH)}
     for reader, tokens in _add_read_tokens(G, written, fetches).items():
         follows.setdefault(reader, []).extend(tokens)  # each token right after its reader
     # The Problem's order is G's insertion order: the states first, with the other sources (the

@@ -1,10 +1,11 @@
 """Host memory as a limit of the plan: what a plan keeps in host memory, against what the host has.
 
-A plan may put four things in host memory: the parameters it pages (`memplan.passes.paging`), the optimizer state of the parameters its placement
-updates there (all step long), the copies its host updates work on (every hosted parameter and
-gradient: each bucket's are copied out as backward makes them, and wait for the one worker that
-steps them, `memplan.updates.runner`; and one bucket's optimizer temporaries at a time), and the
-activations it pages out (`Plan.host_bytes`, the most held at once). A planning call is given the
+A plan may put four things in host memory: the parameters it pages (`memplan.passes.paging`, with
+their fp32 masters and summed gradients where it keeps them), the optimizer state of the parameters
+its placement updates there (all step long), the copies its host updates work on (every hosted
+parameter and gradient: each bucket's are copied out as backward makes them, and wait for the one
+worker that steps them, `memplan.updates.runner`; and one bucket's optimizer temporaries at a
+time), and the activations it pages out (`Plan.host_bytes`, the most held at once). A planning call is given the
 bytes of host memory it may use (``host_memory=``; by default what the machine has available when
 it plans): state moves to the host only while it fits there, and a plan that needs more is refused
 with `HostMemoryError`, before anything is allocated.
@@ -62,8 +63,9 @@ def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], buck
                       accumulate_steps: int = 1, paged_bytes: int = 0) -> dict[str, int]:
     """What the updates run in host memory hold there at most (name -> bytes): the ``paged_bytes``
     of parameters paged there (`memplan.passes.paging.paged_bytes`: every parameter, updated or
-    frozen), the optimizer state of the parameters in ``host``, and the copies of their parameters and gradients, all of which
-    may wait for the host worker at once (backward copies each bucket out as it is made, faster than
+    frozen), the fp32 masters of those updated through one (`ParamUpdate.master_bytes`), the
+    optimizer state of the parameters in ``host``, and the copies of their parameters and
+    gradients, all of which may wait for the host worker at once (backward copies each bucket out as it is made, faster than
     the host steps them), with one bucket's optimizer temporaries (a bucket holds up to
     ``bucket_bytes`` of parameters). With ``accumulate_steps`` > 1 a paged parameter's gradient is
     summed there too, between micro-steps."""

@@ -147,9 +147,10 @@ class UpdateRunner(nn.Module):
         updating micro-step the sum is handed back (and ``.grad`` left at None); before it, the
         sum stays in ``.grad`` and None is returned (nothing to update yet)."""
         p = self.params[slot]
-        if is_host(p):  # a paged parameter's sum is held beside it, in host memory (`memplan.passes.paging`)
+        paged = is_host(p)  # a paged parameter's sum is held beside it, in host memory (`memplan.passes.paging`)
+        if paged:
             grad = wait_host_copy(offload_tensor(grad.detach()))
-        with torch.no_grad(), host_storage() if is_host(p) else contextlib.nullcontext():
+        with torch.no_grad(), host_storage() if paged else contextlib.nullcontext():
             if p.grad is None:
                 # Keep the gradient itself where its layout is the parameter's, as AccumulateGrad does.
                 p.grad = grad if grad.stride() == p.stride() else torch.empty_like(p).copy_(grad)
