@@ -83,7 +83,7 @@ def optimize(
     optimizer_state: str = "auto",
     accumulate_steps: int = 1,
     clip_by: str = "auto",
-    parameters: str = "device",
+    parameters: str = "auto",
     master_weights: bool = False,
     plan: Any = None,
     graph_breaks: bool = True,

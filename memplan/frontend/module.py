@@ -25,7 +25,8 @@ from memplan.runtime.inductor.segments import compile_program
 from memplan.planning.analysis import replay_eager_peak
 from memplan.costs.cost_model import get_profile
 from memplan.updates.master_weights import use_master_weights
-from memplan.frontend.paged import keep_parameters_on_device, materialize, put_parameters_on_host
+from memplan.frontend.paged import (keep_parameters_on_device, materialize, paging_refusal, put_paged_on_host,
+                                    put_parameters_on_host)
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
                                          warn_unplanned_engine_memory)
@@ -141,9 +142,15 @@ class OptimizedModule(nn.Module):
                                    saved_plan=self.saved_plan)
             step = self.step_options = dataclasses.replace(step, optimizer_state="host")
             self.split_factory = None
-            use_master_weights(step.optimizer, step.master_weights)
         else:
             keep_parameters_on_device(model)
+        # parameters="auto" pages where paging is built, and a plan that needs it says which (`_plan_graph`).
+        self.pages_as_needed = (step.parameters == "auto" and step.optimizer is not None
+                                and step.optimizer_state != "device"
+                                and paging_refusal(model, distributed=data_parallel is not None,
+                                                   compile=options.compile, saved_plan=self.saved_plan) is None)
+        if step.optimizer is not None:
+            use_master_weights(step.optimizer, step.master_weights and step.parameters != "device")
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -232,10 +239,18 @@ class OptimizedModule(nn.Module):
 
     def materialize(self, state_dict: Any, device: torch.device | str = "cpu") -> list[str]:
         """Give the model's parameters and buffers left on the meta device storage where the plan
-        keeps them (host memory with ``parameters="host"``, else ``device``), filled from
+        keeps them (host memory for those it pages, `paged_parameters`, else ``device``), filled from
         ``state_dict`` (a mapping, or a safetensors or ``torch.save`` file) one tensor at a time,
         the parameters kept as the same objects (`memplan.frontend.paged.materialize`)."""
-        return materialize(self._orig_mod, state_dict, paged=self.step_options.parameters == "host", device=device)
+        return materialize(self._orig_mod, state_dict, paged=self.paged_parameters, device=device)
+
+    @property
+    def paged_parameters(self) -> frozenset[str]:
+        """Names of the parameters that live in host memory between their uses: every one with
+        ``parameters="host"``; with "auto", those the plans made so far page."""
+        if self.step_options.parameters == "host":
+            return frozenset(name for name, _ in self._orig_mod.named_parameters())
+        return frozenset(name for plan in self.plans.values() for name in plan.paged_parameters)
 
     def prepare(self, *args: Any, **kwargs: Any) -> Plan | None:
         """Plan for these inputs now (without running a step), for a step that starts without
@@ -511,7 +526,7 @@ class OptimizedModule(nn.Module):
                                         measure_on=measure_on, scratch_on=device, optimizer=self.optimizer,
                                         grad_norm=self.step_options.grad_norm, max_grad_norm=self.step_options.max_grad_norm,
                                         accumulation=self.accumulation, handout_bytes=self._handout_bytes)
-        return make_plan(
+        plan, program = make_plan(
             model,
             args,
             kwargs,
@@ -528,7 +543,7 @@ class OptimizedModule(nn.Module):
             updates_after_backward=self.step_options.updates_after_backward,
             max_grad_norm=self.step_options.max_grad_norm,
             optimizer_state=self.step_options.optimizer_state,
-            paged=self.step_options.parameters == "host",
+            parameters="auto" if self.pages_as_needed else self.step_options.parameters,
             accumulation=self.accumulation,
             clip_by=self.step_options.clip_by,
             carry_limit=self.carry_limit,
@@ -537,6 +552,9 @@ class OptimizedModule(nn.Module):
             handout_bytes=self._handout_bytes,
             host_memory=None if self.plan_options.host_memory is None else parse_bytes(self.plan_options.host_memory),
         )
+        if self.pages_as_needed:  # (the plan says which parameters live in host memory)
+            put_paged_on_host(model, plan.paged_parameters)
+        return plan, program
 
     @property
     def _handout_bytes(self) -> int | None:

@@ -12,7 +12,7 @@ whole model is never on the device.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -24,23 +24,36 @@ from memplan.frontend.distributed import engines_in, process_group_size
 _WHERE = "memplan.optimize(..., parameters=\"host\")"
 
 
-def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any, saved_plan: Any) -> None:
-    """Check that ``model``'s parameters can be paged as built, and mark them as host memory.
-    Raises `NotImplementedError` naming the route for what is not built yet."""
+def paging_refusal(model: nn.Module, *, distributed: bool, compile: Any, saved_plan: Any) -> str | None:
+    """Why ``model``'s parameters cannot be paged as built (None: they can), with the route to take."""
     devices = {p.device.type for p in model.parameters()} - {"meta"}  # (a meta model is materialized later)
     if devices - {"cpu"}:
-        raise NotImplementedError(
-            f"{_WHERE} on {', '.join(sorted(devices - {'cpu'}))}: paging parameters runs on the CPU, where host "
-            "memory is simulated, in this release; on a GPU, give the budget room for the parameters and put "
-            "the optimizer's state on the host (optimizer_state=\"host\")")
+        return (f"{_WHERE} on {', '.join(sorted(devices - {'cpu'}))}: paging parameters runs on the CPU, where host "
+                "memory is simulated, in this release; on a GPU, give the budget room for the parameters and put "
+                "the optimizer's state on the host (optimizer_state=\"host\")")
     if distributed or engines_in(model) or process_group_size() is not None:
-        raise NotImplementedError(f"{_WHERE} under DDP, FSDP or a process group is not built: train one process, "
-                                  "or leave the parameters on the device")
+        return (f"{_WHERE} under DDP, FSDP or a process group is not built: train one process, "
+                "or leave the parameters on the device")
     if compile:
-        raise NotImplementedError(f"{_WHERE} with compile= is not built: leave compile off")
+        return f"{_WHERE} with compile= is not built: leave compile off"
     if saved_plan is not None:
-        raise NotImplementedError(f"{_WHERE} with plan= is not built: plan the step again (leave plan= out)")
+        return f"{_WHERE} with plan= is not built: plan the step again (leave plan= out)"
+    return None
+
+
+def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any, saved_plan: Any) -> None:
+    """Check that ``model``'s parameters can be paged as built, and mark them as host memory.
+    Raises `NotImplementedError` naming the route for what is not built yet (`paging_refusal`)."""
+    refusal = paging_refusal(model, distributed=distributed, compile=compile, saved_plan=saved_plan)
+    if refusal is not None:
+        raise NotImplementedError(refusal)
     mark_host(*(p for p in model.parameters() if not p.is_meta))
+
+
+def put_paged_on_host(model: nn.Module, names: Collection[str]) -> None:
+    """``parameters="auto"``: mark the parameters a plan pages (named ``names``) as host memory,
+    once it is made. (A parameter an earlier plan of the model paged stays there.)"""
+    mark_host(*(p for name, p in model.named_parameters() if name in names and not p.is_meta and not is_host(p)))
 
 
 def keep_parameters_on_device(model: nn.Module) -> None:
@@ -53,9 +66,9 @@ def keep_parameters_on_device(model: nn.Module) -> None:
 
 
 def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str | os.PathLike, *,
-                paged: bool, device: torch.device | str = "cpu") -> list[str]:
+                paged: Collection[str], device: torch.device | str = "cpu") -> list[str]:
     """Give each of ``model``'s parameters and buffers left on the meta device storage where the plan
-    keeps it (host memory for a paged parameter, else ``device``), filled from ``state_dict`` one
+    keeps it (host memory for a parameter of those named ``paged``, else ``device``), filled from ``state_dict`` one
     tensor at a time: a mapping of names to tensors, or the path of a safetensors file (read tensor
     by tensor) or of a ``torch.save`` file (memory-mapped). The parameters stay the same objects, so
     an optimizer made over them keeps them. Returns the names filled. Raises `KeyError` naming the
@@ -79,7 +92,7 @@ def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str |
         if shape != tuple(t.shape):
             raise ValueError(f"memplan: {name} is {tuple(t.shape)} in the model and {shape} in the state dict")
     for name, t in wanted:
-        host = paged and isinstance(t, nn.Parameter)
+        host = isinstance(t, nn.Parameter) and any(n in paged for n in names[id(t)])
         filled = torch.empty(t.shape, dtype=t.dtype, device="cpu" if host else device)
         with torch.no_grad():
             filled.copy_(source.tensor(name))

@@ -16,6 +16,7 @@ copies already fetched hold the values the backward must read: eager's.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -69,6 +70,22 @@ def page_parameters(gm: fx.GraphModule, placeholders: Iterable[fx.Node]) -> list
     if paged:
         gm.recompile()
     return paged
+
+
+def with_paged(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
+    """A copy of ``gm`` whose placeholders named ``names`` are paged (`page_parameters`), ``gm``
+    left as it is. The nodes are copied, their metadata dicts too, the values in them (fake
+    tensors) shared: the copy costs a pass over the graph, not a capture."""
+    graph = copy.deepcopy(gm.graph)
+    copied = fx.GraphModule(gm, graph)
+    wanted = set(names)
+    page_parameters(copied, [node for node in graph.find_nodes(op="placeholder") if node.name in wanted])
+    return copied
+
+
+def paged_names(gm: fx.GraphModule) -> list[str]:
+    """Names of ``gm``'s paged placeholders, in graph order."""
+    return [node.name for node in gm.graph.find_nodes(op="placeholder") if is_paged(node)]
 
 
 def paged_bytes(gm: fx.GraphModule) -> int:

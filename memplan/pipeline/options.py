@@ -20,7 +20,7 @@ from memplan.core.units import parse_bytes
 
 OPTIMIZER_STATES = ("auto", "device", "host")
 CLIP_BY = ("auto", "holding", "norm_pass")
-PARAMETER_PLACES = ("device", "host")
+PARAMETER_PLACES = ("auto", "device", "host")
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,16 @@ class StepOptions:
     accumulate_steps: int = 1
     """Update once every this many backward passes, the gradients added up in ``.grad`` between."""
 
-    parameters: str = "device"
-    """Where the parameters live between their uses: "device", or "host" (paged, ZeRO-Infinity
-    style: each is fetched to the device before its readers, and the plan keeps the copy from the
-    forward to the backward or fetches it again as the budget asks; the update runs on the host,
-    the optimizer's state there too). "host" needs ``optimizer=``; on the CPU it is simulated."""
+    parameters: str = "auto"
+    """Where the parameters live between their uses: "device", "host" (every one paged,
+    ZeRO-Infinity style: fetched to the device before its readers, the copy kept from the forward
+    to the backward or fetched again as the budget asks; the update runs on the host, the
+    optimizer's state there too) or "auto" (on the device, and paged, the largest first, for as
+    many as a step that does not fit otherwise needs; where paging is built: one process, on the
+    CPU, without ``compile=`` or ``plan=``). Paging needs ``optimizer=``; on the CPU it is simulated."""
 
     master_weights: bool = False
-    """With ``parameters="host"``: update each bf16 or fp16 parameter through an fp32 master copy
+    """With ``parameters`` "host" or "auto": update each bf16 or fp16 paged parameter through an fp32 master copy
     in host memory, its optimizer state in fp32 too, and round the result into the parameter
     (ZeRO-Offload's mixed precision); the device only ever holds the low-precision copies."""
 
@@ -144,8 +146,8 @@ class StepOptions:
                 raise ValueError("memplan.optimize(..., parameters=\"host\", optimizer_state=\"device\"): a paged "
                                  "parameter's update runs on the host, with its state there; leave optimizer_state "
                                  "at \"auto\" or give \"host\"")
-        if self.master_weights and self.parameters != "host":
+        if self.master_weights and self.parameters == "device":
             raise ValueError("memplan.optimize(..., master_weights=True): the fp32 masters live with the paged "
-                             "parameters in host memory; add parameters=\"host\"")
+                             "parameters in host memory; give parameters=\"host\" or \"auto\"")
         if self.clip_by not in CLIP_BY:
             raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")

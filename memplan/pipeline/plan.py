@@ -27,56 +27,18 @@ from memplan.updates.runner import Accumulation
 from memplan.updates.host_memory import HostMemoryError, check_host_memory, default_host_limit, host_update_bytes
 from memplan.pipeline.options import CLIP_BY, OPTIMIZER_STATES
 from memplan.passes.output_use import OutputUse
-from memplan.passes.paging import paged_bytes
+from memplan.passes.paging import is_paged, paged_bytes
 from memplan.planning.decisions import Transfer, ValueDecision, fetched_bytes, transfers_of, value_decisions
 from memplan.planning.saved_format import count_params, describe_inputs, graph_signature, input_signature, record_to_json
 from memplan.planning.lowering import BACKWARD, CUT_RESERVE, dropped_input_names, updates_after_reads_within
 from memplan.runtime.program import Program
-from memplan.pipeline.stages import analyze_placement, analyze_step, build_step, prepare_step, step_bucket_caps
+from memplan.pipeline.stages import analyze_paged, analyze_placement, analyze_step, build_step, prepare_step, step_bucket_caps
 from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
+from memplan.core.host import is_host
 from memplan.pipeline.clock import PhaseTimer, PlanningClock
-
-
-class InfeasibleBudgetError(ValueError):
-    """No plan fits the budget; ``min_budget`` is the lowest peak of the plans memplan found
-    (`solvers.strategies.min_budget.min_budget`: a search, not a proof; a plan between the two may exist),
-    or, with ``searched`` False, a bound or the lowest peak one solve reached (`whole_step_plan`).
-    ``addend_only_outputs``: the graph's outputs whose gradient is an addend only
-    (`Capture.addend_only_outputs`), which a plan could do without (`memplan.passes.output_use`)."""
-
-    def __init__(self, budget: int, min_budget: int, held_gradient_bytes: int = 0,
-                 addend_only_outputs: frozenset[int] = frozenset(), searched: bool = True, engine_bytes: int = 0,
-                 method: str | None = None):
-        self.budget = budget
-        # A named solver that could not meet a budget the search finds feasible: ``min_budget`` is its
-        # smallest plan's peak, and "auto" may do better.
-        self.method = method
-        self.engine_bytes = engine_bytes
-        self.min_budget = min_budget
-        # False: ``min_budget`` was not searched for (`solvers.solve`'s ``search_minimum=False``): a
-        # lower bound, or the lowest peak a solve reached; a placement of the whole step that cannot
-        # fit, told apart without a search.
-        self.searched = searched
-        self.held_gradient_bytes = held_gradient_bytes
-        self.addend_only_outputs = addend_only_outputs
-        held = (
-            f"; that counts {format_bytes(held_gradient_bytes)} of gradients the parameters already hold from an "
-            "earlier step (accumulation): call optimizer.zero_grad() before the step, or raise the budget"
-            if held_gradient_bytes else "; raise the budget or shrink the batch"
-        )
-        if engine_bytes:
-            held += (f" (it counts {format_bytes(engine_bytes)} of the distributed engine's buffers: DDP's gradient "
-                     "buckets)")
-        found = f"solver {method!r} made" if method else "memplan found"
-        if method:
-            held += "; solver='auto' searches further"
-        super().__init__(
-            f"budget {format_bytes(budget)} is below the smallest plan {found} for this model and input: "
-            f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
-        )
-
-
+from memplan.pipeline.errors import InfeasibleBudgetError
+from memplan.pipeline.paged_plan import plan_paging_as_needed
 
 
 @dataclass
@@ -128,6 +90,13 @@ class Plan:
         back = (sum(t.nbytes for t in self.transfers if t.back_before is not None)
                 + sum(u.grad_bytes for u in hosted if not u.paged) + self.fetched_bytes)
         return out, back
+
+    @property
+    def paged_parameters(self) -> frozenset[str]:
+        """Names of the parameters the plan keeps in host memory between their uses (`memplan.passes.paging`)."""
+        cap = self.analysis.capture
+        return frozenset(info.name for node, info in zip(cap.placeholders(), cap.primals)
+                         if info.kind == "param" and is_paged(node))
 
     @functools.cached_property
     def fetched_bytes(self) -> int:
@@ -342,7 +311,7 @@ def make_plan(
     updates_after_backward: bool = False,
     max_grad_norm: float | None = None,
     optimizer_state: str = "auto",
-    paged: bool = False,
+    parameters: str = "device",
     accumulation: Accumulation | None = None,
     clip_by: str = "auto",
     carry_limit: int | None = None,
@@ -370,8 +339,9 @@ def make_plan(
     clip the gradients' global norm to it before the updates (which then come after backward);
     ``optimizer_state``: "device", "host" (every parameter's state in host memory, updated
     there) or "auto" (on the device, and in host memory for as many parameters as the budget
-    needs: `whole_step_plan`); ``paged``: every parameter lives in host memory between its uses,
-    fetched before them (`memplan.passes.paging`); ``accumulation``: update once every ``accumulation.steps`` steps;
+    needs: `whole_step_plan`); ``parameters``: "host", every parameter lives in host memory between
+    its uses, fetched before them (`memplan.passes.paging`); "auto", as many as a step that does not
+    fit otherwise needs (`solve_paging_as_needed`); "device", none; ``accumulation``: update once every ``accumulation.steps`` steps;
     ``clip_by`` (with ``max_grad_norm``): "holding" every gradient to the end of backward,
     "norm_pass" (a first backward pass computes the norm) or "auto" (holding where it fits).
     ``carry_limit``: the plan carries at most this many bytes beyond its sources from its forward
@@ -396,7 +366,8 @@ def make_plan(
         phases.lap(lap_as[key])
 
     prepared = prepare_step(model, args, kwargs, profile=profile, output_use=output_use, optimizer=optimizer,
-                            measure_on=measure_on, eager_peak=eager_peak, stage=lapped, paged=paged)
+                            measure_on=measure_on, eager_peak=eager_peak, stage=lapped,
+                            paged=parameters == "host")
     updates = prepared.updates
     steps = accumulation.steps if accumulation is not None else 1
     clipping = max_grad_norm is not None
@@ -411,10 +382,14 @@ def make_plan(
     clock = clock.sized_to(analysis.num_nodes)
     clock.warn_if_spent("capturing and analyzing the step")
     phases.next(f"solving the step ({analysis.num_nodes:,} ops), {clock.solve_limit():.0f} s of the time limit left")
-    plan = solve_whole_step(analysis, budget, may_move_state=optimizer_state == "auto",
-                            norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
-                            solver=solver, clock=clock, offload=offload,
-                            host_limit=default_host_limit(optimizer, model) if host_memory is None else host_memory)
+    solve_options = dict(may_move_state=optimizer_state == "auto",
+                         norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
+                         solver=solver, clock=clock, offload=offload,
+                         host_limit=default_host_limit(optimizer, model) if host_memory is None else host_memory)
+    if parameters == "auto" and updates and optimizer_state != "device":
+        plan = solve_paging_as_needed(analysis, budget, model, optimizer, **solve_options)
+    else:
+        plan = solve_whole_step(analysis, budget, **solve_options)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)
@@ -422,15 +397,38 @@ def make_plan(
     return dataclasses.replace(plan, planning_time=phases.seconds), program
 
 
+def solve_paging_as_needed(analysis: Analysis, budget: int, model: torch.nn.Module,
+                           optimizer: torch.optim.Optimizer | None, *, clock: PlanningClock | None = None,
+                           **options) -> Plan:
+    """`solve_whole_step` (``options`` are its own), and where no plan fits so, the same step with
+    parameters paged, as many as it needs (`memplan.pipeline.paged_plan`; ``parameters="auto"``),
+    every optimizer state in host memory then. Parameters ``model`` keeps in host memory already
+    (an earlier plan's, for other inputs) are paged from the start."""
+    def solve(step: Analysis, last: bool, probe: bool) -> Plan:
+        brief = PlanningClock.begin(TUNABLES.placement_probe_seconds) if probe else clock
+        if probe and clock is not None and clock.limit - clock.elapsed() < brief.limit:
+            brief = clock  # (less than a probe is left)
+        return solve_whole_step(step, budget, clock=brief, search_minimum=last, **options)
+
+    placement = dataclasses.replace(analysis.lowered.placement, host=frozenset(u.name for u in analysis.updates))
+    return plan_paging_as_needed(analysis, budget, solve,
+                                 lambda names: analyze_paged(analysis, names, model, optimizer, placement),
+                                 paged_already=frozenset(name for name, p in model.named_parameters() if is_host(p)),
+                                 out_of_time=clock.spent if clock else lambda: False)
+
+
 def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,
-                     clock: PlanningClock | None = None, host_limit: int | None = None, **solve_options) -> Plan:
+                     clock: PlanningClock | None = None, host_limit: int | None = None, search_minimum: bool = True,
+                     **solve_options) -> Plan:
     """`solve_plan` for a step with optimizer updates: the first placement of them that fits
     (`whole_step_plan`), starting from the analysis' own; each other placement is the same step
     lowered again (its costs reused). ``norm_pass``: the step clips, and may do so with a first
     backward pass instead of holding the gradients. ``clock``: each solve gets what is left of
     the planning call's time limit, and stops at its gap. ``host_limit``: bytes of host memory the
     plan may keep there (None: no limit); a plan that needs more raises `HostMemoryError` (with all
-    state on the host from the start, before solving). ``solve_options``: `solve_plan`'s."""
+    state on the host from the start, before solving). ``search_minimum``: a step no placement fits
+    searches for its minimum budget for the error (False: the error has the lowest peak a solve
+    reached, when the caller tries something else next). ``solve_options``: `solve_plan`'s."""
     def options() -> dict:
         """``solve_options``, with what is left of the clock's limit when one is given (read per solve)."""
         if clock is None:
@@ -456,11 +454,12 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
                                                 placed.accumulate_steps, paged_bytes(analysis.capture.graph_module)),
                               host_limit)
         if not analysis.updates:
-            plan = solve_plan(analysis, budget, **options())
+            plan = solve_plan(analysis, budget, search_minimum=search_minimum, **options())
         else:
             plan = whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
                                    norm_pass, step_bucket_caps(analysis.updates),
-                                   out_of_time=clock.spent if clock else lambda: False, host_limit=host_limit)
+                                   out_of_time=clock.spent if clock else lambda: False, host_limit=host_limit,
+                                   search_minimum=search_minimum)
         if host_limit is not None:
             check_host_memory(plan.host_memory, host_limit)
         return plan
@@ -473,7 +472,8 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
 
 def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: UpdatePlacement, budget: int,
                     may_move_state: bool, norm_pass: bool = False, caps: Sequence[int] = (0,),
-                    out_of_time: Callable[[], bool] = lambda: False, host_limit: int | None = None) -> Plan:
+                    out_of_time: Callable[[], bool] = lambda: False, host_limit: int | None = None,
+                    search_minimum: bool = True) -> Plan:
     """The plan of the first placement of the optimizer's updates that fits ``budget``, tried in order:
 
     1. ``first`` (updates as soon as each gradient is final, unless it says after backward);
@@ -567,7 +567,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     fitting.append(plan)
                 if fitting:  # each fits by recomputing or moving: the fastest, bucket calls and all
                     return min(fitting, key=lambda p: p.predicted_time)
-            if unsearched:  # nothing fits and no state can move: the error names the minimum searched for
+            if unsearched and search_minimum:  # nothing fits and no state can move: the error names the minimum
                 plan, errors = _searched_minimums(solve_for, unsearched, errors)
                 if plan is not None:
                     return plan

@@ -25,8 +25,8 @@ from memplan.capture.signature import Capture
 from memplan.capture.trace import capture
 from memplan.costs.cost_model import DeviceProfile, get_profile
 from memplan.passes.output_use import OutputUse
-from memplan.passes.paging import page_parameters
-from memplan.planning.analysis import Analysis, analyze_capture, replay_eager_peak_of
+from memplan.passes.paging import page_parameters, with_paged
+from memplan.planning.analysis import Analysis, analyze_capture, costs_with_added_nodes, replay_eager_peak_of
 from memplan.core.config import TUNABLES
 from memplan.updates.buckets import bucket_caps
 from memplan.updates.master_weights import has_master, uses_master_weights
@@ -129,6 +129,20 @@ def analyze_placement(analysis: Analysis, placement: UpdatePlacement) -> Analysi
     """The same step lowered again with its updates placed otherwise; its costs are reused."""
     return analyze_capture(analysis.capture, analysis.profile, analysis.eager_peak, None, analysis.updates,
                            placement, costs=analysis.costs)
+
+
+def analyze_paged(analysis: Analysis, names: frozenset[str], model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None, placement: UpdatePlacement) -> Analysis:
+    """The step of ``analysis`` with the parameters named ``names`` paged as well (`with_paged`: its
+    graph copied, the analysis' own left as it is), lowered with its updates placed as ``placement``
+    says (which must keep the paged parameters' state in host memory); the known costs are reused."""
+    cap = analysis.capture
+    placeholders = {info.name: node.name for node, info in zip(cap.placeholders(), cap.primals) if info.kind == "param"}
+    paged = dataclasses.replace(cap, graph_module=with_paged(cap.graph_module, [placeholders[n] for n in names]))
+    params = dict(model.named_parameters())
+    updates = [_paged(u, params[u.name], optimizer) if u.name in names and not u.paged else u for u in analysis.updates]
+    return analyze_capture(paged, analysis.profile, analysis.eager_peak, None, updates, placement,
+                           costs=costs_with_added_nodes(paged, analysis.costs, analysis.profile))
 
 
 def build_step(

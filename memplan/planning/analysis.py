@@ -226,6 +226,14 @@ def _node_bytes(low: Lowered, prefix: str) -> int:
     return sum(d["mem"] for v, d in low.graph.nodes(data=True) if v.startswith(prefix))
 
 
+def costs_with_added_nodes(cap: Capture, known: GraphCosts, profile: DeviceProfile) -> GraphCosts:
+    """Costs of ``cap``, whose graph is a copy of the one ``known`` costs with nodes added (the
+    fetches of `memplan.passes.paging.with_paged`): each known node keeps its time and scratch
+    (measured ones too), the added ones are estimated."""
+    return annotate(cap.graph_module, profile, {name: v.time for name, v in known.values.items()},
+                    {name: v.scratch for name, v in known.values.items() if v.scratch})
+
+
 def _costs(cap: Capture, profile: DeviceProfile, measure_on: torch.device | None,
            scratch_on: torch.device | None = None) -> GraphCosts:
     """The capture's costs: the profile's roofline, or each op timed on ``measure_on``; with

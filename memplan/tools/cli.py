@@ -249,8 +249,22 @@ def make_named_optimizer(name: str, params: Any) -> Any:
     return getattr(torch.optim, cls_name)(params, **hyper)
 
 
-def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer: str | None = None,
-                   host_state: bool = False, paged: bool = False, master_weights: bool = False):
+def target_optimizer(target: Target, optimizer: str | None, master_weights: bool = False):
+    """The optimizer ``--optimizer name`` means over the target's parameters (None without one);
+    ``master_weights``: bf16/fp16 paged parameters update through fp32 masters."""
+    if optimizer is None:
+        return None
+    opt = make_named_optimizer(optimizer, target.module.parameters())
+    if master_weights:
+        from memplan.updates.master_weights import use_master_weights
+
+        use_master_weights(opt)
+    return opt
+
+
+def analyze_target(target: Target, progress: Progress, device_profile: str | None, optimizer=None,
+                   host_state: bool = False, paged: bool = False):
+    """The target's step analyzed (with ``optimizer``, from `target_optimizer`: the whole step)."""
     from memplan.costs.cost_model import get_profile
     from memplan.pipeline.stages import analyze
 
@@ -261,12 +275,7 @@ def analyze_target(target: Target, progress: Progress, device_profile: str | Non
         profile = get_profile(device_profile, device)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    opt = make_named_optimizer(optimizer, target.module.parameters()) if optimizer is not None else None
-    if master_weights and opt is not None:
-        from memplan.updates.master_weights import use_master_weights
-
-        use_master_weights(opt)
-    return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=opt,
+    return analyze(target.module, target.args, target.kwargs, device_profile=profile, optimizer=optimizer,
                    host_state=host_state, paged=paged, stage=progress.stage)
 
 
@@ -291,7 +300,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     from rich.console import Console
 
     from memplan.pipeline.clock import PlanningClock
-    from memplan.pipeline.plan import InfeasibleBudgetError, solve_whole_step
+    from memplan.pipeline.plan import InfeasibleBudgetError, solve_paging_as_needed, solve_whole_step
     from memplan.updates.host_memory import default_host_limit
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
@@ -299,8 +308,8 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     if args.optimizer_state != "auto" and not args.optimizer:
         raise CLIError(f"--optimizer-state {args.optimizer_state} places an optimizer's state", hint="add --optimizer adamw")
     paged = args.parameters == "host"
-    if args.master_weights and not paged:
-        raise CLIError("--master-weights keeps fp32 masters of paged parameters", hint="add --parameters host")
+    if args.master_weights and args.parameters == "device":
+        raise CLIError("--master-weights keeps fp32 masters of paged parameters", hint="leave out --parameters device")
     if paged and (not args.optimizer or args.optimizer_state == "device" or args.fsdp2 or getattr(args, "ddp", False)):
         raise CLIError("--parameters host pages the parameters of one process, updated on the host",
                        hint="add --optimizer adamw; leave out --optimizer-state device, --fsdp2 and --ddp")
@@ -311,9 +320,9 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
-    analysis = analyze_target(target, progress, args.device_profile, args.optimizer,
-                              host_state=args.optimizer_state == "host" or paged, paged=paged,
-                              master_weights=args.master_weights)
+    optimizer = target_optimizer(target, args.optimizer, args.master_weights)
+    analysis = analyze_target(target, progress, args.device_profile, optimizer,
+                              host_state=args.optimizer_state == "host" or paged, paged=paged)
     engine = 0
     if getattr(args, "ddp", False):
         analysis, engine = _inside_data_parallel(analysis, target.module)
@@ -324,10 +333,14 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
     with progress.stage("solve", f"solving for {fmt(budget)} with {args.solver}{limit}"):
         try:
             clock = PlanningClock.begin(args.time_limit, started).sized_to(analysis.num_nodes)
-            plan = solve_whole_step(analysis, budget - engine, clock=clock, solver=options["solver"],
-                                    offload=options["offload"],
-                                    may_move_state=args.optimizer_state == "auto" and not paged,
-                                    host_limit=host_limit)
+            solve_options = dict(clock=clock, solver=options["solver"], offload=options["offload"],
+                                 may_move_state=args.optimizer_state == "auto" and not paged, host_limit=host_limit)
+            # --parameters auto pages what a step that does not fit otherwise needs (one process only)
+            if (args.parameters == "auto" and optimizer is not None and args.optimizer_state != "device"
+                    and not engine):
+                plan = solve_paging_as_needed(analysis, budget, target.module, optimizer, **solve_options)
+            else:
+                plan = solve_whole_step(analysis, budget - engine, **solve_options)
         except InfeasibleBudgetError as exc:
             if not engine:
                 raise
@@ -430,7 +443,7 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress) -> int:
     options = _solve_options(args)
     with progress.stage("build", f"loading {args.target}"):
         target = load_target(args.target, args.batch_size)
-    analysis = analyze_target(target, progress, args.device_profile, args.optimizer)
+    analysis = analyze_target(target, progress, args.device_profile, target_optimizer(target, args.optimizer))
     find_min = functools.lru_cache(maxsize=1)(lambda: _min_budget(analysis, progress, options["offload"]))
     budgets = [(label, parse_budget_arg(label, analysis.eager_peak, find_min)) for label in labels]
     with progress.stage("solve", f"solving {len(budgets)} budgets with {args.solver}"):
@@ -510,11 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--optimizer-state", choices=("auto", "device", "host"), default="auto",
                         help="with --optimizer: where its state lives; auto moves to host memory as much as the "
                              "budget needs (--fsdp2: device unless host)")
-    report.add_argument("--parameters", choices=("device", "host"), default="device",
+    report.add_argument("--parameters", choices=("auto", "device", "host"), default="auto",
                         help="with --optimizer: host pages every parameter from host memory (fetched before its "
-                             "uses, updated on the host with its state)")
+                             "uses, updated on the host with its state); auto pages the largest as the budget "
+                             "needs, device none")
     report.add_argument("--master-weights", action="store_true",
-                        help="with --parameters host: update bf16/fp16 parameters through fp32 masters on the host")
+                        help="with --optimizer: update bf16/fp16 paged parameters through fp32 masters on the host")
     report.add_argument("--host-memory", type=_bytes_arg, default=None, metavar="BYTES",
                         help="host memory the plan may keep there (64GB): optimizer state, its update copies, "
                              "paged activations; more is refused (default: what this machine has available)")
