@@ -7,14 +7,18 @@ process, interleaved:
 
 * eager: ``loss.backward(); opt.step()`` (its own peak is its budget);
 * memplan with every parameter's AdamW state in host memory, updated there (ZeRO-Offload's fixed
-  rule: the parameters stay on the device) (``optimizer_state="host"``);
-* memplan with the state where the budget needs it (``optimizer_state="auto"``, the default);
-* memplan with every parameter paged (``parameters="host"``): fetched before its readers, the
-  plan keeping each copy from the forward to the backward or fetching it again.
+  rule: the parameters stay on the device) (``optimizer_state="host", parameters="device"``);
+* memplan with every parameter paged (``parameters="host"``, ZeRO-Infinity's fixed rule, though
+  the plan keeps a copy from the forward to the backward where it fits instead of fetching twice);
+* memplan with the state where the budget needs it, the parameters on the device (``parameters="device"``);
+* memplan's default (``parameters="auto"``): the state where the budget needs it, and parameters
+  paged, the largest first, only where the step does not fit otherwise.
 
 Every cell: the measured whole-step peak (the dispatch tracker; host storages apart), the step
-time over eager's (median of interleaved repetitions), and the bytes the plan moves over the
-host link per step, each way (`Plan.host_traffic`). A "-" where the planner finds no plan.
+time over eager's (median of interleaved repetitions), the predicted step time (`Plan.predicted_time`,
+the quantity the default compares against the fixed rules), the bytes the plan moves over the
+host link per step, each way (`Plan.host_traffic`), and the planning seconds. A "-" where the
+planner finds no plan.
 Writes ``benchmarks/results/paging.md``.
 
     python -m benchmarks.studies.paging [--repeats 7] [--time-limit 5] [--divisors 1 2 4 8 16]
@@ -38,9 +42,10 @@ from memplan.models import zoo
 RESULTS = RESULTS_DIR / "paging.md"
 CONFIG = {"seq": 8, "d_model": 128, "layers": 6}  # (zoo gpt tiny's vocabulary and heads, batch 1)
 MODES = {
-    "state on host": {"optimizer_state": "host"},
-    "auto": {},
-    "paged": {"parameters": "host"},
+    "state on host": {"optimizer_state": "host", "parameters": "device"},
+    "every parameter paged": {"parameters": "host"},
+    "state as needed": {"parameters": "device"},
+    "default (auto)": {},
 }
 
 
@@ -86,7 +91,8 @@ def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
         f"W = parameters + gradients + AdamW state = {format_bytes(whole)}; eager's measured whole-step peak "
         f"{format_bytes(eager_cell.peak)} ({eager_cell.peak / whole:.2f} W), its step {eager_time * 1e3:.1f} ms.",
         f"Each cell: measured peak (host storages apart) / step time over eager's (median of {repeats} interleaved) /",
-        "bytes moved per step to the host and back (predicted: `Plan.host_traffic`) / planning seconds.",
+        "predicted step time / bytes moved per step to the host and back (predicted: `Plan.host_traffic`) / planning "
+        "seconds; the default's paged parameters where it pages some.",
         f"`time_limit={time_limit:g}`; torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU "
         "(host memory simulated: a fetch is a clone).",
         "",
@@ -101,8 +107,11 @@ def run(repeats: int, time_limit: float, divisors: list[int]) -> str:
                 row.append("-")
                 continue
             out, back = cell.plan.host_traffic
+            paged = cell.plan.paged_parameters
+            some = f" / {len(paged)} of {len(list(base.parameters()))} paged" if paged and mode.startswith("default") else ""
             row.append(f"{format_bytes(cell.peak)} / {statistics.median(cell.times) / eager_time:.2f}x / "
-                       f"{format_bytes(out)} out, {format_bytes(back)} in / {planning[(divisor, mode)]:.1f} s")
+                       f"{cell.plan.predicted_time * 1e3:.2f} ms / {format_bytes(out)} out, {format_bytes(back)} in / "
+                       f"{planning[(divisor, mode)]:.1f} s{some}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

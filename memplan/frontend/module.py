@@ -543,7 +543,7 @@ class OptimizedModule(nn.Module):
             updates_after_backward=self.step_options.updates_after_backward,
             max_grad_norm=self.step_options.max_grad_norm,
             optimizer_state=self.step_options.optimizer_state,
-            parameters="auto" if self.pages_as_needed else self.step_options.parameters,
+            parameters="auto" if self.pages_as_needed else "host" if self.step_options.parameters == "host" else "device",
             accumulation=self.accumulation,
             clip_by=self.step_options.clip_by,
             carry_limit=self.carry_limit,

@@ -508,7 +508,8 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
     ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`): a state the
     host cannot take is passed over for smaller ones, and where the device still needs more moved
-    than the host can take, `HostMemoryError` says so.
+    than the host can take, `HostMemoryError` says so. ``search_minimum`` False: where nothing fits,
+    the error has the lowest peak a solve reached, no minimum searched for (the caller pages next).
     Recomputation is tried before host updates (a host update costs a parameter's round trip over
     the host link and the host's lower throughput on every step); once state must move, the
     simulator's predicted times decide between just enough and all of it. The errors of the
