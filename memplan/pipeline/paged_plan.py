@@ -16,6 +16,7 @@ runs there, and the state of one left on the device would take back what the pag
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol
 
 from memplan.passes.paging import is_paged
@@ -33,6 +34,9 @@ class SolvedStep(Protocol):
 # A paged parameter's fetched copy is device memory while its readers run: page this much more
 # than the closest plan was over the budget.
 PAGING_MARGIN = 1.25
+# The share of what is left of the limit that the attempt with every parameter on the device gets,
+# where every parameter paged may be solved after it for comparison.
+DEVICE_SHARE = 0.5
 
 
 def sources_over(analysis: Analysis, budget: int) -> int:
@@ -49,41 +53,45 @@ def paging_candidates(analysis: Analysis) -> list[tuple[str, int]]:
     return sorted(found, key=lambda item: -item[1])
 
 
-def plan_paging_as_needed(analysis: Analysis, budget: int, solve: Callable[[Analysis, bool, bool], SolvedStep],
+def plan_paging_as_needed(analysis: Analysis, budget: int, solve: Callable[[Analysis, bool, float | None], SolvedStep],
                           page: Callable[[frozenset[str]], Analysis], paged_already: frozenset[str] = frozenset(),
-                          out_of_time: Callable[[], bool] = lambda: False) -> SolvedStep:
+                          time_left: Callable[[], float] = lambda: math.inf,
+                          probe_seconds: float = 1.0) -> SolvedStep:
     """The plan of ``analysis``'s step under ``budget``, paging parameters where it does not fit
-    otherwise (`page_until_fits`).
+    otherwise (`page_until_fits`, whose arguments these are).
 
-    ``solve(analysis, last, probe)`` solves one step (raising `InfeasibleBudgetError`); ``last``: no
-    attempt follows, so its error may search for the minimum budget (minutes on a billion
-    parameters: the attempts before it only say how far over they are); ``probe``: briefly, to
-    compare it with another. ``page(names)`` is the step with the parameters ``names`` paged,
-    every state in host memory."""
+    ``solve(analysis, last, seconds)`` solves one step; ``page(names)`` is the step with the
+    parameters ``names`` paged, every state in host memory."""
     return page_until_fits(paging_candidates(analysis), sources_over(analysis, budget), budget,
-                           lambda names, last, probe: solve(page(names) if names else analysis, last, probe),
-                           paged_already, out_of_time)
+                           lambda names, last, seconds: solve(page(names) if names else analysis, last, seconds),
+                           paged_already, time_left, probe_seconds)
 
 
 def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
-                    solve: Callable[[frozenset[str], bool, bool], SolvedStep],
-                    paged_already: frozenset[str] = frozenset(),
-                    out_of_time: Callable[[], bool] = lambda: False) -> SolvedStep:
+                    solve: Callable[[frozenset[str], bool, float | None], SolvedStep],
+                    paged_already: frozenset[str] = frozenset(), time_left: Callable[[], float] = lambda: math.inf,
+                    probe_seconds: float = 1.0) -> SolvedStep:
     """The plan of a step under ``budget`` with the fewest of ``candidates`` ((name, bytes) of its
     parameters, the largest first) paged that the attempts of the module's docstring find; a plan
     that updates any parameter on the host is set against every parameter paged, and the faster
     predicted is taken.
 
     ``over``: bytes by which the parameters, buffers and inputs alone exceed the budget (`sources_over`;
-    over 0, no attempt leaves every parameter on the device). ``solve(names, last, probe)``: the step
-    with the parameters ``names`` paged (none: as captured), solved (raising `InfeasibleBudgetError`);
-    ``last``: no attempt follows; ``probe``: briefly. An attempt with parameters paged is probed,
-    and the plan taken is solved in full once it is chosen, in what is left of the limit (the
-    attempt with every parameter on the device, which moves state by itself, is solved in full).
-    ``paged_already``: names of parameters an earlier plan put in host memory, paged from the first
-    attempt on (another input signature of the same model). ``out_of_time()``: the planning call's
-    limit has passed; the next attempt pages every parameter (the attempt that fits where any does),
-    and no comparison or full solve follows."""
+    over 0, no attempt leaves every parameter on the device). ``solve(names, last, seconds)``: the
+    step with the parameters ``names`` paged (none: as captured), solved in at most ``seconds``
+    (None: what is left of the limit), raising `InfeasibleBudgetError`; ``last``: no attempt follows,
+    so its error may search for the minimum budget (minutes on a billion parameters: the attempts
+    before it only say how far over they are). ``time_left()``: seconds left of the planning call's
+    limit.
+
+    How the limit is shared: the attempt with every parameter on the device (which moves state to
+    the host by itself) gets `DEVICE_SHARE` of what is left, and where it fits updating on the host,
+    every parameter paged gets the rest, each solved in full. Attempts with parameters paged are
+    probed (``probe_seconds``), and the one taken is solved again in what is left, as is every
+    parameter paged where a probe of it is faster. ``paged_already``: names of parameters an earlier
+    plan put in host memory, paged from the first attempt on (another input signature of the same
+    model). With no time left, the next attempt pages every parameter (the attempt that fits where
+    any does), and no comparison or full solve follows."""
     every = frozenset(name for name, _ in candidates)
     paged = [name for name, _ in candidates if name in paged_already]
     paged_bytes = sum(nbytes for name, nbytes in candidates if name in paged_already)
@@ -92,13 +100,20 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
     over -= paged_bytes
     if over <= 0 or not candidates:
         try:
-            plan = solve(chosen, not candidates, False)
+            plan = solve(chosen, not candidates, time_left() * DEVICE_SHARE if candidates else None)
         except InfeasibleBudgetError as exc:
             if not candidates:
                 raise
             over = exc.min_budget - budget
+        else:
+            if not candidates or not plan.analysis.lowered.host_states or time_left() <= 0:
+                return plan  # (nothing to page, nothing updated on the host, or no time to compare)
+            # A device parameter updated on the host goes out and back over the link each step, with
+            # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.
+            other = _plan_or_none(solve, every, None)
+            return other if other is not None and other.predicted_time < plan.predicted_time else plan
     while plan is None:
-        wanted = max(over * PAGING_MARGIN, paged_bytes) if not out_of_time() else float("inf")
+        wanted = max(over * PAGING_MARGIN, paged_bytes) if time_left() > 0 else math.inf
         added = 0
         while candidates and (added < wanted or added == 0):
             name, nbytes = candidates.pop(0)
@@ -107,28 +122,26 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
         paged_bytes += added
         chosen, probed = frozenset(paged), bool(candidates)  # (the last attempt is solved in full)
         try:
-            plan = solve(chosen, not candidates, probed)
+            plan = solve(chosen, not candidates, probe_seconds if probed else None)
         except InfeasibleBudgetError as exc:
             if not candidates:
                 raise
             over = exc.min_budget - budget
-    if candidates and plan.analysis.lowered.host_states and not out_of_time():
-        # A device parameter updated on the host goes out and back over the link each step, with
-        # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.
-        other = _plan_or_none(solve, every, probe=True)
+    if candidates and time_left() > 0:
+        other = _plan_or_none(solve, every, probe_seconds)
         if other is not None and other.predicted_time < plan.predicted_time:
-            plan, chosen, probed = other, every, True
-    if probed and not out_of_time():
-        refined = _plan_or_none(solve, chosen, probe=False)
+            plan, chosen = other, every
+    if probed and time_left() > 0:
+        refined = _plan_or_none(solve, chosen, None)
         if refined is not None and refined.predicted_time < plan.predicted_time:
             plan = refined
     return plan
 
 
-def _plan_or_none(solve: Callable[[frozenset[str], bool, bool], SolvedStep], names: frozenset[str],
-                  probe: bool) -> SolvedStep | None:
+def _plan_or_none(solve: Callable[[frozenset[str], bool, float | None], SolvedStep], names: frozenset[str],
+                  seconds: float | None) -> SolvedStep | None:
     """The step with ``names`` paged, solved, or None where it does not fit (another plan is in hand)."""
     try:
-        return solve(names, False, probe)
+        return solve(names, False, seconds)
     except InfeasibleBudgetError:
         return None

@@ -404,17 +404,19 @@ def solve_paging_as_needed(analysis: Analysis, budget: int, model: torch.nn.Modu
     parameters paged, as many as it needs (`memplan.pipeline.paged_plan`; ``parameters="auto"``),
     every optimizer state in host memory then. Parameters ``model`` keeps in host memory already
     (an earlier plan's, for other inputs) are paged from the start."""
-    def solve(step: Analysis, last: bool, probe: bool) -> Plan:
-        brief = PlanningClock.begin(TUNABLES.placement_probe_seconds) if probe else clock
-        if probe and clock is not None and clock.limit - clock.elapsed() < brief.limit:
-            brief = clock  # (less than a probe is left)
-        return solve_whole_step(step, budget, clock=brief, search_minimum=last, **options)
+    def solve(step: Analysis, last: bool, seconds: float | None) -> Plan:
+        limited = clock
+        if seconds is not None:  # (at most that share of what is left)
+            limited = (PlanningClock.begin(seconds) if clock is None else
+                       dataclasses.replace(clock, limit=min(clock.limit, clock.elapsed() + seconds)))
+        return solve_whole_step(step, budget, clock=limited, search_minimum=last, **options)
 
     placement = dataclasses.replace(analysis.lowered.placement, host=frozenset(u.name for u in analysis.updates))
     return plan_paging_as_needed(analysis, budget, solve,
                                  lambda names: analyze_paged(analysis, names, model, optimizer, placement),
                                  paged_already=frozenset(name for name, p in model.named_parameters() if is_host(p)),
-                                 out_of_time=clock.spent if clock else lambda: False)
+                                 time_left=(lambda: clock.limit - clock.elapsed()) if clock else lambda: math.inf,
+                                 probe_seconds=TUNABLES.placement_probe_seconds)
 
 
 def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = True, norm_pass: bool = False,

@@ -9,6 +9,7 @@ each failure, and the plan taken is no slower than every parameter paged (the fi
 from __future__ import annotations
 
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.pipeline.errors import InfeasibleBudgetError
-from memplan.pipeline.paged_plan import PAGING_MARGIN, page_until_fits
+from memplan.pipeline.paged_plan import DEVICE_SHARE, PAGING_MARGIN, page_until_fits
 
 from .test_paging import _adamw, _assert_trains_as_eager, _deep_mlp, _train, _whole_step_bytes
 
@@ -117,13 +118,13 @@ SIZES = [("a", 400), ("b", 300), ("c", 300), ("d", 300), ("e", 200), ("f", 100)]
 
 
 def _stand_in(fits: dict[frozenset[str], float], over_by: dict[frozenset[str], int] | None = None):
-    """A ``solve(names, last, probe)`` whose plans fit where ``fits`` has the set paged (its value the
+    """A ``solve(names, last, seconds)`` whose plans fit where ``fits`` has the set paged (its value the
     predicted time, every state on the host), each other set over the budget by ``over_by``'s bytes
     (default 100); it records the calls."""
     calls = []
 
-    def solve(names: frozenset[str], last: bool, probe: bool):
-        calls.append((frozenset(names), last, probe))
+    def solve(names: frozenset[str], last: bool, seconds: float | None):
+        calls.append((frozenset(names), last, seconds))
         if names in fits:
             return SimpleNamespace(names=names, predicted_time=fits[names],
                                    analysis=SimpleNamespace(lowered=SimpleNamespace(host_states={"a"})))
@@ -142,7 +143,9 @@ def test_the_attempts_page_the_largest_first_and_at_least_double_at_each_failure
     # again ("c", "d", "e": 800); then every one, which is slower; the chosen one in full
     assert 400 < 350 * PAGING_MARGIN <= 700
     assert paged == [frozenset(), frozenset("ab"), frozenset("abcde"), every, frozenset("abcde")]
-    assert [probe for _, _, probe in calls] == [False, True, True, True, False]  # the chosen one solved in full
+    # the device attempt gets its share of the (unlimited) time, the paged ones are probed, the
+    # chosen one is solved in full
+    assert [seconds for _, _, seconds in calls] == [math.inf, 1.0, 1.0, 1.0, None]
 
 
 def test_the_plan_with_every_parameter_paged_is_taken_where_it_is_faster():
@@ -157,11 +160,18 @@ def test_parameters_paged_already_are_paged_from_the_first_attempt_and_no_time_l
     every = frozenset(name for name, _ in SIZES)
     solve, calls = _stand_in({frozenset("d"): 1.0})
     assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, paged_already=frozenset("d")).names == {"d"}
-    assert calls[0] == (frozenset("d"), False, False)
+    assert calls[0][:2] == (frozenset("d"), False)
     solve, calls = _stand_in({every: 1.0})
-    assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, out_of_time=lambda: True).names == every
+    assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 0.0).names == every
     assert [names for names, _, _ in calls] == [frozenset(), every]
     assert calls[-1][1]  # the last attempt: its error would search for the minimum
+
+
+def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_paged_in_the_time_left():
+    every = frozenset(name for name, _ in SIZES)
+    solve, calls = _stand_in({frozenset(): 2.0, every: 1.0})
+    assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 10.0).names == every
+    assert calls == [(frozenset(), False, 10.0 * DEVICE_SHARE), (every, False, None)]
 
 
 def test_a_step_that_fits_nowhere_raises_the_error_of_every_parameter_paged():
