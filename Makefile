@@ -20,10 +20,10 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m memplan.tools.demo
 
-# One worker per core, each test file on one worker: a module's cached cases
+# One worker per core, each test file on one worker, the longest files first (tests/conftest.py): a module's cached cases
 # (tests/solvers/test_exact.py) are built once. 2 cores: 710 s against 1341 s.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The fast tier: every test file, the tests marked slow left out (a few minutes on 2 cores).
 test-fast: $(STAMP)

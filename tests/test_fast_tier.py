@@ -22,3 +22,12 @@ def test_every_test_file_has_a_test_in_the_fast_tier():
         if whole_file_slow or not fast:
             without.append(str(path.relative_to(TESTS)))
     assert not without, f"no test of these files runs in make test-fast: {without}"
+
+
+def test_the_files_make_test_runs_first_exist():
+    """`tests/conftest.py` orders the files it names first: a name left behind by a rename would
+    quietly send that file back to pytest's order."""
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not (TESTS / name).is_file()]
+    assert not missing and len(set(LONGEST_FIRST)) == len(LONGEST_FIRST), missing
