@@ -3,12 +3,12 @@ does not fit otherwise needs there, the largest first.
 
 The step is solved with its parameters on the device first, its optimizer state moving to the
 host as `memplan.pipeline.plan.whole_step_plan` moves it (a step whose parameters, buffers and
-inputs alone exceed the budget skips that). Where no plan fits, parameters are paged
-(`memplan.passes.paging`), the largest first: as many bytes as the closest plan was over the
-budget and a quarter more (a fetched copy is device memory while its readers run), then at
-least as many again as are paged already at each attempt that still does not fit, so a billion
-parameters take a handful of attempts, the last with every parameter paged. Each attempt is the
-captured step's graph copied and paged (`memplan.pipeline.stages.analyze_paged`), its costs reused.
+inputs alone exceed the budget skips that). Where no plan fits, every parameter paged (ZeRO-
+Infinity's fixed rule) is solved first, then fewer, the largest first (`memplan.passes.paging`):
+as many bytes as the closest plan was over the budget and a quarter more (a fetched copy is
+device memory while its readers run), then at least as many again as are paged already at each
+attempt that does not fit. Each attempt is the captured step's graph copied and paged
+(`memplan.pipeline.stages.analyze_paged`), its costs reused.
 
 A paged step keeps every parameter's optimizer state in host memory: a paged parameter's update
 runs there, and the state of one left on the device would take back what the paging freed
@@ -71,10 +71,9 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
                     solve: Callable[[frozenset[str], bool, float | None], SolvedStep],
                     paged_already: frozenset[str] = frozenset(), time_left: Callable[[], float] = lambda: math.inf,
                     probe_seconds: float = 1.0) -> SolvedStep:
-    """The plan of a step under ``budget`` with the fewest of ``candidates`` ((name, bytes) of its
-    parameters, the largest first) paged that the attempts of the module's docstring find; a plan
-    that updates any parameter on the host is set against every parameter paged, and the faster
-    predicted is taken.
+    """The plan of a step under ``budget``, ``candidates`` ((name, bytes) of its parameters, the
+    largest first) paged as the attempts of the module's docstring find: never slower (predicted)
+    than every parameter paged, where a plan updating on the host was found.
 
     ``over``: bytes by which the parameters, buffers and inputs alone exceed the budget (`sources_over`;
     over 0, no attempt leaves every parameter on the device). ``solve(names, last, seconds)``: the
@@ -86,21 +85,20 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
 
     How the limit is shared: the attempt with every parameter on the device (which moves state to
     the host by itself) gets `DEVICE_SHARE` of what is left, and where it fits updating on the host,
-    every parameter paged gets the rest, each solved in full. Attempts with parameters paged are
-    probed (``probe_seconds``), and the one taken is solved again in what is left, as is every
-    parameter paged where a probe of it is faster. ``paged_already``: names of parameters an earlier
-    plan put in host memory, paged from the first attempt on (another input signature of the same
-    model). With no time left, the next attempt pages every parameter (the attempt that fits where
-    any does), and no comparison or full solve follows."""
+    every parameter paged gets the rest, each solved in full. Where it does not fit, every parameter
+    paged (the fixed rule, which fits where any paging does) is probed first (``probe_seconds``),
+    then, while time is left, fewer parameters paged, the largest first; the first of those that
+    fits is taken where its probe is faster, and the plan taken is solved again in what is left.
+    ``paged_already``: names of parameters an earlier plan put in host memory, paged from the
+    first attempt on (another input signature of the same model)."""
     every = frozenset(name for name, _ in candidates)
     paged = [name for name, _ in candidates if name in paged_already]
     paged_bytes = sum(nbytes for name, nbytes in candidates if name in paged_already)
     candidates = [(name, nbytes) for name, nbytes in candidates if name not in paged_already]
-    plan, chosen, probed = None, frozenset(paged), False
     over -= paged_bytes
     if over <= 0 or not candidates:
         try:
-            plan = solve(chosen, not candidates, time_left() * DEVICE_SHARE if candidates else None)
+            plan = solve(frozenset(paged), not candidates, time_left() * DEVICE_SHARE if candidates else None)
         except InfeasibleBudgetError as exc:
             if not candidates:
                 raise
@@ -112,30 +110,32 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
             # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.
             other = _plan_or_none(solve, every, None)
             return other if other is not None and other.predicted_time < plan.predicted_time else plan
-    while plan is None:
-        wanted = max(over * PAGING_MARGIN, paged_bytes) if time_left() > 0 else math.inf
+    best, taken, probed = _plan_or_none(solve, every, probe_seconds), every, True
+    if best is None:  # (not within a probe: in full, its error the call's, with the minimum searched for)
+        best, probed = solve(every, True, None), False
+    while candidates and time_left() > 0:
+        wanted = max(over * PAGING_MARGIN, paged_bytes)
         added = 0
         while candidates and (added < wanted or added == 0):
             name, nbytes = candidates.pop(0)
             paged.append(name)
             added += nbytes
         paged_bytes += added
-        chosen, probed = frozenset(paged), bool(candidates)  # (the last attempt is solved in full)
+        if not candidates:
+            break  # (every parameter: solved already)
         try:
-            plan = solve(chosen, not candidates, probe_seconds if probed else None)
+            plan = solve(frozenset(paged), False, probe_seconds)
         except InfeasibleBudgetError as exc:
-            if not candidates:
-                raise
             over = exc.min_budget - budget
-    if candidates and time_left() > 0:
-        other = _plan_or_none(solve, every, probe_seconds)
-        if other is not None and other.predicted_time < plan.predicted_time:
-            plan, chosen = other, every
+            continue
+        if plan.predicted_time < best.predicted_time:
+            best, taken, probed = plan, frozenset(paged), True
+        break  # (the fewest paged that fit: paging more only adds fetches)
     if probed and time_left() > 0:
-        refined = _plan_or_none(solve, chosen, None)
-        if refined is not None and refined.predicted_time < plan.predicted_time:
-            plan = refined
-    return plan
+        refined = _plan_or_none(solve, taken, None)
+        if refined is not None and refined.predicted_time < best.predicted_time:
+            best = refined
+    return best
 
 
 def _plan_or_none(solve: Callable[[frozenset[str], bool, float | None], SolvedStep], names: frozenset[str],

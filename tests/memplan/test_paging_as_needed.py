@@ -139,21 +139,21 @@ def test_the_attempts_page_the_largest_first_and_at_least_double_at_each_failure
     plan = page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve)
     assert plan.names == frozenset("abcde")
     paged = [names for names, _, _ in calls]
-    # the device attempt; then 350 * PAGING_MARGIN bytes ("a" and "b": 700); then at least as many
-    # again ("c", "d", "e": 800); then every one, which is slower; the chosen one in full
+    # the device attempt; every one paged (the fixed rule); then 350 * PAGING_MARGIN bytes ("a" and
+    # "b": 700); then at least as many again ("c", "d", "e": 800), faster than every one; in full
     assert 400 < 350 * PAGING_MARGIN <= 700
-    assert paged == [frozenset(), frozenset("ab"), frozenset("abcde"), every, frozenset("abcde")]
+    assert paged == [frozenset(), every, frozenset("ab"), frozenset("abcde"), frozenset("abcde")]
     # the device attempt gets its share of the (unlimited) time, the paged ones are probed, the
     # chosen one is solved in full
     assert [seconds for _, _, seconds in calls] == [math.inf, 1.0, 1.0, 1.0, None]
 
 
-def test_the_plan_with_every_parameter_paged_is_taken_where_it_is_faster():
+def test_every_parameter_paged_is_tried_first_and_kept_where_fewer_paged_are_slower():
     every = frozenset(name for name, _ in SIZES)
     solve, calls = _stand_in({frozenset("a"): 2.0, every: 1.5})
     plan = page_until_fits(list(SIZES), over=50, budget=BUDGET, solve=solve)  # (no device attempt: over already)
     assert plan.names == every
-    assert [names for names, _, _ in calls] == [frozenset("a"), every, every]
+    assert [names for names, _, _ in calls] == [every, frozenset("a"), every]
 
 
 def test_parameters_paged_already_are_paged_from_the_first_attempt_and_no_time_left_pages_all():
@@ -163,8 +163,7 @@ def test_parameters_paged_already_are_paged_from_the_first_attempt_and_no_time_l
     assert calls[0][:2] == (frozenset("d"), False)
     solve, calls = _stand_in({every: 1.0})
     assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 0.0).names == every
-    assert [names for names, _, _ in calls] == [frozenset(), every]
-    assert calls[-1][1]  # the last attempt: its error would search for the minimum
+    assert [names for names, _, _ in calls] == [frozenset(), every]  # (the fixed rule, and no time for more)
 
 
 def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_paged_in_the_time_left():
@@ -175,7 +174,9 @@ def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_p
 
 
 def test_a_step_that_fits_nowhere_raises_the_error_of_every_parameter_paged():
-    solve, calls = _stand_in({}, over_by={frozenset(name for name, _ in SIZES): 7})
+    every = frozenset(name for name, _ in SIZES)
+    solve, calls = _stand_in({}, over_by={every: 7})
     with pytest.raises(InfeasibleBudgetError) as raised:
         page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve)
     assert raised.value.min_budget == BUDGET + 7 and raised.value.searched
+    assert calls[-2:] == [(every, False, 1.0), (every, True, None)]  # probed, then in full, its minimum searched
