@@ -149,8 +149,9 @@ class OptimizedModule(nn.Module):
                                 and step.optimizer_state != "device"
                                 and paging_refusal(model, distributed=data_parallel is not None,
                                                    compile=options.compile, saved_plan=self.saved_plan) is None)
-        if step.optimizer is not None:
-            use_master_weights(step.optimizer, step.master_weights and step.parameters != "device")
+        if step.optimizer is not None:  # (masters for the parameters a plan pages: none where none can be)
+            use_master_weights(step.optimizer, step.master_weights
+                               and (step.parameters == "host" or self.pages_as_needed))
         if budget is None and self.saved_plan is not None:
             budget = self.saved_plan.budget
         object.__setattr__(self, "_orig_mod", model)
@@ -552,8 +553,11 @@ class OptimizedModule(nn.Module):
             handout_bytes=self._handout_bytes,
             host_memory=None if self.plan_options.host_memory is None else parse_bytes(self.plan_options.host_memory),
         )
-        if self.pages_as_needed:  # (the plan says which parameters live in host memory)
-            put_paged_on_host(model, plan.paged_parameters)
+        if self.pages_as_needed and put_paged_on_host(model, plan.paged_parameters):
+            # Parameters now in host memory that an earlier plan (other inputs) reads on the device:
+            # it is made again, paging them too, when those inputs come back.
+            marked = self.paged_parameters | plan.paged_parameters
+            self._plans = {sig: entry for sig, entry in self._plans.items() if marked <= entry[0].paged_parameters}
         return plan, program
 
     @property

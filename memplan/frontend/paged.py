@@ -50,14 +50,17 @@ def put_parameters_on_host(model: nn.Module, *, distributed: bool, compile: Any,
     mark_host(*(p for p in model.parameters() if not p.is_meta))
 
 
-def put_paged_on_host(model: nn.Module, names: Collection[str]) -> None:
+def put_paged_on_host(model: nn.Module, names: Collection[str]) -> bool:
     """``parameters="auto"``: mark the parameters a plan pages (named ``names``) as host memory,
-    once it is made. (A parameter an earlier plan of the model paged stays there.)"""
-    mark_host(*(p for name, p in model.named_parameters() if name in names and not p.is_meta and not is_host(p)))
+    once it is made; whether any was not marked yet. (A parameter an earlier plan of the model
+    paged stays there.)"""
+    new = [p for name, p in model.named_parameters() if name in names and not p.is_meta and not is_host(p)]
+    mark_host(*new)
+    return bool(new)
 
 
 def keep_parameters_on_device(model: nn.Module) -> None:
-    """``parameters="device"``: a model an earlier ``parameters="host"`` call marked as in host memory
+    """``parameters`` "device" or "auto": a model an earlier paging call marked as in host memory
     (one that then failed to plan, say) is device memory again, counted as such. (One model is
     trained by one memplan module: another module still paging it would find its marks gone.)"""
     marked = [p for p in model.parameters() if not p.is_meta and is_host(p)]

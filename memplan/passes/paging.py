@@ -83,11 +83,6 @@ def with_paged(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
     return copied
 
 
-def paged_names(gm: fx.GraphModule) -> list[str]:
-    """Names of ``gm``'s paged placeholders, in graph order."""
-    return [node.name for node in gm.graph.find_nodes(op="placeholder") if is_paged(node)]
-
-
 def paged_bytes(gm: fx.GraphModule) -> int:
     """Bytes of the parameters ``gm`` keeps in host memory (each storage once)."""
     storages = {}

@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Protocol
 
+import solvers
 from memplan.passes.paging import is_paged
+from memplan.updates.host_memory import HostMemoryError
 from memplan.planning.analysis import Analysis
 from memplan.pipeline.errors import InfeasibleBudgetError
 
@@ -89,8 +91,9 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
     paged (the fixed rule, which fits where any paging does) is probed first (``probe_seconds``),
     then, while time is left, fewer parameters paged, the largest first; the first of those that
     fits is taken where its probe is faster, and the plan taken is solved again in what is left.
-    ``paged_already``: names of parameters an earlier plan put in host memory, paged from the
-    first attempt on (another input signature of the same model)."""
+    ``paged_already``: names of parameters an earlier plan of the model put in host memory (for
+    other inputs, or for the same before it learned how its outputs are used), paged from the
+    first attempt on: their storage is host memory now."""
     every = frozenset(name for name, _ in candidates)
     paged = [name for name, _ in candidates if name in paged_already]
     paged_bytes = sum(nbytes for name, nbytes in candidates if name in paged_already)
@@ -113,8 +116,10 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
     best, taken, probed = _plan_or_none(solve, every, probe_seconds), every, True
     if best is None:  # (not within a probe: in full, its error the call's, with the minimum searched for)
         best, probed = solve(every, True, None), False
+    failed = False  # (at least as many again as are paged only after an attempt has fallen short)
     while candidates and time_left() > 0:
-        wanted = max(over * PAGING_MARGIN, paged_bytes)
+        wanted = max(over * PAGING_MARGIN, paged_bytes) if failed else over * PAGING_MARGIN
+        failed = True
         added = 0
         while candidates and (added < wanted or added == 0):
             name, nbytes = candidates.pop(0)
@@ -140,8 +145,9 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
 
 def _plan_or_none(solve: Callable[[frozenset[str], bool, float | None], SolvedStep], names: frozenset[str],
                   seconds: float | None) -> SolvedStep | None:
-    """The step with ``names`` paged, solved, or None where it does not fit (another plan is in hand)."""
+    """The step with ``names`` paged, solved, or None where it does not fit the budget or host memory
+    (another plan is in hand, or an attempt that does is made next)."""
     try:
         return solve(names, False, seconds)
-    except InfeasibleBudgetError:
+    except (InfeasibleBudgetError, HostMemoryError, solvers.ScheduleError):
         return None

@@ -208,7 +208,12 @@ class Plan:
         )
 
     def save(self, path: str | Path) -> None:
-        """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``."""
+        """Write the plan to ``path`` (JSON) for ``memplan.load_plan`` / ``optimize(..., plan=path)``.
+        A plan that pages parameters is refused (`NotImplementedError`): ``plan=`` does not page."""
+        if self.paged_parameters:
+            raise NotImplementedError(f"memplan: this plan pages {len(self.paged_parameters)} parameters to host "
+                                      "memory, and a saved plan cannot page them yet (optimize(plan=...) keeps "
+                                      "the parameters on the device): plan the step again instead of saving it")
         Path(path).write_text(record_to_json(self.record()))
 
     def report(self) -> str:
@@ -219,8 +224,9 @@ class Plan:
         lines = [
             "memplan plan",
             f"  parameters       {format_bytes(a.param_bytes)}" + (
-                f" (paged: in host memory, {format_bytes(self.fetched_bytes)} fetched to the device a step)"
-                if any(u.paged for u in a.updates) else ""),
+                f" ({format_bytes(paged_bytes(a.capture.graph_module))} of them, {len(self.paged_parameters)} "
+                f"parameters, paged: in host memory, {format_bytes(self.fetched_bytes)} fetched to the device a step)"
+                if self.paged_parameters else ""),
             f"  eager peak       {format_bytes(a.eager_peak)} (eager autograd, replayed on fake tensors)",
             f"  store-all peak   {format_bytes(self.store_all_peak)} (joint graph, every value kept until last use)",
             f"  budget           {format_bytes(self.budget)}",
@@ -255,9 +261,12 @@ class Plan:
             if low.host_states:
                 lines.append(f"  host updates     {len(low.host_states)} of them keep their state in host memory "
                              f"({format_bytes(a.host_optimizer_state_bytes)}) and are updated there: "
-                             + ("the gradient copied out, the paged parameter stepped where it is"
-                                if any(u.paged for u in a.updates) else
-                                "gradient and parameter copied out, the parameter copied back"))
+                             + "; ".join(part for part in (
+                                 "a paged parameter's gradient copied out, the parameter stepped where it is"
+                                 if any(u.paged for u in a.updates) else "",
+                                 "a device parameter's gradient and the parameter copied out, the parameter copied back"
+                                 if any(not u.paged and u.name in low.host_states for u in a.updates) else "")
+                                 if part))
             if low.placement.accumulate_steps > 1:
                 lines.append(f"  accumulation     updates every {low.placement.accumulate_steps} steps; "
                              f"{format_bytes(a.accumulated_gradient_bytes)} of accumulated gradients held "
@@ -385,7 +394,8 @@ def make_plan(
     solve_options = dict(may_move_state=optimizer_state == "auto",
                          norm_pass=clipping and clip_by == "auto" and not updates_after_backward and steps == 1,
                          solver=solver, clock=clock, offload=offload,
-                         host_limit=default_host_limit(optimizer, model) if host_memory is None else host_memory)
+                         host_limit=(default_host_limit(optimizer, model, pageable=parameters == "auto")
+                                     if host_memory is None else host_memory))
     if parameters == "auto" and updates and optimizer_state != "device":
         plan = solve_paging_as_needed(analysis, budget, model, optimizer, **solve_options)
     else:
@@ -406,7 +416,7 @@ def solve_paging_as_needed(analysis: Analysis, budget: int, model: torch.nn.Modu
     (an earlier plan's, for other inputs) are paged from the start."""
     def solve(step: Analysis, last: bool, seconds: float | None) -> Plan:
         limited = clock
-        if seconds is not None:  # (at most that share of what is left)
+        if seconds is not None and math.isfinite(seconds):  # (at most that share of what is left)
             limited = (PlanningClock.begin(seconds) if clock is None else
                        dataclasses.replace(clock, limit=min(clock.limit, clock.elapsed() + seconds)))
         return solve_whole_step(step, budget, clock=limited, search_minimum=last, **options)

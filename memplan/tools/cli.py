@@ -596,6 +596,8 @@ def _user_error(exc: BaseException) -> tuple[str, str | None] | None:
         )
     if isinstance(exc, (memplan.PlanMismatchError, OSError)):
         return str(exc), None
+    if isinstance(exc, NotImplementedError) and str(exc).startswith("memplan"):
+        return str(exc), None
     return None
 
 

@@ -86,11 +86,13 @@ def host_update_bytes(updates: Iterable[ParamUpdate], host: frozenset[str], buck
             + most_bucket_temp_bytes(hosted, bucket_bytes)}
 
 
-def default_host_limit(optimizer: object = None, model: torch.nn.Module | None = None) -> int:
+def default_host_limit(optimizer: object = None, model: torch.nn.Module | None = None, pageable: bool = False) -> int:
     """The host memory a planning call may use when not told: what the machine has available now,
     and what of this plan's is in host memory already (this plan's to count, not taken): the state
-    of ``optimizer`` an earlier plan put there, and ``model``'s paged parameters."""
-    paged = sum(p.untyped_storage().nbytes() for p in model.parameters() if is_host(p)) if model is not None else 0
+    of ``optimizer`` an earlier plan put there, and ``model``'s paged parameters; with ``pageable``
+    (a plan that may page them), each of its parameters in the CPU's memory, which pages where it is."""
+    paged = 0 if model is None else sum(p.untyped_storage().nbytes() for p in model.parameters()
+                                        if is_host(p) or (pageable and p.device.type == "cpu"))
     return available_host_memory() + state_held_on_host(optimizer) + paged
 
 

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from memplan.core.host import host_storage
+from memplan.core.host import host_storage, is_host
 
 MASTER = "memplan_master"  # the optimizer state's key for a parameter's fp32 master
 
@@ -90,8 +90,8 @@ def _restore_in_float32(optimizer: torch.optim.Optimizer) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for index, p in zip(saved_ids, params):
         saved = loaded["state"].get(index)
-        if saved is None or not has_master(p):
-            continue
+        if saved is None or not has_master(p) or not (MASTER in saved or is_host(p)):
+            continue  # (a parameter updated without a master keeps its state in its own dtype)
         with host_storage(), torch.no_grad():
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and key != "step":

@@ -56,7 +56,7 @@ def test_a_step_that_fits_with_its_parameters_on_the_device_pages_none():
 
 
 @pytest.mark.slow
-def test_the_largest_parameter_is_paged_where_that_is_enough_and_the_step_trains_as_eager():
+def test_the_largest_parameter_is_paged_where_that_is_enough_and_the_step_trains_as_eager(tmp_path):
     """The parameters fit the budget, the step does not: the frozen projection is paged (the
     largest first), the step trains to eager's numbers at the predicted peak by both witnesses, and
     a second input shape pages at least what the first did (the parameter is in host memory now)."""
@@ -85,6 +85,28 @@ def test_the_largest_parameter_is_paged_where_that_is_enough_and_the_step_trains
     second = planned.prepare(*smaller)
     assert plan.paged_parameters <= second.paged_parameters
     assert measure_peak(lambda: planned(*smaller).backward()) == second.predicted_peak
+    with pytest.raises(NotImplementedError, match="plan the step again"):
+        plan.save(tmp_path / "paged.json")  # (plan= does not page)
+
+
+@pytest.mark.slow
+def test_a_plan_made_before_a_parameter_was_paged_is_made_again_paging_it():
+    """One input shape fits with every parameter on the device, a larger one pages the frozen
+    projection: the first shape's plan, which read it on the device, is dropped and made again
+    paging it, so no plan reads a host parameter as if it were device memory."""
+    model, args = _frozen_table()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    optimizer = _trained_adamw(model)
+    planned = memplan.optimize(model, params * 16 // 10, optimizer=optimizer, solver="greedy", time_limit=30)
+    small, large = (args[0][:1],), (torch.randn(64, 256),)
+    first = planned.prepare(*small)
+    assert not first.paged_parameters
+    second = planned.prepare(*large)
+    assert "model.table.weight" in second.paged_parameters
+    assert list(planned.plans.values()) == [second]
+    again = planned.prepare(*small)
+    assert second.paged_parameters <= again.paged_parameters
+    assert measure_peak(lambda: planned(*small).backward()) == again.predicted_peak
 
 
 @pytest.mark.slow
