@@ -30,6 +30,7 @@ from memplan.frontend.paged import (keep_parameters_on_device, materialize, pagi
 from memplan.frontend.distributed import (DataParallel, bucket_buffer_bytes, process_group_size,
                                          refuse_distributed_updates, refuse_engines_inside,
                                          warn_unplanned_engine_memory)
+from memplan.core.host import is_host
 from memplan.core.storage import storages_of
 from memplan.frontend.budget import budget_fraction, parse_budget, share_of_peak
 from memplan.core.units import parse_bytes
@@ -310,9 +311,12 @@ class OptimizedModule(nn.Module):
             refuse_engines_inside(self._orig_mod)  # sharded after optimize(): seen at its first plan
             if not self._warned_distributed and self.data_parallel is None:
                 self._warned_distributed = warn_unplanned_engine_memory(self._orig_mod)
+            # Assuming that outputs get no gradient (`_optimistic_use`) costs a step nothing, paging
+            # parameters costs it the host link: where the assumption may be tried, it comes first.
+            assumable = self.pages_as_needed and self._may_assume(sig, use)
             with unmeasured(), _disable_current_modes():
                 try:
-                    entry = self._make_entry(args, kwargs, held, use)
+                    entry = self._make_entry(args, kwargs, held, use, may_page=not assumable)
                 except (InfeasibleBudgetError, HostMemoryError) as exc:
                     if use.learned and self.saved_plan is None and sig.for_output_use(self.declared_use) in self._plans:
                         # The plan for how the last step used the outputs does not fit (the search
@@ -321,11 +325,13 @@ class OptimizedModule(nn.Module):
                         key, entry = sig.for_output_use(self.declared_use), None
                     else:
                         optimistic = self._optimistic_use(sig, use, exc)
-                        if optimistic is None:
+                        if optimistic is None and not assumable:
                             raise
-                        use = optimistic
-                        entry = self._make_entry(args, kwargs, held, use)
-                        self._output_use[sig] = use
+                        if optimistic is not None:
+                            use = optimistic
+                        entry = self._make_entry(args, kwargs, held, use)  # (paging where it must)
+                        if optimistic is not None:
+                            self._output_use[sig] = use
                         key = sig.for_output_use(use)
             if entry is not None:
                 if self.data_parallel is not None:
@@ -357,6 +363,10 @@ class OptimizedModule(nn.Module):
                 stacklevel=4,
             )
 
+    def _may_assume(self, sig: InputSignature, use: OutputUse) -> bool:
+        """Whether a plan that does not fit may be followed by one assuming outputs get no gradient."""
+        return self.saved_plan is None and not use.learned and sig not in self._output_use
+
     def _optimistic_use(self, sig: InputSignature, use: OutputUse,
                         infeasible: InfeasibleBudgetError | HostMemoryError) -> OutputUse | None:
         """When the plan that assumes nothing about the outputs does not fit: what to assume before
@@ -366,7 +376,7 @@ class OptimizedModule(nn.Module):
         the logits next to the loss it computes) is assumed to get no gradient, as in
         ``out.loss.backward()``; a loss that does use one still gets exact gradients (see
         ``_learn_output_use``)."""
-        if self.saved_plan is not None or use.learned or sig in self._output_use:
+        if not self._may_assume(sig, use):
             return None
         candidates = infeasible.addend_only_outputs  # read off the capture that plan was made from
         return OutputUse(no_grad=candidates, inputs_dropped=use.inputs_dropped) if candidates else None
@@ -434,20 +444,21 @@ class OptimizedModule(nn.Module):
             stacklevel=3,
         )
 
-    def _make_entry(self, args: tuple, kwargs: dict, held: int,
-                    use: OutputUse) -> tuple[Plan, Program, list[str], list[str]]:
+    def _make_entry(self, args: tuple, kwargs: dict, held: int, use: OutputUse,
+                    may_page: bool = True) -> tuple[Plan, Program, list[str], list[str]]:
         """Plan the step for these inputs: solved, or bound from ``plan=``.
 
         ``held``: bytes of gradients already held (`held_gradient_bytes`); the graph is planned
         for what they leave of the budget, and the plan's peak counts them. ``use``: what the plan
-        assumes about the outputs (``memplan.passes.output_use``)."""
+        assumes about the outputs (``memplan.passes.output_use``). ``may_page``: with
+        ``parameters="auto"``, the plan may page parameters (False: an attempt made first)."""
         started = time.perf_counter()  # time_limit bounds the whole planning call, this replay included
         budget, eager = self._budget_for(args, kwargs)
         engine = self.engine_bytes
         try:
             # the replay for the budget assumed nothing about the outputs: the plan reuses it then
             plan, program = self._plan_graph(args, kwargs, budget - held - engine, use, started=started,
-                                             eager_peak=None if use else eager)
+                                             eager_peak=None if use else eager, may_page=may_page)
         except InfeasibleBudgetError as exc:
             if not held and not engine:
                 raise
@@ -501,8 +512,11 @@ class OptimizedModule(nn.Module):
         return self.budget, eager
 
     def _plan_graph(self, args: tuple, kwargs: dict, budget: int, use: OutputUse, *, started: float | None = None,
-                    eager_peak: int | None = None) -> tuple[Plan, Program]:
-        """The plan and program of the step's graph under ``budget`` (`make_plan`'s ``started`` and ``eager_peak``)."""
+                    eager_peak: int | None = None, may_page: bool = True) -> tuple[Plan, Program]:
+        """The plan and program of the step's graph under ``budget`` (`make_plan`'s ``started`` and ``eager_peak``;
+        ``may_page``: `_make_entry`'s)."""
+        # (a parameter an earlier plan paged is in host memory: every plan pages it from then on)
+        pages = self.pages_as_needed and (may_page or any(is_host(p) for p in self._orig_mod.parameters()))
         model = self._orig_mod
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         profile = get_profile(self.device_profile, device)
@@ -544,7 +558,9 @@ class OptimizedModule(nn.Module):
             updates_after_backward=self.step_options.updates_after_backward,
             max_grad_norm=self.step_options.max_grad_norm,
             optimizer_state=self.step_options.optimizer_state,
-            parameters="auto" if self.pages_as_needed else "host" if self.step_options.parameters == "host" else "device",
+            parameters="auto" if pages else "host" if self.step_options.parameters == "host" else "device",
+            # (an attempt that paging may follow says how far over it is, and searches no minimum)
+            search_minimum=pages or not self.pages_as_needed,
             accumulation=self.accumulation,
             clip_by=self.step_options.clip_by,
             carry_limit=self.carry_limit,
@@ -553,7 +569,7 @@ class OptimizedModule(nn.Module):
             handout_bytes=self._handout_bytes,
             host_memory=None if self.plan_options.host_memory is None else parse_bytes(self.plan_options.host_memory),
         )
-        if self.pages_as_needed and put_paged_on_host(model, plan.paged_parameters):
+        if pages and put_paged_on_host(model, plan.paged_parameters):
             # Parameters now in host memory that an earlier plan (other inputs) reads on the device:
             # it is made again, paging them too, when those inputs come back.
             marked = self.paged_parameters | plan.paged_parameters

@@ -328,6 +328,7 @@ def make_plan(
     eager_peak: int | None = None,
     handout_bytes: int | None = None,
     host_memory: int | None = None,
+    search_minimum: bool = True,
 ) -> tuple[Plan, Program]:
     """Capture, cost, lower, solve and lower back to a runnable :class:`Program`.
 
@@ -358,7 +359,8 @@ def make_plan(
     ``handout_bytes``: the program hands gradients to a distributed engine (`build_step`).
     ``host_memory``: bytes of host memory the plan may keep there (None: what the machine has
     available now); state moves there only while it fits, and a plan that needs more raises
-    `HostMemoryError` (`memplan.updates.host_memory`).
+    `HostMemoryError` (`memplan.updates.host_memory`). ``search_minimum`` False: a step that does not fit
+    raises with the lowest peak a solve reached, no minimum searched for (the caller tries something else next).
     """
     if clip_by not in CLIP_BY:
         raise ValueError(f"clip_by={clip_by!r}: give one of {', '.join(CLIP_BY)}")
@@ -399,7 +401,7 @@ def make_plan(
     if parameters == "auto" and updates and optimizer_state != "device":
         plan = solve_paging_as_needed(analysis, budget, model, optimizer, **solve_options)
     else:
-        plan = solve_whole_step(analysis, budget, **solve_options)
+        plan = solve_whole_step(analysis, budget, search_minimum=search_minimum, **solve_options)
     phases.lap("solve")
     program = build_step(plan.analysis, plan.schedule, plan.simulated.timeline, model, optimizer, grad_norm,
                          max_grad_norm, accumulation, handout_bytes)

@@ -91,7 +91,10 @@ def _no_cyclic_collector():
 
 def _planned(tied: bool, solver: str = SOLVER, **options) -> tuple[memplan.OptimizedModule, torch.optim.Optimizer,
                                                                      torch.Tensor, torch.Tensor]:
-    """The model, planned on its first call (as a new user would) under `BUDGET`, with AdamW."""
+    """The model, planned on its first call (as a new user would) under `BUDGET`, with AdamW; its
+    parameters on the device (the plans of issue #46, which moved state and recomputed, made before
+    parameters could be paged)."""
+    options.setdefault("parameters", "device")
     torch.manual_seed(0)
     model = _LM(tied)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

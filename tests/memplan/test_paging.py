@@ -344,8 +344,8 @@ def test_bf16_parameters_with_fp32_master_weights_train_as_their_fp32_reference(
     for p in model.parameters():  # as saved, not cast to the parameters' bf16
         for key, value in optimizer.state[p].items():
             assert torch.equal(resumed.state[p][key], value), key
-    with pytest.raises(ValueError, match="add parameters=\"host\""):
-        memplan.optimize(model, budget, optimizer=optimizer, master_weights=True)
+    with pytest.raises(ValueError, match="give parameters=\"host\" or \"auto\""):
+        memplan.optimize(model, budget, optimizer=optimizer, master_weights=True, parameters="device")
 
 
 def test_master_weights_take_over_a_bf16_state_and_leave_fp64_parameters_as_they_are():
