@@ -63,9 +63,22 @@ def plan_paging_as_needed(analysis: Analysis, budget: int, solve: Callable[[Anal
     otherwise (`page_until_fits`, whose arguments these are).
 
     ``solve(analysis, last, seconds)`` solves one step; ``page(names)`` is the step with the
-    parameters ``names`` paged, every state in host memory."""
-    return page_until_fits(paging_candidates(analysis), sources_over(analysis, budget), budget,
-                           lambda names, last, seconds: solve(page(names) if names else analysis, last, seconds),
+    parameters ``names`` paged, every state in host memory. A paged step probed and then solved
+    in full is paged once (a graph copy and its lowering: seconds on a billion parameters); the
+    steps kept are every parameter paged and the last other one."""
+    kept: dict[frozenset[str], Analysis] = {frozenset(): analysis}
+
+    def paged(names: frozenset[str]) -> Analysis:
+        if names not in kept:
+            for old in [k for k in kept if k and k != every]:
+                del kept[old]
+            kept[names] = page(names)
+        return kept[names]
+
+    candidates = paging_candidates(analysis)
+    every = frozenset(name for name, _ in candidates)
+    return page_until_fits(candidates, sources_over(analysis, budget), budget,
+                           lambda names, last, seconds: solve(paged(names), last, seconds),
                            paged_already, time_left, probe_seconds)
 
 
