@@ -81,9 +81,10 @@ class DataParallel:
 def made_on_first_rank(group: Any, make: Callable[[], str]) -> str:
     """``make()`` (a saved plan's JSON) run on the group's first rank only and broadcast to every
     rank: one solve for all ranks, where time-limited solves on each would differ and compete for
-    the cores. Every rank must call it at the same point (``optimize(DDP(model), example_inputs=)``);
-    a plan made at a first call is made on each rank instead, with no collective that a rank that
-    never sees those inputs would not enter. Raises `DistributedTrainingError` on the other ranks
+    the cores. Every rank must call it at the same point (``optimize(DDP(model), example_inputs=)``, or
+    the first step, where every rank's inputs have one signature); a plan made at a later call is
+    made on each rank instead, with no collective that a rank that never sees those inputs would not
+    enter. Raises `DistributedTrainingError` on the other ranks
     when the first could not plan (its own error on the first)."""
     dist = torch.distributed
     first = dist.get_global_rank(group, 0) if group is not None else 0

@@ -20,6 +20,7 @@ from memplan.frontend.distributed import (DataParallel, DistributedTrainingError
                                          refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
 from memplan.frontend.paged import keep_parameters_on_device
+from memplan.capture.signature import InputSignature
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
 from memplan.pipeline.options import PlanOptions, StepOptions
@@ -60,6 +61,26 @@ def share_first_ranks_plan(ddp: nn.Module, opt: OptimizedModule, args: tuple, kw
         raise failure
     if failed.item():
         raise DistributedTrainingError("another rank could not bind the plan this rank made for every rank")
+
+
+def share_first_plan_at_first_step(ddp: nn.Module, opt: OptimizedModule) -> Callable[[tuple, dict, int], None]:
+    """`OptimizedModule.first_step` under DDP without example inputs: where every rank's first step
+    has the same input signature (and holds no gradients), its plan is made once, on the first rank,
+    and bound on every other (`share_first_ranks_plan`). Each rank solving for itself would get a
+    different time-limited plan, so a different order of finished gradients, and DDP orders its
+    buckets by the first rank's: on another rank the first bucket would fill late, and the all-reduces
+    wait for the end of backward. Every rank runs its first step together (DDP's forward), so the
+    collectives here are entered by all; a signature first seen later is planned on each rank."""
+
+    def first_step(args: tuple, kwargs: dict, held: int) -> None:
+        group = ddp.process_group
+        mine = InputSignature.of(args, kwargs, opt.training, held) if held == 0 else None
+        every: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(every, mine, group=group)
+        if mine is not None and all(sig == mine for sig in every):
+            share_first_ranks_plan(ddp, opt, args, kwargs)
+
+    return first_step
 
 
 def optimize(
@@ -147,6 +168,8 @@ def optimize(
                     keep_parameters_on_device(model)
                 raise
     if ddp is not None:
+        if plan is None and example_inputs is None:
+            opt.first_step = share_first_plan_at_first_step(ddp, opt)
         ddp.module = opt
         return ddp
     return opt

@@ -182,6 +182,9 @@ class OptimizedModule(nn.Module):
         self.warn_loss_outside = True
         self._warned_hooks = False
         self._warned_distributed = False
+        # Called once, at the first step, before its plan is made (``(args, kwargs, held)``): under DDP,
+        # `memplan.frontend.entry.share_first_plan_at_first_step` makes that plan once for every rank.
+        self.first_step: Callable[[tuple, dict, int], None] | None = None
         self.training = model.training
 
     # -- copying and pickling -------------------------------------------------
@@ -201,6 +204,7 @@ class OptimizedModule(nn.Module):
         state["_plans"] = {}
         state["_last_signature"] = None
         state["split"] = None  # a compiled model is not copied: the copy splits again on its first call
+        state["first_step"] = None  # (it holds the process group)
         return state
 
     # -- state shared with the original module -------------------------------
@@ -599,6 +603,9 @@ class OptimizedModule(nn.Module):
             refuse_distributed_updates(model)
         held = 0 if own else held_gradient_bytes(params.values())
         refuse_meta_parameters(params, inputs)
+        if self.first_step is not None and self.split is None:
+            first_step, self.first_step = self.first_step, None
+            first_step(args, kwargs, held)
         if self.split is None:
             try:
                 plan, program, param_names, buffer_names = self._entry(args, kwargs, held)

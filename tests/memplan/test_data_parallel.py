@@ -191,6 +191,17 @@ def _one_plan_for_all_ranks(case: str, rank: int) -> None:
     assert all(s == schedules[0] for s in schedules)
     assert ("solve" in plan.planning_time) == (rank == 0), plan.planning_time
     planned(*args).backward()  # and it runs
+    # Without example inputs the first step's plan is made once too, where every rank's inputs have
+    # one signature; where they differ, each rank plans its own (and no rank waits for another).
+    # (a signature differs by the module's mode: rank 1 in eval mode, the case has no dropout)
+    for shared in (True, False):
+        planned = memplan.optimize(DDP(CASES[case](rank)[0]), BUDGETS[case][0], time_limit=TIME_LIMIT)
+        planned.train(shared or rank == 0)
+        planned(*args).backward()
+        plan = planned.module.plan
+        torch.distributed.all_gather_object(schedules, list(plan.schedule))
+        assert all(s == schedules[0] for s in schedules) or not shared
+        assert ("solve" in plan.planning_time) == (rank == 0 or not shared), plan.planning_time
     # an infeasible budget on the first rank is an error on every rank, not a hang
     with pytest.raises((memplan.InfeasibleBudgetError, memplan.DistributedTrainingError), match="below|could not"):
         memplan.optimize(DDP(CASES[case](rank)[0]), "1kB", time_limit=5, example_inputs=args)
