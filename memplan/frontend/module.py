@@ -146,8 +146,7 @@ class OptimizedModule(nn.Module):
         else:
             keep_parameters_on_device(model)
         # parameters="auto" pages where paging is built, and a plan that needs it says which (`_plan_graph`).
-        self.pages_as_needed = (step.parameters == "auto" and step.optimizer is not None
-                                and step.optimizer_state != "device"
+        self.pages_as_needed = (step.may_page_as_needed
                                 and paging_refusal(model, distributed=data_parallel is not None,
                                                    compile=options.compile, saved_plan=self.saved_plan) is None)
         if step.optimizer is not None:  # (masters for the parameters a plan pages: none where none can be)

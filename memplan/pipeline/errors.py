@@ -1,7 +1,14 @@
-"""The error a budget no plan fits raises, with the lowest peak memplan found."""
+"""The error a budget no plan fits raises, with the lowest peak memplan found; and the attempts
+for which not fitting is no error."""
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
+import solvers
 from memplan.core.units import format_bytes
+from memplan.updates.host_memory import HostMemoryError
+
+Solved = TypeVar("Solved")
 
 
 class InfeasibleBudgetError(ValueError):
@@ -41,3 +48,13 @@ class InfeasibleBudgetError(ValueError):
             f"budget {format_bytes(budget)} is below the smallest plan {found} for this model and input: "
             f"{format_bytes(min_budget)} ({min_budget} bytes){held}"
         )
+
+
+def none_where_unfit(attempt: Callable[[], Solved]) -> Solved | None:
+    """``attempt()``, or None where its plan does not fit: the budget (`InfeasibleBudgetError`), the
+    host's memory (`HostMemoryError`) or any schedule (`solvers.ScheduleError`). For the attempts
+    made while another plan is in hand, or before one that may fit: not fitting is no error there."""
+    try:
+        return attempt()
+    except (InfeasibleBudgetError, HostMemoryError, solvers.ScheduleError):
+        return None

@@ -123,6 +123,11 @@ class StepOptions:
     backward, "norm_pass" (a first backward computes the norm only, a second applies the
     clipped updates), or "auto" (holding where it fits)."""
 
+    @property
+    def may_page_as_needed(self) -> bool:
+        """`may_page_as_needed` for these options."""
+        return may_page_as_needed(self.parameters, self.optimizer is not None, self.optimizer_state)
+
     def __post_init__(self) -> None:
         if self.max_grad_norm is not None and self.optimizer is None:
             raise ValueError("memplan.optimize: max_grad_norm= clips before memplan's updates; it needs optimizer=")
@@ -151,3 +156,9 @@ class StepOptions:
                              "parameters in host memory; give parameters=\"host\" or \"auto\"")
         if self.clip_by not in CLIP_BY:
             raise ValueError(f"memplan.optimize: clip_by={self.clip_by!r}; give one of {', '.join(map(repr, CLIP_BY))}")
+
+
+def may_page_as_needed(parameters: str, has_optimizer: bool, optimizer_state: str) -> bool:
+    """``parameters="auto"`` may page: the update is in the step and its state may leave the device
+    (where paging is built, `memplan.frontend.paged.paging_refusal`, says the front end)."""
+    return parameters == "auto" and has_optimizer and optimizer_state != "device"

@@ -19,11 +19,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Protocol
 
-import solvers
 from memplan.passes.paging import is_paged
-from memplan.updates.host_memory import HostMemoryError
 from memplan.planning.analysis import Analysis
-from memplan.pipeline.errors import InfeasibleBudgetError
+from memplan.pipeline.errors import InfeasibleBudgetError, none_where_unfit
 
 
 class SolvedStep(Protocol):
@@ -124,9 +122,9 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
                 return plan  # (nothing to page, nothing updated on the host, or no time to compare)
             # A device parameter updated on the host goes out and back over the link each step, with
             # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.
-            other = _plan_or_none(solve, every, None)
+            other = none_where_unfit(lambda: solve(every, False, None))
             return other if other is not None and other.predicted_time < plan.predicted_time else plan
-    best, taken, probed = _plan_or_none(solve, every, probe_seconds), every, True
+    best, taken, probed = none_where_unfit(lambda: solve(every, False, probe_seconds)), every, True
     if best is None:  # (not within a probe: in full, its error the call's, with the minimum searched for)
         best, probed = solve(every, True, None), False
     failed = False  # (at least as many again as are paged only after an attempt has fallen short)
@@ -150,17 +148,8 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
             best, taken, probed = plan, frozenset(paged), True
         break  # (the fewest paged that fit: paging more only adds fetches)
     if probed and time_left() > 0:
-        refined = _plan_or_none(solve, taken, None)
+        refined = none_where_unfit(lambda: solve(taken, False, None))
         if refined is not None and refined.predicted_time < best.predicted_time:
             best = refined
     return best
 
-
-def _plan_or_none(solve: Callable[[frozenset[str], bool, float | None], SolvedStep], names: frozenset[str],
-                  seconds: float | None) -> SolvedStep | None:
-    """The step with ``names`` paged, solved, or None where it does not fit the budget or host memory
-    (another plan is in hand, or an attempt that does is made next)."""
-    try:
-        return solve(names, False, seconds)
-    except (InfeasibleBudgetError, HostMemoryError, solvers.ScheduleError):
-        return None

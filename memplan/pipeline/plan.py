@@ -37,7 +37,7 @@ from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
 from memplan.core.host import is_host
 from memplan.pipeline.clock import PhaseTimer, PlanningClock
-from memplan.pipeline.errors import InfeasibleBudgetError
+from memplan.pipeline.errors import InfeasibleBudgetError, none_where_unfit
 from memplan.pipeline.paged_plan import plan_paging_as_needed
 
 
@@ -575,7 +575,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
                     if probe:  # it fits: now the search proper, in what is left of the limit
                         at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
-                        refined = _plan_or_none(solve_for, at)
+                        refined = none_where_unfit(lambda: solve_for(at, search_minimum=False, probe=False))
                         if refined is not None and refined.predicted_time < plan.predicted_time:
                             plan = refined
                         return plan  # (its largest buckets only: the state moved is what sets its time)
@@ -661,19 +661,10 @@ def _against_all_on_host(solve_for: Callable[..., Plan], placement: UpdatePlacem
     if host_limit is not None and sum(host_update_bytes(updates, every, placement.bucket_bytes).values()) > host_limit:
         return placement, plan  # (the host cannot take it all)
     other = dataclasses.replace(placement, host=placement.host | every)
-    alternative = _plan_or_none(solve_for, other, probe=True)
+    alternative = none_where_unfit(lambda: solve_for(other, search_minimum=False, probe=True))
     if alternative is not None and alternative.predicted_time < plan.predicted_time:
         return other, alternative
     return placement, plan
-
-
-def _plan_or_none(solve_for: Callable[..., Plan], placement: UpdatePlacement, probe: bool = False) -> Plan | None:
-    """``placement``'s plan (no minimum searched), or None where it has none: after a plan that fits
-    is in hand, another attempt that does not is no error."""
-    try:
-        return solve_for(placement, search_minimum=False, probe=probe)
-    except (solvers.ScheduleError, InfeasibleBudgetError):
-        return None
 
 
 def host_bandwidth(analysis: Analysis) -> float:

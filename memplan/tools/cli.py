@@ -301,6 +301,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
 
     from memplan.pipeline.clock import PlanningClock
     from memplan.pipeline.plan import InfeasibleBudgetError, solve_paging_as_needed, solve_whole_step
+    from memplan.pipeline.options import may_page_as_needed
     from memplan.updates.host_memory import default_host_limit
 
     started = time.perf_counter()  # --time-limit bounds the whole command, as optimize's time_limit does
@@ -336,8 +337,7 @@ def cmd_report(args: argparse.Namespace, progress: Progress) -> int:
             solve_options = dict(clock=clock, solver=options["solver"], offload=options["offload"],
                                  may_move_state=args.optimizer_state == "auto" and not paged, host_limit=host_limit)
             # --parameters auto pages what a step that does not fit otherwise needs (one process only)
-            if (args.parameters == "auto" and optimizer is not None and args.optimizer_state != "device"
-                    and not engine):
+            if may_page_as_needed(args.parameters, optimizer is not None, args.optimizer_state) and not engine:
                 plan = solve_paging_as_needed(analysis, budget, target.module, optimizer, **solve_options)
             else:
                 plan = solve_whole_step(analysis, budget - engine, **solve_options)

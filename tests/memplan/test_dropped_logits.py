@@ -164,42 +164,30 @@ def test_placing_the_state_keeps_no_frame_of_its_caller_alive(needed):
     assert plan == (_FoundPlan if needed == {"big"} else 1100)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_logits_the_caller_drops_are_freed_at_once_when_the_step_plans(tied):
-    planned, optimizer, ids, labels = _planned(tied)
-    with _no_cyclic_collector():
-        for step in range(STEPS):
-            out = planned(ids, labels)
-            logits = weakref.ref(out[1])
-            loss = out[0]
-            del out
-            assert logits() is None, f"step {step}: the logits outlived the caller's last reference"
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            del loss
-    _check_plan(planned)
-    assert len(planned._plans) == 2, "the plan learned from the first step was given up"
-
-
 def _peaks_keeping_only_the_loss(planned, optimizer, ids, labels) -> list[int]:
-    """Each of `STEPS` steps' measured peak, the loop keeping only the loss (the logits dropped)."""
-    def step():
-        planned(ids, labels)[0].backward()
+    """Each of `STEPS` steps' measured peak, the loop keeping only the loss: the logits, dropped
+    before backward, must be gone at once (at the step that plans, too)."""
+    def step(number: int) -> None:
+        out = planned(ids, labels)
+        logits = weakref.ref(out[1])
+        loss = out[0]
+        del out
+        assert logits() is None, f"step {number}: the logits outlived the caller's last reference"
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
     with _no_cyclic_collector():
-        return [measure_peak(step) for _ in range(STEPS)]
+        return [measure_peak(lambda: step(number)) for number in range(STEPS)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_a_loop_that_keeps_only_the_loss_measures_its_predicted_peak_under_the_budget(tied):
+def test_logits_the_caller_drops_are_freed_at_once_and_the_loop_measures_its_predicted_peak_under_the_budget(tied):
     planned, optimizer, ids, labels = _planned(tied)
     peaks = _peaks_keeping_only_the_loss(planned, optimizer, ids, labels)
     _check_plan(planned)
+    assert len(planned._plans) == 2, "the plan learned from the first step was given up"
     plan = planned.plan
     print(f"budget {plan.budget} predicted {plan.predicted_peak} measured {peaks}")
     # The first step runs the plan that assumes nothing about the outputs (and makes the state);
@@ -256,7 +244,7 @@ def _loop_plans(around: str) -> list[tuple]:
 
 @pytest.mark.slow
 def test_the_plans_do_not_depend_on_a_dispatch_mode_a_profiler_or_the_cyclic_collector():
-    # What a plain loop learns (`test_a_loop_that_keeps_only_the_loss...` runs one): the first
+    # What a plain loop learns (`test_logits_the_caller_drops_are_freed_at_once...` runs one): the first
     # plan knows the logits get no gradient, the second also that the caller drops them.
     logits = frozenset({1})
     plain = [(OutputUse(no_grad=logits), 1), (OutputUse(no_grad=logits, dropped=logits), 2)]
