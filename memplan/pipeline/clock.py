@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from memplan.core.config import TUNABLES
+
+Result = TypeVar("Result")
 
 
 class PlanningTimeWarning(UserWarning):
@@ -95,3 +99,32 @@ class PhaseTimer:
         if elapsed >= TUNABLES.progress_after_seconds:
             sys.stderr.write(f"memplan: planning, {elapsed:.0f} s in: {text}\n")
             sys.stderr.flush()
+
+
+@dataclass
+class Attempts:
+    """The attempts of a planning call, timed, so that one that is optional (a plan is in hand
+    already) is started only where what is left of the limit covers what the last one took: on a
+    billion-parameter step an attempt costs seconds before a solver's own limit applies (the step
+    lowered again for another placement, the solver's baselines), so an attempt started with a
+    second left ends many seconds past the limit."""
+
+    time_left: Callable[[], float]
+    """Seconds left of the planning call's limit (infinite: no limit)."""
+
+    last: float = 0.0
+    """Seconds the last attempt took."""
+
+    def run(self, attempt: Callable[[], Result]) -> Result:
+        """``attempt()``, timed."""
+        before = self.time_left()
+        try:
+            return attempt()
+        finally:
+            took = before - self.time_left()
+            self.last = took if math.isfinite(took) else 0.0
+
+    def affordable(self) -> bool:
+        """Whether another attempt would end within the limit, taking as long as the last."""
+        left = self.time_left()
+        return left > 0 and left >= self.last

@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 
 from memplan.passes.paging import is_paged
 from memplan.planning.analysis import Analysis
+from memplan.pipeline.clock import Attempts
 from memplan.pipeline.errors import InfeasibleBudgetError, none_where_unfit
 
 
@@ -104,7 +105,13 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
     fits is taken where its probe is faster, and the plan taken is solved again in what is left.
     ``paged_already``: names of parameters an earlier plan of the model put in host memory (for
     other inputs, or for the same before it learned how its outputs are used), paged from the
-    first attempt on: their storage is host memory now."""
+    first attempt on: their storage is host memory now. An attempt made while a plan is in hand is
+    started only where the time left covers what the last attempt took (`Attempts`)."""
+    attempts = Attempts(time_left)
+
+    def solve_timed(names: frozenset[str], last: bool, seconds: float | None) -> SolvedStep:
+        return attempts.run(lambda: solve(names, last, seconds))
+
     every = frozenset(name for name, _ in candidates)
     paged = [name for name, _ in candidates if name in paged_already]
     paged_bytes = sum(nbytes for name, nbytes in candidates if name in paged_already)
@@ -112,23 +119,23 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
     over -= paged_bytes
     if over <= 0 or not candidates:
         try:
-            plan = solve(frozenset(paged), not candidates, time_left() * DEVICE_SHARE if candidates else None)
+            plan = solve_timed(frozenset(paged), not candidates, time_left() * DEVICE_SHARE if candidates else None)
         except InfeasibleBudgetError as exc:
             if not candidates:
                 raise
             over = exc.min_budget - budget
         else:
-            if not candidates or not plan.analysis.lowered.host_states or time_left() <= 0:
+            if not candidates or not plan.analysis.lowered.host_states or not attempts.affordable():
                 return plan  # (nothing to page, nothing updated on the host, or no time to compare)
             # A device parameter updated on the host goes out and back over the link each step, with
             # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.
-            other = none_where_unfit(lambda: solve(every, False, None))
+            other = none_where_unfit(lambda: solve_timed(every, False, None))
             return other if other is not None and other.predicted_time < plan.predicted_time else plan
-    best, taken, probed = none_where_unfit(lambda: solve(every, False, probe_seconds)), every, True
+    best, taken, probed = none_where_unfit(lambda: solve_timed(every, False, probe_seconds)), every, True
     if best is None:  # (not within a probe: in full, its error the call's, with the minimum searched for)
-        best, probed = solve(every, True, None), False
+        best, probed = solve_timed(every, True, None), False
     failed = False  # (at least as many again as are paged only after an attempt has fallen short)
-    while candidates and time_left() > 0:
+    while candidates and attempts.affordable():
         wanted = max(over * PAGING_MARGIN, paged_bytes) if failed else over * PAGING_MARGIN
         failed = True
         added = 0
@@ -140,15 +147,15 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
         if not candidates:
             break  # (every parameter: solved already)
         try:
-            plan = solve(frozenset(paged), False, probe_seconds)
+            plan = solve_timed(frozenset(paged), False, probe_seconds)
         except InfeasibleBudgetError as exc:
             over = exc.min_budget - budget
             continue
         if plan.predicted_time < best.predicted_time:
             best, taken, probed = plan, frozenset(paged), True
         break  # (the fewest paged that fit: paging more only adds fetches)
-    if probed and time_left() > 0:
-        refined = none_where_unfit(lambda: solve(taken, False, None))
+    if probed and attempts.affordable():
+        refined = none_where_unfit(lambda: solve_timed(taken, False, None))
         if refined is not None and refined.predicted_time < best.predicted_time:
             best = refined
     return best

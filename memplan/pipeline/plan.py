@@ -36,7 +36,7 @@ from memplan.pipeline.stages import analyze_paged, analyze_placement, analyze_st
 from memplan.core.units import format_bytes
 from memplan.core.config import TUNABLES
 from memplan.core.host import is_host
-from memplan.pipeline.clock import PhaseTimer, PlanningClock
+from memplan.pipeline.clock import Attempts, PhaseTimer, PlanningClock
 from memplan.pipeline.errors import InfeasibleBudgetError, none_where_unfit
 from memplan.pipeline.paged_plan import plan_paging_as_needed
 
@@ -450,16 +450,20 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         return {**solve_options, "time_limit": clock.solve_limit(), "gap": clock.gap}
 
     recent: list[Analysis] = []  # the last two placements lowered: a probed one is solved again in full
+    attempts = Attempts((lambda: clock.limit - clock.elapsed()) if clock else lambda: math.inf)
 
     def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False) -> Plan:
-        again = next((a for a in (analysis, *recent) if a.lowered.placement == placement), None)
-        if again is None:
-            again = analyze_placement(analysis, placement)
-            recent[:] = [*recent[-1:], again]
-        chosen = dict(options())
-        if probe:
-            chosen["time_limit"] = min(chosen.get("time_limit") or math.inf, TUNABLES.placement_probe_seconds)
-        return solve_plan(again, budget, search_minimum=search_minimum, **chosen)
+        def attempt() -> Plan:
+            again = next((a for a in (analysis, *recent) if a.lowered.placement == placement), None)
+            if again is None:
+                again = analyze_placement(analysis, placement)
+                recent[:] = [*recent[-1:], again]
+            chosen = dict(options())
+            if probe:
+                chosen["time_limit"] = min(chosen.get("time_limit") or math.inf, TUNABLES.placement_probe_seconds)
+            return solve_plan(again, budget, search_minimum=search_minimum, **chosen)
+
+        return attempts.run(attempt)
 
     try:
         if host_limit is not None:
@@ -472,7 +476,7 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         else:
             plan = whole_step_plan(solve_for, analysis.updates, analysis.lowered.placement, budget, may_move_state,
                                    norm_pass, step_bucket_caps(analysis.updates),
-                                   out_of_time=clock.spent if clock else lambda: False, host_limit=host_limit,
+                                   out_of_time=lambda: not attempts.affordable(), host_limit=host_limit,
                                    search_minimum=search_minimum)
         if host_limit is not None:
             check_host_memory(plan.host_memory, host_limit)
@@ -519,7 +523,8 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     `InfeasibleBudgetError`; without ``search_minimum``, at once below the trivial bound, and with the
     lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
     placement reached by moving state is probed so, and solved in full only once it fits).
-    ``out_of_time()``: the planning call's limit has passed (no further bucket cap is tried).
+    ``out_of_time()``: another attempt would end past the planning call's limit (`Attempts`): a plan in
+    hand is kept (no further bucket cap, comparison or refinement is tried).
     ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`): a state the
     host cannot take is passed over for smaller ones, and where the device still needs more moved
     than the host can take, `HostMemoryError` says so. ``search_minimum`` False: where nothing fits,
@@ -574,8 +579,10 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     if plan.predicted_time <= plan.store_all_time * (1 + 1e-9):
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
                     if probe:  # it fits: now the search proper, in what is left of the limit
-                        at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
-                        refined = none_where_unfit(lambda: solve_for(at, search_minimum=False, probe=False))
+                        if not out_of_time():
+                            at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
+                        refined = None if out_of_time() else none_where_unfit(
+                            lambda: solve_for(at, search_minimum=False, probe=False))
                         if refined is not None and refined.predicted_time < plan.predicted_time:
                             plan = refined
                         return plan  # (its largest buckets only: the state moved is what sets its time)

@@ -188,6 +188,27 @@ def test_parameters_paged_already_are_paged_from_the_first_attempt_and_no_time_l
     assert [names for names, _, _ in calls] == [frozenset(), every]  # (the fixed rule, and no time for more)
 
 
+def test_no_attempt_is_started_that_would_end_past_the_limit():
+    """An injected clock: each solve takes 4 s of a 10 s limit. The device attempt and every parameter
+    paged (a plan in hand) take 8 s; an attempt with fewer paged would end at 12 s, and is not started
+    (with 2 s left, it used to be)."""
+    every = frozenset(name for name, _ in SIZES)
+    now = [0.0]
+    stand_in, calls = _stand_in({frozenset("abcde"): 2.0, every: 3.0}, over_by={frozenset(): 350})
+
+    def solve(names, last, seconds):
+        now[0] += 4.0
+        return stand_in(names, last, seconds)
+
+    plan = page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 10.0 - now[0])
+    assert plan.names == every and now[0] == 8.0
+    assert [names for names, _, _ in calls] == [frozenset(), every]
+    now[0] = 0.0  # with 13 s, the attempt with fewer paged ends within it; its refinement would not
+    calls.clear()
+    plan = page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 13.0 - now[0])
+    assert [names for names, _, _ in calls] == [frozenset(), every, frozenset("ab")] and now[0] == 12.0
+
+
 def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_paged_in_the_time_left():
     every = frozenset(name for name, _ in SIZES)
     solve, calls = _stand_in({frozenset(): 2.0, every: 1.0})
