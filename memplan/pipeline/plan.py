@@ -524,7 +524,7 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
     lowest peak it reached otherwise; with ``probe``, within `TUNABLES.placement_probe_seconds`: a
     placement reached by moving state is probed so, and solved in full only once it fits).
     ``out_of_time()``: another attempt would end past the planning call's limit (`Attempts`): a plan in
-    hand is kept (no further bucket cap, comparison or refinement is tried).
+    hand is kept (no further bucket cap or refinement is tried).
     ``host_limit``: bytes of host memory the moved state may take (`host_update_bytes`): a state the
     host cannot take is passed over for smaller ones, and where the device still needs more moved
     than the host can take, `HostMemoryError` says so. ``search_minimum`` False: where nothing fits,
@@ -579,8 +579,8 @@ def whole_step_plan(solve_for: Callable[..., Plan], updates: list, first: Update
                     if plan.predicted_time <= plan.store_all_time * (1 + 1e-9):
                         return plan  # nothing recomputed or moved for these buckets: the fewest calls win
                     if probe:  # it fits: now the search proper, in what is left of the limit
-                        if not out_of_time():
-                            at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
+                        # (compared even out of time: the wrong one of the two can double the step's time)
+                        at, plan = _against_all_on_host(solve_for, at, plan, updates, host_limit)
                         refined = None if out_of_time() else none_where_unfit(
                             lambda: solve_for(at, search_minimum=False, probe=False))
                         if refined is not None and refined.predicted_time < plan.predicted_time:
