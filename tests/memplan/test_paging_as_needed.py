@@ -20,6 +20,7 @@ import memplan
 from memplan.core.host import is_host
 from memplan.measure.tracker import measure_peak, profiled_peak
 from memplan.pipeline.errors import InfeasibleBudgetError
+from memplan.core.config import TUNABLES
 from memplan.pipeline.paged_plan import DEVICE_SHARE, PAGING_MARGIN, page_until_fits
 
 from .test_paging import _adamw, _assert_trains_as_eager, _deep_mlp, _train, _whole_step_bytes
@@ -136,6 +137,7 @@ def test_a_deep_mlp_eight_times_over_pages_and_is_no_slower_than_every_parameter
 # --------------------------------------------------------------------------- #
 
 BUDGET = 1000
+STORE_ALL_TIME = 0.5  # (every stand-in plan is slower: each may be beaten by paging)
 SIZES = [("a", 400), ("b", 300), ("c", 300), ("d", 300), ("e", 200), ("f", 100)]
 
 
@@ -148,7 +150,7 @@ def _stand_in(fits: dict[frozenset[str], float], over_by: dict[frozenset[str], i
     def solve(names: frozenset[str], last: bool, seconds: float | None):
         calls.append((frozenset(names), last, seconds))
         if names in fits:
-            return SimpleNamespace(names=names, predicted_time=fits[names],
+            return SimpleNamespace(names=names, predicted_time=fits[names], store_all_time=STORE_ALL_TIME,
                                    analysis=SimpleNamespace(lowered=SimpleNamespace(host_states={"a"})))
         raise InfeasibleBudgetError(BUDGET, BUDGET + (over_by or {}).get(names, 100), searched=last)
 
@@ -214,6 +216,19 @@ def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_p
     solve, calls = _stand_in({frozenset(): 2.0, every: 1.0})
     assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 10.0).names == every
     assert calls == [(frozenset(), False, 10.0 * DEVICE_SHARE), (every, False, None)]
+
+
+def test_a_device_plan_within_the_gap_of_store_all_is_not_set_against_paging():
+    """No paged plan is faster than the step with nothing recomputed or moved: a device plan within
+    the solver's stopping gap of that time is kept without solving the paged step (tens of seconds
+    on llama-7b)."""
+    solve, calls = _stand_in({frozenset(): STORE_ALL_TIME * (1 + TUNABLES.default_gap / 2), every_name(): 0.1})
+    assert page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve).names == frozenset()
+    assert [names for names, _, _ in calls] == [frozenset()]
+
+
+def every_name() -> frozenset[str]:
+    return frozenset(name for name, _ in SIZES)
 
 
 def test_a_step_that_fits_nowhere_raises_the_error_of_every_parameter_paged():
