@@ -11,6 +11,7 @@ whole model is never on the device.
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -72,10 +73,14 @@ def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str |
                 paged: Collection[str], device: torch.device | str = "cpu") -> list[str]:
     """Give each of ``model``'s parameters and buffers left on the meta device storage where the plan
     keeps it (host memory for a parameter of those named ``paged``, else ``device``), filled from ``state_dict`` one
-    tensor at a time: a mapping of names to tensors, or the path of a safetensors file (read tensor
-    by tensor) or of a ``torch.save`` file (memory-mapped). The parameters stay the same objects, so
-    an optimizer made over them keeps them. Returns the names filled. Raises `KeyError` naming the
-    tensors ``state_dict`` lacks, and `ValueError` for a shape that differs, before any is filled."""
+    tensor at a time: a mapping of names to tensors, the path of a safetensors file (read tensor
+    by tensor) or of a ``torch.save`` file (memory-mapped), or a checkpoint directory as Hugging Face's
+    ``save_pretrained`` writes it (``model.safetensors``, or shards listed by
+    ``model.safetensors.index.json``; the ``pytorch_model.bin`` forms too), each shard opened when
+    first read. Names may lack a leading module path the model has and the checkpoint does not (a
+    ``memplan.WithLoss``'s ``model.``). The parameters stay the same objects, so an optimizer made over
+    them keeps them. Returns the names filled. Raises `KeyError` naming the tensors ``state_dict``
+    lacks, and `ValueError` for a shape that differs, before any is filled."""
     source = _tensors_of(state_dict)
     # Each tensor once, under whichever of its names the state dict has (a tied weight may be saved
     # under its second name only, as safetensors files drop the others).
@@ -85,11 +90,17 @@ def materialize(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | str |
         if t.is_meta:
             names.setdefault(id(t), []).append(name)
             tensors[id(t)] = t
+    source = _without_wrapper_prefix(source, [n for group in names.values() for n in group])
     wanted = [(next((n for n in names[key] if n in source), names[key][0]), t) for key, t in tensors.items()]
     missing = [name for name, _ in wanted if name not in source]
     if missing:
+        unsaved = set(missing) - set(model.state_dict(keep_vars=True))  # (buffers a module does not persist)
+        hint = (f"; {', '.join(sorted(unsaved)[:2])} {'is' if len(unsaved) == 1 else 'are'} in no checkpoint (a "
+                "buffer its module does not persist): build the model with its parameters alone on the meta "
+                "device (accelerate.init_empty_weights() does), or give it in the mapping" if unsaved else "")
         raise KeyError(f"memplan: the state dict has no {', '.join(missing[:3])}"
-                       f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: it cannot fill the model")
+                       f"{f' (and {len(missing) - 3} more)' if len(missing) > 3 else ''}: it cannot fill the model"
+                       + hint)
     for name, t in wanted:
         shape = tuple(source.shape_of(name))
         if shape != tuple(t.shape):
@@ -122,6 +133,8 @@ def _tensors_of(state_dict: Mapping[str, torch.Tensor] | str | os.PathLike) -> _
     if isinstance(state_dict, Mapping):
         return _Tensors(lambda n: state_dict[n].shape, state_dict.__getitem__, set(state_dict))
     path = os.fspath(state_dict)
+    if os.path.isdir(path):
+        return _checkpoint_directory(path)
     if path.endswith(".safetensors"):
         try:
             from safetensors import safe_open
@@ -132,3 +145,48 @@ def _tensors_of(state_dict: Mapping[str, torch.Tensor] | str | os.PathLike) -> _
         return _Tensors(lambda n: handle.get_slice(n).get_shape(), handle.get_tensor, set(handle.keys()))
     loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     return _tensors_of(loaded)
+
+
+# What a checkpoint directory holds, as Hugging Face's save_pretrained writes it: one file, or shards
+# listed by an index ({"weight_map": {name: shard file}}).
+_CHECKPOINT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _checkpoint_directory(path: str) -> _Tensors:
+    """The tensors of a checkpoint directory, each shard opened when one of its tensors is first asked for."""
+    for single in _CHECKPOINT_FILES:
+        index = os.path.join(path, single + ".index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                shard_of: dict[str, str] = json.load(f)["weight_map"]
+            opened: dict[str, _Tensors] = {}
+
+            def shard(name: str) -> _Tensors:
+                file = shard_of[name]
+                if file not in opened:
+                    opened[file] = _tensors_of(os.path.join(path, file))
+                return opened[file]
+
+            return _Tensors(lambda n: shard(n).shape_of(n), lambda n: shard(n).tensor(n), set(shard_of))
+        if os.path.exists(os.path.join(path, single)):
+            return _tensors_of(os.path.join(path, single))
+    raise FileNotFoundError(f"memplan: {path} holds no checkpoint memplan reads: none of "
+                            f"{', '.join(f + ext for f in _CHECKPOINT_FILES for ext in ('', '.index.json'))}")
+
+
+def _without_wrapper_prefix(source: _Tensors, model_names: list[str]) -> _Tensors:
+    """``source`` read under the model's names where those have a leading module path the checkpoint's
+    lack (a model saved alone, loaded into the wrapper planned around it: ``memplan.WithLoss``'s
+    ``model.``): the shortest such path that finds every one of them; else ``source`` as it is."""
+    if not model_names or all(n in source for n in model_names):
+        return source
+    parts = model_names[0].split(".")
+    for depth in range(1, len(parts)):
+        prefix = ".".join(parts[:depth]) + "."
+        if not all(n.startswith(prefix) for n in model_names):
+            break
+        stripped = {n: n[len(prefix):] for n in model_names}
+        if sum(s in source for s in stripped.values()) > sum(n in source for n in model_names):
+            return _Tensors(lambda n: source.shape_of(stripped.get(n, n)), lambda n: source.tensor(stripped.get(n, n)),
+                            {n for n, s in stripped.items() if s in source})
+    return source

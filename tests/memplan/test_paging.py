@@ -373,3 +373,35 @@ def test_master_weights_take_over_a_bf16_state_and_leave_fp64_parameters_as_they
     assert "fp32 master weights" not in planned.plan.host_memory
     assert all("memplan_master" not in optimizer.state[p] and optimizer.state[p]["exp_avg"].dtype == torch.float64
                for p in wide.parameters())
+
+
+def test_a_sharded_hugging_face_checkpoint_fills_the_wrapped_meta_model(tmp_path):
+    """A directory as ``save_pretrained`` writes it, in shards with their index, fills a copy of the
+    model built with its parameters on the meta device, inside a ``memplan.WithLoss`` (its names one
+    ``model.`` longer than the checkpoint's), the paged parameters in host memory: every tensor
+    equal to the saved model's. Built wholly on the meta device, the rotary embedding's buffer (not
+    persisted, so in no checkpoint) is named in the error, with what to do."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    from memplan.frontend.paged import materialize
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(config)
+    saved.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()  # (sharded, as a 7B checkpoint is)
+    with accelerate.init_empty_weights():  # (parameters on the meta device, buffers built)
+        model = memplan.WithLoss(transformers.LlamaForCausalLM(config), lambda out: out.logits.mean())
+    paged = {"model.lm_head.weight", "model.model.layers.0.mlp.up_proj.weight"}
+    filled = materialize(model, tmp_path, paged=paged)
+    assert len(filled) == len(list(model.parameters()))
+    for (name, p), q in zip(model.named_parameters(), saved.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        assert is_host(p) == (name in paged), name
+    with torch.device("meta"):
+        everything = memplan.WithLoss(transformers.LlamaForCausalLM(config), lambda out: out.logits.mean())
+    with pytest.raises(KeyError, match="rotary_emb.inv_freq.*accelerate.init_empty_weights"):
+        materialize(everything, tmp_path, paged=paged)
+    with pytest.raises(FileNotFoundError, match="no checkpoint memplan reads"):
+        materialize(model, tmp_path / "..", paged=paged)
