@@ -10,6 +10,7 @@ plans every graph under one shared step budget. ``graph_breaks=False`` keeps the
 """
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,6 @@ from memplan.frontend.distributed import (DataParallel, DistributedTrainingError
                                          refuse_unsupported_data_parallel)
 from memplan.frontend.module import OptimizedModule
 from memplan.frontend.paged import keep_parameters_on_device
-from memplan.capture.signature import InputSignature
 from memplan.costs.cost_model import DeviceProfile
 from memplan.frontend.backend import MemplanBackend
 from memplan.pipeline.options import PlanOptions, StepOptions
@@ -48,13 +48,10 @@ def share_first_ranks_plan(ddp: nn.Module, opt: OptimizedModule, args: tuple, kw
     text = made_on_first_rank(group, lambda: saved_from_plan(opt.prepare(*args, **kwargs)).to_json())
     failure: Exception | None = None
     if torch.distributed.get_rank(group) != 0:
-        before, opt.saved_plan = opt.saved_plan, SavedPlan.from_json(text)
         try:
-            opt.prepare(*args, **kwargs)
+            opt.bind(SavedPlan.from_json(text), *args, **kwargs)
         except Exception as exc:  # said to every rank below, or the others would wait in DDP's first step
             failure = exc
-        finally:
-            opt.saved_plan = before
     failed = torch.tensor([failure is not None], dtype=torch.int32)
     torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
     if failure is not None:
@@ -74,10 +71,16 @@ def share_first_plan_at_first_step(ddp: nn.Module, opt: OptimizedModule) -> Call
 
     def first_step(args: tuple, kwargs: dict, held: int) -> None:
         group = ddp.process_group
-        mine = InputSignature.of(args, kwargs, opt.training, held) if held == 0 else None
+        # (None: this rank shares no plan: gradients held, a plan made already by prepare(), or inputs
+        # that do not pickle; every rank still enters the gather, and all decide on what it gathered)
+        mine = opt.input_signature(args, kwargs, held) if held == 0 and not opt.plans else None
+        try:
+            pickle.dumps(mine)
+        except Exception:
+            mine = None
         every: list[Any] = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(every, mine, group=group)
-        if mine is not None and all(sig == mine for sig in every):
+        if every[0] is not None and all(sig == every[0] for sig in every):
             share_first_ranks_plan(ddp, opt, args, kwargs)
 
     return first_step

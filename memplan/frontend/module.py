@@ -242,6 +242,22 @@ class OptimizedModule(nn.Module):
     def plans(self) -> dict[InputSignature, Plan]:
         return {sig: entry[0] for sig, entry in self._plans.items()}
 
+    def input_signature(self, args: tuple, kwargs: dict, held: int = 0) -> InputSignature:
+        """What a plan for these inputs depends on (``held``: bytes of gradients the step starts with)."""
+        return InputSignature.of(args, kwargs, self._orig_mod.training, held)
+
+    def bind(self, saved: Any, *args: Any, **kwargs: Any) -> None:
+        """Make ``saved`` (a `SavedPlan` made elsewhere for these inputs: another rank's) the plan for
+        them, as if planned here (no solve), and the output use it assumes the one these inputs expect
+        (a plan that falls back to assuming outputs get no gradient assumes another than declared)."""
+        before, self.saved_plan = self.saved_plan, saved
+        try:
+            self.prepare(*args, **kwargs)
+        finally:
+            self.saved_plan = before
+        if before is None and saved.output_use != self.declared_use:
+            self._output_use[self.input_signature(args, kwargs)] = saved.output_use
+
     def materialize(self, state_dict: Any, device: torch.device | str = "cpu") -> list[str]:
         """Give the model's parameters and buffers left on the meta device storage where the plan
         keeps them (host memory for those it pages, `paged_parameters`, else ``device``), filled from

@@ -175,18 +175,17 @@ def _checkpoint_directory(path: str) -> _Tensors:
 
 
 def _without_wrapper_prefix(source: _Tensors, model_names: list[str]) -> _Tensors:
-    """``source`` read under the model's names where those have a leading module path the checkpoint's
-    lack (a model saved alone, loaded into the wrapper planned around it: ``memplan.WithLoss``'s
-    ``model.``): the shortest such path that finds every one of them; else ``source`` as it is."""
-    if not model_names or all(n in source for n in model_names):
+    """``source`` read under the model's names, those it lacks found past a leading module path the
+    checkpoint's names do not have (a model saved alone, loaded into the wrapper planned around it:
+    ``memplan.WithLoss``'s ``model.``): the shortest path that finds any; the other names as they are."""
+    absent = [n for n in model_names if n not in source]
+    if not absent:
         return source
-    parts = model_names[0].split(".")
+    parts = absent[0].split(".")
     for depth in range(1, len(parts)):
         prefix = ".".join(parts[:depth]) + "."
-        if not all(n.startswith(prefix) for n in model_names):
-            break
-        stripped = {n: n[len(prefix):] for n in model_names}
-        if sum(s in source for s in stripped.values()) > sum(n in source for n in model_names):
-            return _Tensors(lambda n: source.shape_of(stripped.get(n, n)), lambda n: source.tensor(stripped.get(n, n)),
-                            {n for n, s in stripped.items() if s in source})
+        found = {n: n[len(prefix):] for n in absent if n.startswith(prefix) and n[len(prefix):] in source}
+        if found:
+            return _Tensors(lambda n: source.shape_of(found.get(n, n)), lambda n: source.tensor(found.get(n, n)),
+                            source.names | set(found))
     return source

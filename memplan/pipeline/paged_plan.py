@@ -127,10 +127,12 @@ def page_until_fits(candidates: list[tuple[str, int]], over: int, budget: int,
                 raise
             over = exc.min_budget - budget
         else:
-            if (not candidates or not plan.analysis.lowered.host_states or not attempts.affordable()
+            if (not candidates or not plan.analysis.lowered.host_states or time_left() <= 0
                     or plan.predicted_time <= plan.store_all_time * (1 + TUNABLES.default_gap)):
-                # (nothing to page, nothing updated on the host, no time to compare, or within the
-                # solver's own stopping gap of a time no paging beats: llama-7b's plan is 1.0003x)
+                # (nothing to page, nothing updated on the host, no time left for the comparison, which
+                # the time is shared for, or within the solver's own stopping gap of the step's time with
+                # nothing recomputed or moved, which paging, adding fetches, does not beat: llama-7b's
+                # plan is 1.0003x)
                 return plan
             # A device parameter updated on the host goes out and back over the link each step, with
             # its gradient; a paged one is stepped where it is, its gradient out and its fetches in.

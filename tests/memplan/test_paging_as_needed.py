@@ -209,6 +209,18 @@ def test_no_attempt_is_started_that_would_end_past_the_limit():
     calls.clear()
     plan = page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve, time_left=lambda: 13.0 - now[0])
     assert [names for names, _, _ in calls] == [frozenset(), every, frozenset("ab")] and now[0] == 12.0
+    # A device plan that updates on the host is set against every parameter paged in the rest of the
+    # time, which is shared for it: the device attempt using its whole share does not skip it.
+    now[0] = 0.0
+    share_used, calls = _stand_in({frozenset(): 2.0, every: 1.0})
+
+    def solve_using_its_share(names, last, seconds):
+        now[0] += (seconds if seconds is not None else 30.0 - now[0]) + 0.2
+        return share_used(names, last, seconds)
+
+    plan = page_until_fits(list(SIZES), over=-1, budget=BUDGET, solve=solve_using_its_share,
+                           time_left=lambda: 30.0 - now[0])
+    assert plan.names == every and [names for names, _, _ in calls] == [frozenset(), every]
 
 
 def test_a_device_plan_that_updates_on_the_host_is_set_against_every_parameter_paged_in_the_time_left():
