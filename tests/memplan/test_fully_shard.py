@@ -45,7 +45,7 @@ def _cnn(rank: int) -> tuple[nn.Module, tuple]:
 
 # Batches per optimizer step: the CNN accumulates gradients over two (FSDP2's
 # set_requires_gradient_sync(False) on the first), the others step after each.
-MICRO_BATCHES = {"gpt": 1, "llama": 1, "cnn": 2}
+MICRO_BATCHES = {"gpt": 1, "llama": 1, "cnn": 2, "gpt-in-backward": 1}
 
 
 def _batches(case: str, rank: int, args: tuple) -> list[tuple]:
@@ -57,18 +57,19 @@ def _batches(case: str, rank: int, args: tuple) -> list[tuple]:
     return [args, *more]
 
 
-CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn}
+CASES = {"gpt": _gpt, "llama": _llama, "cnn": _cnn, "gpt-in-backward": _gpt}
 # The budget per rank, as a share of what the same step takes under plain FSDP2 (measured here).
 # The CNN's stem (eager, before the first block) holds half of its step: memplan plans the rest. At
 # 0.925 its block 1 keeps one feature map more than at 0.92, and the reducing micro-step's prediction
 # once counted the later blocks' gradients, reduced and updated already, twice (4.6% over the peak).
-SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.925}
+SHARE = {"gpt": 0.85, "llama": 0.8, "cnn": 0.925, "gpt-in-backward": 0.85}
 # Where each case keeps its optimizer's state: the GPT's on the host (stepped there, ZeRO-Offload's
 # arrangement), which leaves the AdamW moments (a third of plain FSDP2's resident bytes) out of its budget.
-OPTIMIZER_STATE = {"gpt": "host", "llama": "device", "cnn": "device"}
+OPTIMIZER_STATE = {"gpt": "host", "llama": "device", "cnn": "device", "gpt-in-backward": "host"}
 # Where each case runs its updates: the CNN's inside backward, each block's once its reduce-scatter is
-# done (and only at the micro-step that reduces), the others' at optimizer.step() after backward.
-IN_BACKWARD = {"gpt": False, "llama": False, "cnn": True}
+# done (and only at the micro-step that reduces), the others' at optimizer.step() after backward; the
+# GPT's once more inside backward, its state on the host (each block's shards stepped there in backward).
+IN_BACKWARD = {"gpt": False, "llama": False, "cnn": True, "gpt-in-backward": True}
 
 
 def _policy(case: str) -> dict:
@@ -186,7 +187,7 @@ def _rank(rank: int, case: str, directory: str = "") -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gpt", "llama", "cnn"])
+@pytest.mark.parametrize("case", ["gpt", "llama", "cnn", "gpt-in-backward"])
 def test_memplan_fully_shard_trains_as_fsdp2_under_each_ranks_budget(case, tmp_path):
     # (the GPT also resumes from a torch.distributed.checkpoint: one spawn, to keep make test short)
     spawn_ranks(_rank, case, str(tmp_path) if case == "gpt" else "", world_size=WORLD_SIZE)
