@@ -54,9 +54,13 @@ class PlanningClock:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def time_left(self) -> float:
+        """Seconds left of the limit (negative once it has passed)."""
+        return self.limit - self.elapsed()
+
     def solve_limit(self) -> float:
         """Seconds the solver may take now: what is left of the limit, at least `TUNABLES.min_solve_time`."""
-        return max(TUNABLES.min_solve_time, self.limit - self.elapsed())
+        return max(TUNABLES.min_solve_time, self.time_left())
 
     def warn_if_spent(self, what: str) -> None:
         """Warn when ``what`` (the work before the solver) has taken the whole limit already."""

@@ -427,7 +427,7 @@ def solve_paging_as_needed(analysis: Analysis, budget: int, model: torch.nn.Modu
     return plan_paging_as_needed(analysis, budget, solve,
                                  lambda names: analyze_paged(analysis, names, model, optimizer, placement),
                                  paged_already=frozenset(name for name, p in model.named_parameters() if is_host(p)),
-                                 time_left=(lambda: clock.limit - clock.elapsed()) if clock else lambda: math.inf,
+                                 time_left=clock.time_left if clock else lambda: math.inf,
                                  probe_seconds=TUNABLES.placement_probe_seconds)
 
 
@@ -450,7 +450,7 @@ def solve_whole_step(analysis: Analysis, budget: int, *, may_move_state: bool = 
         return {**solve_options, "time_limit": clock.solve_limit(), "gap": clock.gap}
 
     recent: list[Analysis] = []  # the last two placements lowered: a probed one is solved again in full
-    attempts = Attempts((lambda: clock.limit - clock.elapsed()) if clock else lambda: math.inf)
+    attempts = Attempts(clock.time_left if clock else lambda: math.inf)
 
     def solve_for(placement: UpdatePlacement, search_minimum: bool = True, probe: bool = False) -> Plan:
         def attempt() -> Plan:
